@@ -1,0 +1,117 @@
+"""``torch.library`` custom ops that compiled graphs call, with fake (meta) implementations.
+
+Every device runs the PyTorch reference for now; GPU kernels register a ``cuda`` implementation
+over the same op. Records (see :class:`~specla_compile.kernels.reference.FactorRecords`) travel as
+four tensors ``(k, v, g, beta)``; the verify ops emit the normalized keys ``k_hat`` and the graph
+supplies ``v, g, beta`` itself. Commits mutate the durable state in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+
+def _own_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh contiguous tensor: custom-op outputs must never alias their inputs."""
+    return t.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+# --- recurrent state ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("specla::gdn_tree_verify", mutates_args=())
+def gdn_tree_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a tree from ``state``: returns ``o [B, N, HV, V]`` and normalized keys ``k_hat [B, N, H, K]``."""
+    o, records = ref.gdn_tree_factorized(q, k, v, g, beta, parents, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    return o, _own_copy(records.k, state.dtype)
+
+
+@gdn_tree_verify.register_fake
+def _(q, k, v, g, beta, parents, state, scale, use_qk_l2norm):
+    ref.check_gdn_shapes(q, k, v, g, beta, parents, state)
+    return v.new_empty(v.shape), k.new_empty(k.shape, dtype=state.dtype)
+
+
+@torch.library.custom_op("specla::gdn_commit_", mutates_args=("state",))
+def gdn_commit_(
+    state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_accepted: torch.Tensor
+) -> None:
+    """Apply each row's first ``num_accepted[b]`` records to the durable ``state`` in place."""
+    state.copy_(ref.gdn_commit_reference(state, ref.FactorRecords(k, v, g, beta), num_accepted))
+
+
+@gdn_commit_.register_fake
+def _(state, k, v, g, beta, num_accepted):
+    return None
+
+
+@torch.library.custom_op("specla::gdn_commit_verify_", mutates_args=("state",))
+def gdn_commit_verify_(
+    state: torch.Tensor,
+    pending_k: torch.Tensor,
+    pending_v: torch.Tensor,
+    pending_g: torch.Tensor,
+    pending_beta: torch.Tensor,
+    num_pending: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delayed update then verify: commit the pending records into ``state`` in place, then verify the
+    new tree from it. Returns ``(o, k_hat)`` like :func:`gdn_tree_verify`."""
+    pending = ref.FactorRecords(pending_k, pending_v, pending_g, pending_beta)
+    o, records, new_state = ref.gdn_commit_verify_reference(
+        state, pending, num_pending, q, k, v, g, beta, parents, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+    state.copy_(new_state)
+    return o, _own_copy(records.k, state.dtype)
+
+
+@gdn_commit_verify_.register_fake
+def _(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v, g, beta, parents, scale, use_qk_l2norm):
+    ref.check_gdn_shapes(q, k, v, g, beta, parents, state)
+    return v.new_empty(v.shape), k.new_empty(k.shape, dtype=state.dtype)
+
+
+# --- short convolution ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("specla::tree_conv", mutates_args=())
+def tree_conv(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parents: torch.Tensor, silu: bool
+) -> torch.Tensor:
+    """Tree short convolution (see :func:`~specla_compile.kernels.reference.tree_conv_reference`)."""
+    return ref.tree_conv_reference(x, conv_state, weight, bias, parents, silu=silu)
+
+
+@tree_conv.register_fake
+def _(x, conv_state, weight, bias, parents, silu):
+    ref.check_conv_shapes(x, conv_state, weight, parents)
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("specla::conv_state_commit_", mutates_args=("conv_state",))
+def conv_state_commit_(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Shift each row's first ``num_accepted[b]`` inputs of ``x [B, A, D]`` into ``conv_state`` in place."""
+    conv_state.copy_(ref.conv_state_commit_reference(conv_state, x, num_accepted))
+
+
+@conv_state_commit_.register_fake
+def _(conv_state, x, num_accepted):
+    return None

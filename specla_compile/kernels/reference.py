@@ -1,0 +1,251 @@
+"""Pure-PyTorch references of every verify / commit / conv op (any device, fp32 or fp64).
+
+These are the test oracles and the CPU implementation of the custom ops. Shapes (DESIGN.md):
+``q, k [B, N, H, K]``, ``v [B, N, HV, V]``, ``g, beta [B, N, HV]``, ``parents [B, N]``,
+``state [B, HV, K, V]``; value head ``h`` reads query/key head ``h // (HV // H)``.
+Computation runs in float64 when any input is float64, else in float32; outputs ``o`` take ``v``'s dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..runtime.topology import ancestor_mask
+
+L2NORM_EPS = 1e-6  # fla's and transformers' l2norm epsilon
+
+
+class FactorRecords(NamedTuple):
+    """Per-node factors ``(k, v, g, beta)`` that replay a node's state update; ``k`` is already
+    L2-normalized when the model normalizes it, so a commit needs nothing else. ``[B, N, ...]``."""
+
+    k: torch.Tensor  # [B, N, H, K]
+    v: torch.Tensor  # [B, N, HV, V]
+    g: torch.Tensor  # [B, N, HV]
+    beta: torch.Tensor  # [B, N, HV]
+
+    def select(self, index: torch.Tensor) -> FactorRecords:
+        """Gather nodes ``index [B, A]`` of every row (the accepted path)."""
+        return FactorRecords(*(_gather_nodes(t, index) for t in self))
+
+
+def _gather_nodes(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    idx = index.clamp(min=0).reshape(*index.shape, *([1] * (t.dim() - 2))).expand(*index.shape, *t.shape[2:])
+    return t.gather(1, idx)
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_gdn_shapes(q, k, v, g, beta, parents, state) -> None:
+    """Raise ``ValueError`` unless the shapes follow the contract in the module docstring."""
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, N, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    batch, n, heads, dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (batch, n):
+        raise ValueError(f"v must be [B, N, HV, V] with B={batch}, N={n}, got {tuple(v.shape)}")
+    hv = v.shape[2]
+    if hv % heads:
+        raise ValueError(f"value heads ({hv}) must be a multiple of query/key heads ({heads})")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (batch, n, hv):
+            raise ValueError(f"{name} must be [B, N, HV] = {(batch, n, hv)}, got {tuple(t.shape)}")
+    if parents.shape != (batch, n):
+        raise ValueError(f"parents must be [B, N] = {(batch, n)}, got {tuple(parents.shape)}")
+    if state is not None and state.shape != (batch, hv, dk, v.shape[3]):
+        raise ValueError(f"state must be [B, HV, K, V] = {(batch, hv, dk, v.shape[3])}, got {tuple(state.shape)}")
+
+
+def _heads_to_value_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """[B, N, H, D] -> [B, N, HV, D]: each query/key head serves HV // H consecutive value heads."""
+    return x.repeat_interleave(hv // x.shape[2], dim=2)
+
+
+def _prepare(q, k, v, g, beta, parents, state, scale, use_qk_l2norm):
+    check_gdn_shapes(q, k, v, g, beta, parents, state)
+    dtype = compute_dtype(q, k, v, state)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    batch, _, hv, dv = v.shape
+    if state is None:
+        state = torch.zeros(batch, hv, q.shape[-1], dv, dtype=dtype, device=v.device)
+    return q, k, v, g, beta, state.to(dtype), scale
+
+
+def _step(state: torch.Tensor, k, v, g, beta) -> torch.Tensor:
+    """One recurrence step for every row/head: S' = alpha S + k (beta (v - (alpha S)^T k))^T."""
+    state = state * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", state, k))
+    return state + k[..., :, None] * delta[..., None, :]
+
+
+def gdn_tree_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequential recurrence along parents (the oracle). Returns ``o [B, N, HV, V]`` and every
+    node's state ``[B, N, HV, K, V]``."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, state0, scale = _prepare(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm)
+    hv = v.shape[2]
+    q, k = _heads_to_value_heads(q, hv), _heads_to_value_heads(k, hv)
+    batch, n = parents.shape
+    rows = torch.arange(batch, device=v.device)
+    states = state0.new_empty(batch, n, *state0.shape[1:])
+    for j in range(n):
+        p = parents[:, j]
+        prev = torch.where((p >= 0)[:, None, None, None], states[rows, p.clamp(min=0)], state0)
+        states[:, j] = _step(prev, k[:, j], v[:, j], g[:, j], beta[:, j])
+    o = scale * torch.einsum("bnhkv,bnhk->bnhv", states, q)
+    return o.to(out_dtype), states
+
+
+def path_log_decay(g: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """gamma[b, j, h]: the sum of g over the root-to-j path, ``[B, N, HV]``."""
+    gamma = torch.empty_like(g)
+    rows = torch.arange(g.shape[0], device=g.device)
+    for j in range(g.shape[1]):
+        p = parents[:, j]
+        gamma[:, j] = g[:, j] + torch.where((p >= 0)[:, None], gamma[rows, p.clamp(min=0)], 0)
+    return gamma
+
+
+def gdn_tree_factorized(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, FactorRecords]:
+    """Tree-masked UT form of DESIGN.md: the same outputs as :func:`gdn_tree_reference` without any
+    per-node state, plus the per-node factor records."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, state0, scale = _prepare(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm)
+    records = FactorRecords(k, v, g, beta)
+    hv = v.shape[2]
+    # heads first: [B, HV, N, D]
+    qh, kh = (_heads_to_value_heads(t, hv).transpose(1, 2) for t in (q, k))
+    vh = v.transpose(1, 2)
+    gamma = path_log_decay(g, parents).transpose(1, 2)  # [B, HV, N]
+    bh = beta.transpose(1, 2)
+    strict = ancestor_mask(parents)[:, None]  # [B, 1, N, N]
+    inclusive = ancestor_mask(parents, inclusive=True)[:, None]
+    log_decay = gamma[..., :, None] - gamma[..., None, :]
+    decay_strict = torch.where(strict, log_decay, -torch.inf).exp()
+    decay_incl = torch.where(inclusive, log_decay, -torch.inf).exp()
+    a = bh[..., None] * decay_strict * (kh @ kh.transpose(-1, -2))
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    t = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
+    w = t @ ((bh * gamma.exp())[..., None] * kh)
+    u = t @ (bh[..., None] * vh) - w @ state0
+    attn = scale * decay_incl * (qh @ kh.transpose(-1, -2))
+    o = scale * (gamma.exp()[..., None] * qh) @ state0 + attn @ u
+    return o.transpose(1, 2).to(out_dtype).contiguous(), records
+
+
+def gdn_commit_reference(state: torch.Tensor, records: FactorRecords, num_accepted: torch.Tensor) -> torch.Tensor:
+    """Apply the first ``num_accepted[b]`` records of each row to ``state`` in order; returns the new
+    state (input untouched). Records use normalized keys (see :class:`FactorRecords`)."""
+    dtype = compute_dtype(state, *records)
+    k, v, g, beta = (t.to(dtype) for t in records)
+    k = _heads_to_value_heads(k, v.shape[2])
+    new = state.to(dtype)
+    for i in range(k.shape[1]):
+        take = (num_accepted > i)[:, None, None, None]
+        new = torch.where(take, _step(new, k[:, i], v[:, i], g[:, i], beta[:, i]), new)
+    return new.to(state.dtype)
+
+
+def gdn_commit_verify_reference(
+    state: torch.Tensor,
+    pending: FactorRecords,
+    num_pending: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, FactorRecords, torch.Tensor]:
+    """Delayed update: commit the pending records, then verify the new tree from the advanced state.
+    Returns ``(o, records, new_state)``."""
+    new_state = gdn_commit_reference(state, pending, num_pending)
+    o, records = gdn_tree_factorized(q, k, v, g, beta, parents, new_state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    return o, records, new_state
+
+
+def check_conv_shapes(x, conv_state, weight, parents) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, N, D], got {tuple(x.shape)}")
+    batch, n, d = x.shape
+    if weight.dim() != 2 or weight.shape[0] != d:
+        raise ValueError(f"weight must be [D, W] with D={d}, got {tuple(weight.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[:2] != (batch, d) or conv_state.shape[2] < weight.shape[1] - 1:
+        raise ValueError(f"conv_state must be [B, D, S] with S >= W - 1 = {weight.shape[1] - 1}, got {tuple(conv_state.shape)}")
+    if parents.shape != (batch, n):
+        raise ValueError(f"parents must be [B, N] = {(batch, n)}, got {tuple(parents.shape)}")
+
+
+def tree_conv_reference(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    *,
+    silu: bool = True,
+) -> torch.Tensor:
+    """Depthwise causal conv over a tree: node j's window is its W-1 nearest ancestors' inputs and its
+    own, continuing into the last columns of ``conv_state [B, D, S]`` past the root.
+    ``x [B, N, D]``, ``weight [D, W]`` (last tap = current input). Returns ``[B, N, D]`` in x's dtype."""
+    check_conv_shapes(x, conv_state, weight, parents)
+    dtype = compute_dtype(x, conv_state, weight)
+    width = weight.shape[1]
+    xs = x.to(dtype)
+    root_window = conv_state.to(dtype)[..., conv_state.shape[-1] - (width - 1) :]  # [B, D, W-1]
+    rows = torch.arange(x.shape[0], device=x.device)
+    windows = xs.new_empty(*x.shape, width)  # [B, N, D, W]
+    for j in range(x.shape[1]):
+        p = parents[:, j]
+        history = torch.where((p >= 0)[:, None, None], windows[rows, p.clamp(min=0), :, 1:], root_window)
+        windows[:, j] = torch.cat([history, xs[:, j, :, None]], dim=-1)
+    y = (windows * weight.to(dtype)).sum(-1)
+    if bias is not None:
+        y = y + bias.to(dtype)
+    if silu:
+        y = torch.nn.functional.silu(y)
+    return y.to(x.dtype)
+
+
+def conv_state_commit_reference(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """New conv state: the last S columns of (old conv state ++ the first ``num_accepted[b]`` inputs
+    of ``x [B, A, D]``), per row."""
+    width = conv_state.shape[-1]
+    full = torch.cat([conv_state, x.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B, D, S + A]
+    cols = num_accepted.long()[:, None] + torch.arange(width, device=x.device)  # [B, S]
+    return full.gather(2, cols[:, None, :].expand(-1, full.shape[1], -1))

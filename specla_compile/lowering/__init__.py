@@ -1,0 +1,1 @@
+"""Capture of GDN entry points and FX passes that rewrite them into verify ops."""

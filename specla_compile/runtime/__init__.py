@@ -1,0 +1,1 @@
+"""Speculative-decoding runtime: topology, state management, acceptance, drafting, the loop."""

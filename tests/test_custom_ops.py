@@ -1,0 +1,101 @@
+"""The torch.library ops: opcheck (schema, fake impl, dispatch) and agreement with the references."""
+
+import pytest
+import torch
+from helpers import random_gdn_inputs
+
+from specla_compile.kernels import (
+    FactorRecords,
+    conv_state_commit_reference,
+    gdn_commit_reference,
+    gdn_tree_factorized,
+    ops,
+    tree_conv_reference,
+)
+
+PARENTS = torch.tensor([[-1, 0, 0, 1, 3, -2], [-1, 0, 1, 2, 2, 0]])
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+@pytest.fixture
+def x():
+    return random_gdn_inputs(PARENTS, heads=1, value_heads=2, dk=8, dv=4, dtype=torch.float32, seed=11)
+
+
+def records_of(x, parents):
+    return gdn_tree_factorized(*(x[n] for n in NAMES), parents, x["initial_state"], use_qk_l2norm=True)[1]
+
+
+def test_gdn_tree_verify(x):
+    args = (*(x[n] for n in NAMES), PARENTS, x["initial_state"], 0.25, True)
+    torch.library.opcheck(ops.gdn_tree_verify, args)
+    torch.library.opcheck(ops.gdn_tree_verify, (*args[:-1], False))
+    o, k_hat = ops.gdn_tree_verify(*args)
+    expected_o, expected = gdn_tree_factorized(*(x[n] for n in NAMES), PARENTS, x["initial_state"], scale=0.25, use_qk_l2norm=True)
+    assert torch.equal(o, expected_o) and torch.equal(k_hat, expected.k)
+    assert torch.allclose(k_hat.norm(dim=-1), torch.ones(()), atol=1e-5)
+
+
+def test_gdn_commit_(x):
+    rec = records_of(x, PARENTS)
+    num = torch.tensor([3, 1])
+    state = x["initial_state"].clone()
+    torch.library.opcheck(ops.gdn_commit_, (state.clone(), *rec, num))
+    ops.gdn_commit_(state, *rec, num)
+    assert torch.equal(state, gdn_commit_reference(x["initial_state"], rec, num))
+    assert not torch.equal(state, x["initial_state"])
+
+
+def test_gdn_commit_verify_(x):
+    pending = records_of(x, PARENTS)
+    num = torch.tensor([2, 4])
+    fresh = random_gdn_inputs(PARENTS, heads=1, value_heads=2, dk=8, dv=4, dtype=torch.float32, seed=12)
+    tail = (*(fresh[n] for n in NAMES), PARENTS, 0.5, True)
+    torch.library.opcheck(ops.gdn_commit_verify_, (x["initial_state"].clone(), *pending, num, *tail))
+    state = x["initial_state"].clone()
+    o, k_hat = ops.gdn_commit_verify_(state, *pending, num, *tail)
+    expected_state = gdn_commit_reference(x["initial_state"], pending, num)
+    expected_o, _ = gdn_tree_factorized(*(fresh[n] for n in NAMES), PARENTS, expected_state, scale=0.5, use_qk_l2norm=True)
+    assert torch.equal(state, expected_state) and torch.equal(o, expected_o)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_tree_conv(with_bias):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 5, generator=gen)
+    conv_state = torch.randn(2, 5, 4, generator=gen)
+    weight = torch.randn(5, 4, generator=gen)
+    bias = torch.randn(5, generator=gen) if with_bias else None
+    args = (x, conv_state, weight, bias, PARENTS, True)
+    torch.library.opcheck(ops.tree_conv, args)
+    assert torch.equal(ops.tree_conv(*args), tree_conv_reference(x, conv_state, weight, bias, PARENTS))
+
+
+def test_conv_state_commit_():
+    gen = torch.Generator().manual_seed(1)
+    conv_state = torch.randn(2, 5, 4, generator=gen)
+    x = torch.randn(2, 3, 5, generator=gen)
+    num = torch.tensor([1, 3])
+    torch.library.opcheck(ops.conv_state_commit_, (conv_state.clone(), x, num))
+    expected = conv_state_commit_reference(conv_state, x, num)
+    ops.conv_state_commit_(conv_state, x, num)
+    assert torch.equal(conv_state, expected)
+
+
+def test_ops_compile_without_graph_breaks(x):
+    """The ops are single opaque nodes for Dynamo: a compiled function around them has one graph."""
+
+    def verify_then_commit(q, k, v, g, beta, parents, state, num):
+        o, k_hat = torch.ops.specla.gdn_tree_verify(q, k, v, g, beta, parents, state, 0.25, True)
+        torch.ops.specla.gdn_commit_(state, k_hat, v, g, beta, num)
+        return o
+
+    args = (*(x[n] for n in NAMES), PARENTS, x["initial_state"].clone(), torch.tensor([1, 2]))
+    explanation = torch._dynamo.explain(verify_then_commit)(*args)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+    state = x["initial_state"].clone()
+    compiled = torch.compile(verify_then_commit, backend="aot_eager", fullgraph=True)
+    o = compiled(*args[:6], state, args[7])
+    expected_o, rec = gdn_tree_factorized(*(x[n] for n in NAMES), PARENTS, x["initial_state"], scale=0.25, use_qk_l2norm=True)
+    torch.testing.assert_close(o, expected_o)
+    torch.testing.assert_close(state, gdn_commit_reference(x["initial_state"], FactorRecords(*rec), torch.tensor([1, 2])))
