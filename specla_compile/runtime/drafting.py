@@ -1,0 +1,65 @@
+"""The drafter interface: what every drafter receives and returns.
+
+The generator owns the token history. Each iteration it asks the drafter for a :class:`Draft` of
+every active row, verifies it in one target pass, accepts a path per row and tells the drafter
+what was committed (:meth:`Drafter.commit`), with the target's features at those positions when
+the drafter asked for them (``needs_features``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .config import SpecConfig
+
+
+@dataclass
+class Draft:
+    """Draft trees of a batch. Node 0 of each row is the pending token (the target's last sample).
+
+    ``tokens [B, N]`` and ``parents [B, N]`` (topology conventions of :mod:`.topology`: -1 root,
+    -2 padding at the row's tail). ``probs [B, N, V]``, when given, is the draft distribution at each
+    node from which that node's children were sampled without replacement; ``None`` means the
+    children were chosen deterministically (point masses), which lossless sampling also handles.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class DraftRequest:
+    """What the generator knows when it asks for drafts.
+
+    ``rows`` are the batch rows to draft for (finished rows are left out); ``sequences[i]`` is row
+    ``rows[i]``'s whole token history (prompt and emitted tokens, padding removed), whose last token
+    is the pending one.
+    """
+
+    rows: list[int]
+    sequences: list[torch.Tensor]
+
+
+class Drafter(ABC):
+    """Base class of drafters. Subclasses set ``vocab_size`` (``None`` = any vocabulary) and
+    ``needs_features`` (True = wants the target's last hidden state at committed positions)."""
+
+    vocab_size: int | None = None
+    needs_features: bool = False
+
+    def begin(self, sequences: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
+        """Start of ``generate``: the prompts (one 1-D tensor per row) and, if ``needs_features``, the
+        target's features over each prompt ``[T_b, D]``. Drafters reset their per-row state here."""
+
+    @abstractmethod
+    def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
+        """Draft trees for ``request.rows`` (returned in that order, padded to a common size)."""
+
+    def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
+        """Tokens newly committed to row ``rows[i]`` this iteration (the accepted path from the pending
+        token on; the new pending token is not included), with the target's features at those
+        positions ``[A_i, D]`` if ``needs_features``. Drafters with caches roll back rejected work here."""
