@@ -1,0 +1,186 @@
+"""Acceptance of a verified draft tree: greedy matching and lossless recursive rejection sampling.
+
+A draft row is ``tokens [N]`` / ``parents [N]`` in the conventions of :mod:`.topology`; node 0 is the
+pending token and is always accepted. The accepted path walks down from node 0; the token emitted
+after it (the next pending token) comes from the target's distribution at the last accepted node.
+Siblings are visited in node-index order, which for sampled drafts must be the order in which they
+were drawn (without replacement) from the draft distribution at their parent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .topology import validate_parents
+
+# Probability mass below this is treated as an exhausted distribution (only reachable through rounding).
+_EMPTY_MASS = 1e-12
+
+
+@dataclass
+class Acceptance:
+    """Result of accepting one draft per batch row.
+
+    ``path [B, N]``: accepted node indices from node 0 on, padded with -1; ``num_accepted [B]`` (>= 1);
+    ``next_token [B]``: the token the target emits after the last accepted node (the next pending token).
+    """
+
+    path: torch.Tensor
+    num_accepted: torch.Tensor
+    next_token: torch.Tensor
+
+    def accepted_tokens(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Per row, the tokens of the accepted path (node 0 first) taken from the draft's ``tokens [B, N]``."""
+        return [tokens[b, self.path[b, :n]] for b, n in enumerate(self.num_accepted.tolist())]
+
+
+def _check_draft(tokens: torch.Tensor, parents: torch.Tensor, dist: torch.Tensor, name: str) -> torch.Tensor:
+    parents = validate_parents(parents)
+    if tokens.shape != parents.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must have the same shape")
+    if dist.dim() != 3 or dist.shape[:2] != parents.shape:
+        raise ValueError(f"{name} must have shape [B, N, V] = [{parents.shape[0]}, {parents.shape[1]}, V], got {tuple(dist.shape)}")
+    return parents.to(tokens.device)
+
+
+def _children_table(parents: torch.Tensor) -> torch.Tensor:
+    """``kids [B, N, C]``: the children of every node in index order, padded with -1 (C >= 1)."""
+    batch, n = parents.shape
+    is_child = parents[:, None, :] == torch.arange(n, device=parents.device)[None, :, None]  # [B, parent, child]
+    width = max(int(is_child.sum(-1).max()), 1)
+    # Stable sort puts each node's children first, in index order.
+    order = torch.sort((~is_child).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
+    return torch.where(is_child.gather(-1, order), order, -1)
+
+
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> Acceptance:
+    """Greedy acceptance: from node 0 move to the first child whose token is the target's argmax at the
+    current node; stop when none is. ``tokens, parents [B, N]``, ``target_logits [B, N, V]``."""
+    parents = _check_draft(tokens, parents, target_logits, "target_logits")
+    batch, n = parents.shape
+    rows = torch.arange(batch, device=tokens.device)
+    best = target_logits.argmax(-1)  # [B, N]
+    # A node "matches" when its token is the target's choice at its parent.
+    matches = (parents >= 0) & (tokens == best.gather(1, parents.clamp(min=0)))
+    path = torch.full((batch, n), -1, dtype=torch.long, device=tokens.device)
+    path[:, 0] = 0
+    cur = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+    count = torch.ones(batch, dtype=torch.long, device=tokens.device)
+    for _ in range(n - 1):
+        step = matches & (parents == cur[:, None])
+        moved = step.any(-1)
+        if not moved.any():
+            break
+        cur = torch.where(moved, step.to(torch.uint8).argmax(-1), cur)  # first matching child
+        path[rows[moved], count[moved]] = cur[moved]
+        count += moved.long()
+    return Acceptance(path, count, best[rows, cur])
+
+
+def warp_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """Sampling distribution of ``logits [..., V]`` after transformers' warpers, in their order:
+    temperature, then top-k (ties with the k-th logit are kept), then top-p (the smallest set of most
+    likely tokens whose mass reaches ``top_p``; the most likely token is always kept).
+    ``top_k`` None/0 and ``top_p`` None/1.0 disable those filters."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    scores = logits.float() / temperature
+    if top_k:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        mass_before = sorted_scores.softmax(-1).cumsum(-1) - sorted_scores.softmax(-1)
+        drop_sorted = mass_before >= top_p  # the token that crosses top_p is still kept
+        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return scores.softmax(-1)
+
+
+def _normalize(dist: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Renormalize rows of ``dist``; rows with no mass left take ``fallback`` (a rounding-only case)."""
+    mass = dist.sum(-1, keepdim=True)
+    return torch.where(mass > _EMPTY_MASS, dist / mass.clamp(min=_EMPTY_MASS), fallback)
+
+
+def _accept_probability(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """Probability of accepting candidate ``x [B]`` under residual target ``p`` and draft ``q`` ([B, V])."""
+    px = p.gather(-1, x[:, None])[:, 0]
+    if q is None:  # a deterministic candidate is accepted with its target probability
+        return px
+    qx = q.gather(-1, x[:, None])[:, 0]
+    return (px / qx.clamp(min=_EMPTY_MASS)).clamp(max=1.0)
+
+
+def _after_rejection(
+    p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Residual target and draft after rejecting ``x``: p <- norm(max(p - q, 0)) and q <- q without x
+    (sampled siblings), or p <- p without x (deterministic siblings)."""
+    drop = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, x[:, None], True)
+    if q is None:
+        return _normalize(p.masked_fill(drop, 0.0), p), None
+    return _normalize((p - q).clamp(min=0.0), p), _normalize(q.masked_fill(drop, 0.0), q)
+
+
+def sample_accept(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """Lossless recursive rejection sampling over each accepted node's children.
+
+    ``target_probs [B, N, V]`` is the target's sampling distribution at every node (see
+    :func:`warp_probs`). ``draft_probs [B, N, V]`` is the distribution each node's children were drawn
+    from without replacement, in index order; ``None`` means the children were chosen
+    deterministically. The emitted tokens (accepted path after node 0, then ``next_token``) are
+    distributed exactly as sampling from the target token by token.
+    """
+    parents = _check_draft(tokens, parents, target_probs, "target_probs")
+    if draft_probs is not None and draft_probs.shape != target_probs.shape:
+        raise ValueError(f"draft_probs {tuple(draft_probs.shape)} must match target_probs {tuple(target_probs.shape)}")
+    batch, n = parents.shape
+    device = tokens.device
+    rows = torch.arange(batch, device=device)
+    kids = _children_table(parents)
+    path = torch.full((batch, n), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    count = torch.ones(batch, dtype=torch.long, device=device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    while walking.any():
+        p = target_probs[rows, cur].double()
+        q = None if draft_probs is None else draft_probs[rows, cur].double()
+        moved = torch.zeros(batch, dtype=torch.bool, device=device)
+        for rank in range(kids.shape[-1]):
+            child = kids[rows, cur, rank]
+            trying = walking & ~moved & (child >= 0)
+            if not trying.any():
+                break
+            x = tokens[rows, child.clamp(min=0)]
+            u = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
+            accept = trying & (u < _accept_probability(p, q, x))
+            reject = trying & ~accept
+            p_next, q_next = _after_rejection(p, q, x)
+            p = torch.where(reject[:, None], p_next, p)
+            if q is not None:
+                q = torch.where(reject[:, None], q_next, q)
+            moved |= accept
+            cur = torch.where(accept, child, cur)
+        path[rows[moved], count[moved]] = cur[moved]
+        count += moved.long()
+        done = walking & ~moved  # every child rejected (or none): emit from the residual
+        if done.any():
+            next_token[done] = torch.multinomial(p[done], 1, generator=generator)[:, 0]
+        walking = moved
+    return Acceptance(path, count, next_token)

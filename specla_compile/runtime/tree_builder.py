@@ -1,0 +1,163 @@
+"""Draft construction from any next-token model: chain mode and beam top-k tree mode.
+
+The builder drives a drafter-supplied *step function* level by level. Every level has the same number
+``W`` of frontier nodes per row (1 at the pending token, then the beam width), so a drafter can keep
+one state slot per frontier node and reorder its slots between levels the way beam search reorders a
+cache: ``parent_slots`` says which slot of the previous level each new frontier node continues from.
+
+Tree mode (``SpecConfig.mode == "tree"``): level 0 expands the pending token into its ``top_k`` most
+likely children; every later level expands each of the ``top_k`` beam nodes into its ``top_k`` children,
+and the beam becomes the ``top_k`` children with the best cumulative draft log-probability. After
+``depth`` levels every generated node is a candidate; a candidate is kept when its cumulative
+log-probability is within ``tau`` of the best candidate at its depth, kept nodes keep their
+ancestors, and the ``budget`` best nodes (by cumulative log-probability, which never increases along
+a path, so ancestors always rank first) form the draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import SpecConfig
+from .drafting import Draft
+from .topology import PAD, ROOT
+
+PAD_TOKEN = 0  # token id stored at padding nodes; never read
+
+
+@dataclass
+class Frontier:
+    """One rollout level: ``W`` frontier nodes for each of ``R`` rows.
+
+    ``tokens [R, W]``: the frontier nodes' tokens. ``parent_slots [R, W]``: for ``depth >= 1``, the
+    slot (0..W'-1) of the previous level's frontier each node continues from; ``None`` at
+    ``depth == 0``, where the single frontier node is the pending token (the last token of the row's
+    sequence). ``depth``: distance of these nodes from the pending token.
+    """
+
+    tokens: torch.Tensor
+    parent_slots: torch.Tensor | None
+    depth: int
+
+
+# Returns next-token scores ``[R, W, V]`` after each frontier node: log-probabilities or logits
+# (the builder applies log_softmax, so both work).
+StepFn = Callable[[Frontier], torch.Tensor]
+
+
+def build_draft(step: StepFn, pending: torch.Tensor, config: SpecConfig) -> Draft:
+    """Roll out ``step`` from the pending tokens ``[R]`` and pack the draft (chain or tree per ``config``).
+
+    Returns a :class:`Draft` with ``probs=None``: children are chosen deterministically (top-k).
+    """
+    if pending.dim() != 1 or pending.numel() == 0:
+        raise ValueError(f"pending must be a non-empty 1-D tensor of token ids, got shape {tuple(pending.shape)}")
+    pending = pending.long()
+    if config.mode == "chain":
+        return _chain(step, pending, config.depth)
+    return _tree(step, pending, config)
+
+
+def _log_probs(step: StepFn, frontier: Frontier) -> torch.Tensor:
+    rows, width = frontier.tokens.shape
+    scores = step(frontier)
+    if scores.dim() != 3 or scores.shape[:2] != (rows, width):
+        raise ValueError(f"step function must return [R, W, V] = [{rows}, {width}, V], got {tuple(scores.shape)}")
+    return torch.log_softmax(scores.float(), dim=-1)
+
+
+def _chain(step: StepFn, pending: torch.Tensor, depth: int) -> Draft:
+    tokens = [pending[:, None]]
+    slots = torch.zeros_like(tokens[0])
+    for level in range(depth):
+        frontier = Frontier(tokens[-1], None if level == 0 else slots, level)
+        tokens.append(_log_probs(step, frontier).argmax(-1))
+    rows, n = pending.shape[0], depth + 1
+    parents = torch.arange(-1, n - 1, device=pending.device).expand(rows, n).clone()
+    return Draft(tokens=torch.cat(tokens, dim=1), parents=parents)
+
+
+def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig) -> Draft:
+    rows, device = pending.shape[0], pending.device
+    row_ix = torch.arange(rows, device=device)[:, None]
+    # Candidates of every level, concatenated level after level (so parents precede children).
+    cand_token, cand_parent, cand_score, cand_depth = [], [], [], []
+    frontier = Frontier(pending[:, None], None, 0)
+    beam_ids = torch.full((rows, 1), ROOT, device=device)  # candidate index of each frontier node
+    beam_score = torch.zeros(rows, 1, device=device)
+    offset = 0
+    for level in range(config.depth):
+        log_probs = _log_probs(step, frontier)
+        k = min(config.top_k, log_probs.shape[-1])
+        child_lp, child_tok = log_probs.topk(k, dim=-1)  # [R, W, k], children sorted by likelihood
+        width = frontier.tokens.shape[1]
+        score = (beam_score[..., None] + child_lp).reshape(rows, width * k)
+        cand_token.append(child_tok.reshape(rows, width * k))
+        cand_parent.append(beam_ids[..., None].expand(rows, width, k).reshape(rows, width * k))
+        cand_score.append(score)
+        cand_depth.append(torch.full((width * k,), level + 1, device=device))
+        if level + 1 == config.depth:
+            break
+        beam = score.topk(min(config.top_k, width * k), dim=-1).indices  # [R, W'] local candidate ids
+        frontier = Frontier(cand_token[-1].gather(1, beam), torch.div(beam, k, rounding_mode="floor"), level + 1)
+        beam_ids, beam_score = beam + offset, score.gather(1, beam)
+        offset += width * k
+    tokens, parents, scores = (torch.cat(x, dim=1) for x in (cand_token, cand_parent, cand_score))
+    keep = _select(parents, scores, torch.cat(cand_depth), config)
+    return _pack(pending, tokens, parents, keep, row_ix)
+
+
+def _select(parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, config: SpecConfig) -> torch.Tensor:
+    """Kept candidates ``[R, M]``: within ``tau`` of the best at their depth, closed under ancestors,
+    truncated to the ``budget`` best."""
+    rows, m = scores.shape
+    best = torch.full((rows, int(depth.max()) + 1), float("-inf"), device=scores.device)
+    best = best.scatter_reduce(1, depth.expand(rows, m), scores, reduce="amax")
+    keep = scores >= best.gather(1, depth.expand(rows, m)) - config.tau
+    # Ancestor closure, deepest level first: a kept node keeps its parent.
+    for level in range(int(depth.max()), 1, -1):
+        at = ((depth == level)[None] & keep).to(torch.uint8)
+        keep = keep.to(torch.uint8).scatter_reduce(1, parents.clamp(min=0), at, reduce="amax").bool()
+    if int(keep.sum(-1).max()) > config.budget:
+        # Stable sort on score (candidates are in depth order) ranks ancestors before descendants.
+        masked = scores.masked_fill(~keep, float("-inf"))
+        order = masked.sort(dim=-1, descending=True, stable=True).indices[:, : config.budget]
+        top = torch.zeros_like(keep).scatter(1, order, True)
+        keep &= top
+    return keep
+
+
+def _pack(
+    pending: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, keep: torch.Tensor, row_ix: torch.Tensor
+) -> Draft:
+    """Kept candidates as draft rows (node 0 = pending token), in candidate order, padded with PAD."""
+    rows, m = keep.shape
+    n = 1 + int(keep.sum(-1).max())
+    # Node index of each kept candidate: 1 + number of kept candidates before it.
+    node_of = keep.long().cumsum(-1)
+    node_of = torch.where(keep, node_of, 0)
+    slot = torch.where(keep, node_of, n)  # dropped candidates go to a discarded extra column
+    parent_node = torch.where(parents >= 0, node_of.gather(1, parents.clamp(min=0)), 0)
+    out_tok = torch.full((rows, n + 1), PAD_TOKEN, dtype=torch.long, device=pending.device)
+    out_par = torch.full((rows, n + 1), PAD, dtype=torch.long, device=pending.device)
+    out_tok[row_ix, slot] = tokens
+    out_par[row_ix, slot] = parent_node
+    out_tok[:, 0], out_par[:, 0] = pending, ROOT
+    return Draft(tokens=out_tok[:, :n], parents=out_par[:, :n])
+
+
+def draft_from_paths(pending: torch.Tensor, rows: Sequence[Sequence[tuple[int, int]]]) -> Draft:
+    """Pack per-row lists of ``(token, parent node)`` (draft nodes 1.. in topological order, parent 0 =
+    the pending token) into a padded :class:`Draft`. Used by drafters that build trees directly."""
+    n = 1 + max((len(r) for r in rows), default=0)
+    tokens = torch.full((len(rows), n), PAD_TOKEN, dtype=torch.long)
+    parents = torch.full((len(rows), n), PAD, dtype=torch.long)
+    tokens[:, 0], parents[:, 0] = pending.cpu(), ROOT
+    for b, nodes in enumerate(rows):
+        if nodes:
+            tokens[b, 1 : len(nodes) + 1] = torch.tensor([t for t, _ in nodes])
+            parents[b, 1 : len(nodes) + 1] = torch.tensor([p for _, p in nodes])
+    return Draft(tokens=tokens.to(pending.device), parents=parents.to(pending.device))

@@ -1,0 +1,172 @@
+import numpy as np
+import pytest
+import torch
+from helpers import parent_batches
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chi2_contingency
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from specla_compile.runtime import acceptance
+from specla_compile.runtime.acceptance import greedy_accept, sample_accept, warp_probs
+from specla_compile.runtime.topology import PAD
+
+
+def brute_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    cur, path = 0, [0]
+    while True:
+        best = int(logits[cur].argmax())
+        child = next((j for j, p in enumerate(parents) if p == cur and tokens[j] == best), None)
+        if child is None:
+            return path, best
+        cur = child
+        path.append(cur)
+
+
+@settings(max_examples=150, deadline=None)
+@given(parent_batches(max_rows=4, max_nodes=12), st.integers(2, 4), st.integers(0, 2**31 - 1))
+def test_greedy_matches_brute_force_walk(parents, vocab, seed):
+    parents[:, 1:] = torch.where(parents[:, 1:] == -1, 0, parents[:, 1:])  # drafts hang under node 0
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, parents.shape, generator=gen)
+    logits = torch.randn(*parents.shape, vocab, generator=gen)
+    out = greedy_accept(tokens, parents, logits)
+    for b in range(parents.shape[0]):
+        path, nxt = brute_greedy(tokens[b].tolist(), parents[b].tolist(), logits[b])
+        assert out.num_accepted[b] == len(path)
+        assert out.path[b, : len(path)].tolist() == path
+        assert (out.path[b, len(path) :] == -1).all()
+        assert out.next_token[b] == nxt
+        assert out.accepted_tokens(tokens)[b].tolist() == tokens[b, path].tolist()
+
+
+def test_greedy_accepts_full_matching_chain():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 5, 11, generator=gen)
+    tokens = torch.cat([torch.tensor([[7]]), logits.argmax(-1)[:, :-1]], dim=1)  # each node = target's choice
+    out = greedy_accept(tokens, torch.tensor([[-1, 0, 1, 2, 3]]), logits)
+    assert out.num_accepted.item() == 5 and out.next_token.item() == logits[0, 4].argmax().item()
+
+
+def test_bad_inputs_raise():
+    parents = torch.tensor([[-1, 0]])
+    with pytest.raises(ValueError, match="same shape"):
+        greedy_accept(torch.zeros(1, 3, dtype=torch.long), parents, torch.randn(1, 2, 5))
+    with pytest.raises(ValueError, match="target_logits"):
+        greedy_accept(torch.zeros(1, 2, dtype=torch.long), parents, torch.randn(1, 3, 5))
+    with pytest.raises(ValueError, match="draft_probs"):
+        sample_accept(torch.zeros(1, 2, dtype=torch.long), parents, torch.rand(1, 2, 5), torch.rand(1, 2, 4))
+    for kwargs in ({"temperature": 0.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}):
+        with pytest.raises(ValueError):
+            warp_probs(torch.randn(2, 5), **kwargs)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8), (0.9, 7, 0.6)])
+def test_warp_probs_matches_transformers_warpers(temperature, top_k, top_p):
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)) * 3
+    ref = logits.clone()
+    if temperature != 1.0:
+        ref = TemperatureLogitsWarper(temperature)(None, ref)
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    torch.testing.assert_close(warp_probs(logits, temperature, top_k, top_p), ref.softmax(-1))
+
+
+# ---- lossless sampling: chi-square two-sample tests -------------------------------------------------
+
+V = 5
+TREES = {  # drafts under node 0: a bushy tree, and a chain
+    "tree": [-1, 0, 0, 0, 1, 1, 2, 4],
+    "chain": [-1, 0, 1, 2],
+}
+
+
+def _table(gen: torch.Generator, depth: int) -> torch.Tensor:
+    """Next-token distributions per (depth, last token) ``[depth + 1, V, V]``, bounded away from 0."""
+    raw = torch.rand(depth + 1, V, V, generator=gen, dtype=torch.float64) + 0.1
+    return raw / raw.sum(-1, keepdim=True)
+
+
+def _gumbel_top(logq: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """``k`` draws without replacement from ``exp(logq)`` per row, in draw order."""
+    gumbel = -torch.log(-torch.log(torch.rand(logq.shape, generator=gen, dtype=torch.float64)))
+    return (logq + gumbel).topk(k, dim=-1).indices
+
+
+def _random_drafts(parents: list[int], target: torch.Tensor, draft: torch.Tensor, rows: int, gen: torch.Generator):
+    """Drafts with pending token 0 (one fixed context): each node's children are drawn without
+    replacement from the draft at that node. Returns tokens, target_probs, draft_probs."""
+    n = len(parents)
+    depth = [0] * n
+    for j in range(1, n):
+        depth[j] = depth[parents[j]] + 1
+    tokens = torch.zeros(rows, n, dtype=torch.long)
+    target_probs = torch.zeros(rows, n, V, dtype=torch.float64)
+    draft_probs = torch.zeros(rows, n, V, dtype=torch.float64)
+    for j in range(n):  # topological order: a node's token is drawn before its own children
+        target_probs[:, j] = target[depth[j], tokens[:, j]]
+        draft_probs[:, j] = draft[depth[j], tokens[:, j]]
+        kids = [c for c in range(n) if parents[c] == j]
+        if kids:
+            tokens[:, kids] = _gumbel_top(draft_probs[:, j].log(), len(kids), gen)
+    return tokens, target_probs, draft_probs
+
+
+def _first_two(parents, tokens, tp, dp, gen, use_draft_probs: bool, target: torch.Tensor) -> torch.Tensor:
+    """The first two emitted tokens per row (as ``first * V + second``); rows that emit a single token
+    continue with a plain target sample, as the next iteration would."""
+    out = sample_accept(tokens, torch.tensor([parents]).expand_as(tokens), tp, dp if use_draft_probs else None, gen)
+    rows = torch.arange(tokens.shape[0])
+    emitted = torch.cat([tokens.gather(1, out.path.clamp(min=0))[:, 1:], torch.zeros(len(rows), 1, dtype=torch.long)], 1)
+    emitted[rows, out.num_accepted - 1] = out.next_token
+    first, second = emitted[:, 0], emitted[:, 1]
+    single = out.num_accepted == 1
+    second[single] = torch.multinomial(target[1, first[single]], 1, generator=gen)[:, 0]
+    return first * V + second
+
+
+def _p_values(tree: str, use_draft_probs: bool, rows: int = 12000, seed: int = 0) -> tuple[float, float]:
+    """Chi-square p-values of (first token, first two tokens) against plain sampling from the target."""
+    parents = TREES[tree]
+    gen = torch.Generator().manual_seed(seed)
+    target, draft = _table(gen, len(parents)), _table(gen, len(parents))
+    tokens, tp, dp = _random_drafts(parents, target, draft, rows, gen)
+    pairs = _first_two(parents, tokens, tp, dp, gen, use_draft_probs, target)
+    first = torch.multinomial(target[0, tokens[:, 0]], 1, generator=gen)[:, 0]
+    ref = first * V + torch.multinomial(target[1, first], 1, generator=gen)[:, 0]
+    p_values = []
+    for a, b in ((pairs // V, ref // V), (pairs, ref)):
+        table = np.stack([np.bincount(a.numpy(), minlength=V * V), np.bincount(b.numpy(), minlength=V * V)])
+        p_values.append(chi2_contingency(table[:, table.sum(0) > 0])[1])
+    return p_values[0], p_values[1]
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("use_draft_probs", [True, False])
+def test_sampling_is_lossless(tree, use_draft_probs):
+    p_first, p_pair = _p_values(tree, use_draft_probs)
+    assert p_first > 0.01 and p_pair > 0.01, (p_first, p_pair)
+
+
+def test_accept_always_rule_is_detected(monkeypatch):
+    monkeypatch.setattr(acceptance, "_accept_probability", lambda p, q, x: torch.ones_like(x, dtype=p.dtype))
+    assert min(_p_values("tree", use_draft_probs=True)) < 0.01
+
+
+@pytest.mark.parametrize("use_draft_probs", [True, False])
+def test_missing_residual_is_detected(monkeypatch, use_draft_probs):
+    monkeypatch.setattr(acceptance, "_after_rejection", lambda p, q, x: (p, q))
+    assert min(_p_values("tree", use_draft_probs)) < 0.01
+
+
+def test_sampling_respects_padding_and_generator():
+    gen = torch.Generator().manual_seed(0)
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, PAD, PAD]])
+    tokens = torch.randint(0, 7, (2, 4), generator=gen)
+    probs = torch.rand(2, 4, 7, generator=gen).softmax(-1)
+    a = sample_accept(tokens, parents, probs, generator=torch.Generator().manual_seed(5))
+    b = sample_accept(tokens, parents, probs, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a.path, b.path) and torch.equal(a.next_token, b.next_token)
+    assert a.num_accepted[1] <= 2 and (a.path[1, 2:] == -1).all()
