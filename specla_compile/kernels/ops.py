@@ -17,6 +17,65 @@ def _own_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
+# --- plain (undrafted) calls: what a captured model runs outside verification ----------------------
+
+
+@torch.library.custom_op("specla::gdn_recurrence", mutates_args=())
+def gdn_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's own GDN call over a sequence: ``(o [B, T, HV, V], final_state [B, HV, K, V])``."""
+    if q.is_cuda:
+        from .fla_routes import fla_recurrence  # fla kernels only run on GPUs
+
+        return fla_recurrence(q, k, v, g, beta, state, scale, use_qk_l2norm)
+    o, final = ref.gdn_chain_reference(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    return o, final.to(state.dtype)
+
+
+@gdn_recurrence.register_fake
+def _(q, k, v, g, beta, state, scale, use_qk_l2norm):
+    ref.check_gdn_shapes(q, k, v, g, beta, None, state)
+    return v.new_empty(v.shape), state.new_empty(state.shape)
+
+
+@torch.library.custom_op("specla::short_conv", mutates_args=())
+def short_conv(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's own short conv over a sequence ``x [B, T, D]`` from ``conv_state [B, D, S]``:
+    ``(y [B, T, D], new_state [B, D, S])``."""
+    return ref.causal_conv_reference(x, conv_state, weight, bias, silu=silu)
+
+
+@short_conv.register_fake
+def _(x, conv_state, weight, bias, silu):
+    ref.check_conv_shapes(x, conv_state, weight)
+    return x.new_empty(x.shape), conv_state.new_empty(conv_state.shape)
+
+
+@torch.library.custom_op("specla::causal_conv1d", mutates_args=())
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """Causal depthwise conv over a channel-first window ``x [B, D, L]`` with zero left padding (the
+    transformers convention, where ``x`` already starts with the cached conv state)."""
+    width = weight.shape[-1]
+    y = torch.nn.functional.conv1d(x.to(weight.dtype), weight[:, None], bias, padding=width - 1, groups=x.shape[1])
+    y = y[..., : x.shape[-1]]
+    return (torch.nn.functional.silu(y) if silu else y).to(x.dtype).contiguous()
+
+
+@causal_conv1d.register_fake
+def _(x, weight, bias, silu):
+    return x.new_empty(x.shape)
+
+
 # --- recurrent state ------------------------------------------------------------------------------
 
 

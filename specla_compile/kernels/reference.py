@@ -28,10 +28,11 @@ class FactorRecords(NamedTuple):
 
     def select(self, index: torch.Tensor) -> FactorRecords:
         """Gather nodes ``index [B, A]`` of every row (the accepted path)."""
-        return FactorRecords(*(_gather_nodes(t, index) for t in self))
+        return FactorRecords(*(gather_nodes(t, index) for t in self))
 
 
-def _gather_nodes(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_nodes(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[b, index[b, i]]`` for ``t [B, N, ...]`` and ``index [B, A]`` (-1 entries read node 0)."""
     idx = index.clamp(min=0).reshape(*index.shape, *([1] * (t.dim() - 2))).expand(*index.shape, *t.shape[2:])
     return t.gather(1, idx)
 
@@ -57,7 +58,7 @@ def check_gdn_shapes(q, k, v, g, beta, parents, state) -> None:
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (batch, n, hv):
             raise ValueError(f"{name} must be [B, N, HV] = {(batch, n, hv)}, got {tuple(t.shape)}")
-    if parents.shape != (batch, n):
+    if parents is not None and parents.shape != (batch, n):
         raise ValueError(f"parents must be [B, N] = {(batch, n)}, got {tuple(parents.shape)}")
     if state is not None and state.shape != (batch, hv, dk, v.shape[3]):
         raise ValueError(f"state must be [B, HV, K, V] = {(batch, hv, dk, v.shape[3])}, got {tuple(state.shape)}")
@@ -115,6 +116,32 @@ def gdn_tree_reference(
         states[:, j] = _step(prev, k[:, j], v[:, j], g[:, j], beta[:, j])
     o = scale * torch.einsum("bnhkv,bnhk->bnhv", states, q)
     return o.to(out_dtype), states
+
+
+def gdn_chain_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain (chain) recurrence over the sequence keeping only the running state: ``(o, final_state)``.
+    What a model's own GDN call computes; memory does not grow with the sequence length."""
+    out_dtype = v.dtype
+    batch, n = q.shape[:2]
+    chain = torch.arange(-1, n - 1, device=q.device).expand(batch, n)
+    q, k, v, g, beta, state, scale = _prepare(q, k, v, g, beta, chain, initial_state, scale, use_qk_l2norm)
+    hv = v.shape[2]
+    q, k = _heads_to_value_heads(q, hv), _heads_to_value_heads(k, hv)
+    o = v.new_empty(v.shape)
+    for j in range(n):
+        state = _step(state, k[:, j], v[:, j], g[:, j], beta[:, j])
+        o[:, j] = scale * torch.einsum("bhkv,bhk->bhv", state, q[:, j])
+    return o.to(out_dtype), state
 
 
 def path_log_decay(g: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -199,7 +226,7 @@ def gdn_commit_verify_reference(
     return o, records, new_state
 
 
-def check_conv_shapes(x, conv_state, weight, parents) -> None:
+def check_conv_shapes(x, conv_state, weight, parents=None) -> None:
     if x.dim() != 3:
         raise ValueError(f"x must be [B, N, D], got {tuple(x.shape)}")
     batch, n, d = x.shape
@@ -207,7 +234,7 @@ def check_conv_shapes(x, conv_state, weight, parents) -> None:
         raise ValueError(f"weight must be [D, W] with D={d}, got {tuple(weight.shape)}")
     if conv_state.dim() != 3 or conv_state.shape[:2] != (batch, d) or conv_state.shape[2] < weight.shape[1] - 1:
         raise ValueError(f"conv_state must be [B, D, S] with S >= W - 1 = {weight.shape[1] - 1}, got {tuple(conv_state.shape)}")
-    if parents.shape != (batch, n):
+    if parents is not None and parents.shape != (batch, n):
         raise ValueError(f"parents must be [B, N] = {(batch, n)}, got {tuple(parents.shape)}")
 
 
@@ -249,3 +276,22 @@ def conv_state_commit_reference(conv_state: torch.Tensor, x: torch.Tensor, num_a
     full = torch.cat([conv_state, x.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B, D, S + A]
     cols = num_accepted.long()[:, None] + torch.arange(width, device=x.device)  # [B, S]
     return full.gather(2, cols[:, None, :].expand(-1, full.shape[1], -1))
+
+
+def causal_conv_reference(
+    x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None, *, silu: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain causal depthwise conv over a sequence continuing from ``conv_state [B, D, S]`` (zeros when
+    None, with S = W): ``(y [B, T, D], new_state [B, D, S])``, new_state = the last S inputs."""
+    batch, n, d = x.shape
+    width = weight.shape[1]
+    if conv_state is None:
+        conv_state = x.new_zeros(batch, d, width)
+    check_conv_shapes(x, conv_state, weight)
+    full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, D, S + T]
+    y = torch.nn.functional.conv1d(full[..., full.shape[-1] - n - (width - 1) :], weight[:, None].to(x.dtype), bias, groups=d)
+    if silu:
+        y = torch.nn.functional.silu(y)
+    # custom-op outputs must be contiguous like their fake implementations
+    return y.transpose(1, 2).contiguous(), full[..., n:].to(conv_state.dtype).contiguous()
+

@@ -1,0 +1,135 @@
+"""The ``specla`` torch.compile backend.
+
+``torch.compile(model, backend="specla", options={...})`` — registered through the
+``torch_dynamo_backends`` entry point, so no import is needed first. For every graph Dynamo captures
+it compiles two programs with the inner compiler: the graph as captured (a plain call behaves like the
+eager model) and, when the graph has GDN layers reading a cache, its verification twin
+(:mod:`.lowering.rewrite`). Each call runs the twin inside ``VerifySession.verify`` and the plain
+graph otherwise; the draft topology is data, so new trees of the same size reuse both programs.
+
+Options: ``inner`` — ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``; ``verify_kernel`` —
+``"auto"`` (default) or a kernel name the CUDA dispatch knows. ``mode`` is passed to inductor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .lowering.capture import install
+from .lowering.graph_analysis import find_gdn_layers, is_sdpa
+from .lowering.rewrite import VerifyProgram, rewrite_for_verify
+from .lowering.session import LayerBinding, VerifySession, active_session
+
+log = logging.getLogger("specla_compile")
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+_OPTIONS = {"inner", "verify_kernel"}
+
+
+def _inner_compiler(inner: str, mode: str | None) -> Callable:
+    if inner not in INNER_COMPILERS:
+        raise ValueError(f"specla option 'inner' must be one of {INNER_COMPILERS}, got {inner!r}")
+    if inner == "eager":
+        return lambda gm, example_inputs: gm.forward
+    if inner == "aot_eager":
+        return torch._dynamo.lookup_backend("aot_eager")
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = torch._inductor.list_mode_options(mode) if mode else {}
+    return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _fake_verify_inputs(program: VerifyProgram, example_inputs: Sequence) -> list:
+    """Example values of the twin's extra inputs, in the graph's fake mode, for compiling it now."""
+    placeholders = [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
+    first_layer = next(n for n in program.graph_module.graph.nodes if "gdn_commit_verify_" in str(n.target))
+    q = first_layer.args[6].meta["example_value"]
+    batch, nodes = q.shape[0], q.shape[1]
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    device = q.device
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        extras = [
+            torch.empty(batch, nodes, dtype=torch.long, device=device),
+            torch.empty(batch, dtype=torch.long, device=device),
+        ]
+        if program.needs_tree_mask:
+            sdpa = next(n for n in program.graph_module.graph.nodes if is_sdpa(n))
+            keys = sdpa.args[1].meta["example_value"]
+            extras.append(torch.empty(batch, 1, nodes, keys.shape[-2], dtype=torch.bool, device=device))
+        for layer in program.layers:
+            extras += [torch.empty(batch, nodes, *r.feature_shape, dtype=r.dtype, device=device) for r in layer.records]
+    for placeholder, value in zip(placeholders[program.num_model_inputs :], extras):
+        placeholder.meta["example_value"] = value
+    return extras
+
+
+class SpeculativeGraph:
+    """What the backend returns for one captured graph: runs the plain program, or the verification
+    twin while a :class:`VerifySession` is verifying."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable):
+        self.plain = compile_inner(gm, example_inputs)
+        self.program: VerifyProgram | None = None
+        self.verify_fn: Callable | None = None
+        self.unverifiable = ""
+        try:
+            self.program = rewrite_for_verify(gm)
+        except ValueError as err:
+            self.unverifiable = str(err)
+            log.info("specla: graph %s compiled without a verification twin: %s", gm.__class__.__name__, err)
+            return
+        extras = _fake_verify_inputs(self.program, example_inputs)
+        self.verify_fn = compile_inner(self.program.graph_module, [*example_inputs, *extras])
+
+    def __call__(self, *args):
+        session = active_session()
+        if session is None:
+            return self.plain(*args)
+        if self.verify_fn is None:
+            raise RuntimeError(f"specla cannot verify through this graph: {self.unverifiable}")
+        return self._verify(session, args)
+
+    def _verify(self, session: VerifySession, args: Sequence) -> tuple:
+        program = self.program
+        parents, tree_mask = session.draft.parents, session.draft.tree_mask
+        batch, nodes = parents.shape
+        device = parents.device
+        extras: list[torch.Tensor] = [parents, session.pending_count(batch, device)]
+        if program.needs_tree_mask:
+            if tree_mask is None:
+                raise ValueError("this model has full-attention layers: VerifySession.verify needs a tree_mask")
+            extras.append(tree_mask)
+        keys = []
+        for layer in program.layers:
+            state = args[layer.state_input]
+            for method, view_args, view_kwargs in layer.state_views:
+                state = getattr(state, method)(*view_args, **view_kwargs)
+            key = args[layer.state_input].data_ptr()
+            keys.append(key)
+            session.layers[key] = LayerBinding(state, [args[i] for i in layer.conv_state_inputs])
+            shapes = [(r.feature_shape, r.dtype) for r in layer.records]
+            extras += session.take_pending(key, batch, nodes, shapes, device)
+        outputs = self.verify_fn(*args, *extras)
+        records = outputs[program.num_model_outputs :]
+        for key, layer in zip(keys, program.layers):
+            session.records[key], records = list(records[: len(layer.records)]), records[len(layer.records) :]
+        return outputs[: program.num_model_outputs]
+
+
+def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | None = None, options: dict | None = None) -> Callable:
+    """Dynamo backend: see the module docstring."""
+    install()
+    options = dict(options or {})
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    compile_inner = _inner_compiler(options.get("inner", "inductor"), mode)
+    if not find_gdn_layers(gm.graph):
+        log.info("specla: graph with no GDN layer, compiled normally with %s", options.get("inner", "inductor"))
+        return compile_inner(gm, example_inputs)
+    return SpeculativeGraph(gm, example_inputs, compile_inner)

@@ -1,0 +1,299 @@
+"""Capture: route every known GDN entry point through one opaque ``specla::`` op.
+
+:func:`install` (run when ``specla_compile`` is imported) replaces each known entry point of fla and
+transformers with a thin wrapper. On CUDA in eager mode the wrapper calls the original, so nothing
+changes. While Dynamo traces (``torch.compile``), and on CPU tensors (where fla's Triton kernels cannot
+run), it normalizes the call to DESIGN.md's canonical form and calls ``specla::gdn_recurrence``,
+``specla::short_conv`` or ``specla::causal_conv1d``: one node each in the graph, which
+:mod:`.rewrite` finds and turns into verify ops.
+
+Users with their own GDN code name their recurrence with :func:`register_recurrence`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import ops  # noqa: F401  (registers the torch.ops.specla namespace)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecurrenceCall:
+    """One GDN recurrence call in canonical form (DESIGN.md): ``g`` is the log decay, ``beta`` the
+    final write strength, the state ``[B, HV, K, V]`` unless ``state_v_first`` ([B, HV, V, K])."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    initial_state: torch.Tensor | None = None
+    output_final_state: bool = False
+    scale: float | None = None
+    use_qk_l2norm: bool = False
+    state_v_first: bool = False
+
+
+RecurrenceAdapter = Callable[..., RecurrenceCall]
+"""Called with an entry point's own ``(*args, **kwargs)``; returns the canonical call."""
+
+
+def use_specla_path(x: torch.Tensor) -> bool:
+    """Route through specla ops while tracing, or where fla's GPU-only kernels cannot run."""
+    return torch.compiler.is_compiling() or x.device.type == "cpu"
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+
+
+def _reject(what: str, **unsupported: Any) -> None:
+    used = [name for name, value in unsupported.items() if value not in (None, False)]
+    if used:
+        raise NotImplementedError(f"specla capture of {what} does not support {', '.join(used)}")
+
+
+def run_recurrence(call: RecurrenceCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a canonical call through ``specla::gdn_recurrence``; returns ``(o, final_state or None)``."""
+    q, v = call.q, call.v
+    state = call.initial_state
+    if state is None:
+        state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32, device=q.device)
+    elif call.state_v_first:
+        state = state.transpose(-1, -2)
+    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
+    o, final = torch.ops.specla.gdn_recurrence(q, call.k, v, call.g, call.beta, state, scale, call.use_qk_l2norm)
+    if call.state_v_first:
+        final = final.transpose(-1, -2)
+    return o, (final if call.output_final_state else None)
+
+
+def _recurrence_wrapper(original: Callable, adapter: RecurrenceAdapter) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not use_specla_path(_first_tensor(args, kwargs)):
+            return original(*args, **kwargs)
+        return run_recurrence(adapter(*args, **kwargs))
+
+    wrapper.__specla_original__ = original
+    return wrapper
+
+
+# --- adapters of the known families --------------------------------------------------------------
+
+
+def fla_recurrence_adapter(
+    q,
+    k,
+    v,
+    g=None,
+    beta=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    state_v_first=False,
+    gk=None,
+    gv=None,
+    **ignored,
+) -> RecurrenceCall:
+    """fla's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (fla >= 0.6)."""
+    _reject("fla's gated delta rule", cu_seqlens=cu_seqlens, gk=gk, gv=gv)
+    if g is None:
+        g = q.new_zeros(v.shape[:3], dtype=torch.float32)
+    elif use_gate_in_kernel:  # the kernel's fused gate: g = -exp(A_log) * softplus(g + dt_bias)
+        g = g.float() + (dt_bias.float() if dt_bias is not None else 0.0)
+        g = -A_log.float().exp() * F.softplus(g)
+    if beta is None:
+        beta = v.new_ones(v.shape[:3])
+    elif use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid()
+        if allow_neg_eigval:
+            beta = beta * 2
+    return RecurrenceCall(q, k, v, g, beta, initial_state, output_final_state, scale, use_qk_l2norm_in_kernel, state_v_first)
+
+
+def transformers_recurrence_adapter(
+    query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs
+) -> RecurrenceCall:
+    """transformers' ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``."""
+    _reject("transformers' gated delta rule", cu_seqlens=kwargs.get("cu_seqlens"))
+    return RecurrenceCall(query, key, value, g, beta, initial_state, output_final_state, None, use_qk_l2norm_in_kernel)
+
+
+def _silu_flag(activation: str | None) -> bool:
+    if activation not in (None, "silu", "swish"):
+        raise NotImplementedError(f"specla capture supports short convolutions with SiLU or no activation, got {activation!r}")
+    return activation is not None
+
+
+def fla_short_conv_forward(self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None, **kwargs):
+    """fla ``ShortConvolution.forward`` (``x [B, T, D]``, cache ``[B, D, W]``)."""
+    _reject("fla's ShortConvolution", residual=residual, cu_seqlens=cu_seqlens)
+    if mask is not None:
+        x = x * mask.unsqueeze(-1)
+    if cache is None:
+        cache = x.new_zeros(x.shape[0], x.shape[2], self.weight.shape[-1])
+    y, new_cache = torch.ops.specla.short_conv(x, cache, self.weight[:, 0], self.bias, _silu_flag(self.activation))
+    return y, (new_cache if output_final_state else None)
+
+
+def transformers_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """transformers' ``causal_conv1d_fn`` (``hidden_states [B, D, L]``, already prefixed with the conv state)."""
+    _reject("transformers' causal_conv1d_fn", seq_idx=kwargs.get("seq_idx"))
+    return torch.ops.specla.causal_conv1d(hidden_states, weight, bias, _silu_flag(activation))
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def fla_rms_norm_gated_forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+    """fla ``FusedRMSNormGated.forward`` in plain PyTorch (its Triton kernel, reimplemented)."""
+    _reject("fla's FusedRMSNormGated", residual=residual, prenorm=prenorm)
+    y = _rms(x.float(), self.eps)
+    if self.weight is not None:
+        y = y * self.weight.float()
+    if self.bias is not None:
+        y = y + self.bias.float()
+    gate = g.float()
+    y = y * (F.silu(gate) if self.activation in ("swish", "silu") else gate.sigmoid())
+    return y.to(x.dtype)
+
+
+def fla_rms_norm_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+    """fla ``RMSNorm.forward`` (optionally fused with the residual add) in plain PyTorch."""
+    if residual is not None:
+        x = x.float() + residual.float()
+        residual_out = x if residual_in_fp32 else x.to(residual.dtype)
+    else:
+        residual_out = x.float() if residual_in_fp32 else x
+    y = _rms(x.float(), self.eps)
+    if self.weight is not None:
+        y = y * self.weight.float()
+    if self.bias is not None:
+        y = y + self.bias.float()
+    y = y.to(residual.dtype if residual is not None else x.dtype)
+    return (y, residual_out) if prenorm else y
+
+
+def fla_swiglu_linear_forward(self, x, y, weight, bias):
+    """fla ``SwiGLULinear.forward``: ``linear(silu(x) * y)``."""
+    return F.linear(F.silu(x) * y, weight, bias)
+
+
+# --- installation ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """``owner.name`` to replace: ``owner`` is a module path, or ``module:Class`` for a method."""
+
+    owner: str
+    name: str
+    make: Callable[[Callable], Callable]
+
+
+def _plain_wrapper(replacement: Callable) -> Callable[[Callable], Callable]:
+    """Route to ``replacement`` on the specla path, else to the original function or method."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            probe = _first_tensor(args[1:], kwargs) if not isinstance(args[0], torch.Tensor) else args[0]
+            if use_specla_path(probe):
+                return replacement(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        wrapper.__specla_original__ = original
+        return wrapper
+
+    return make
+
+
+def _recurrence(adapter: RecurrenceAdapter) -> Callable[[Callable], Callable]:
+    return lambda original: _recurrence_wrapper(original, adapter)
+
+
+_TRANSFORMERS_GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+
+KNOWN_ENTRY_POINTS: list[EntryPoint] = [
+    EntryPoint("fla.layers.gated_deltanet", "chunk_gated_delta_rule", _recurrence(fla_recurrence_adapter)),
+    EntryPoint("fla.layers.gated_deltanet", "fused_recurrent_gated_delta_rule", _recurrence(fla_recurrence_adapter)),
+    EntryPoint("fla.modules:ShortConvolution", "forward", _plain_wrapper(fla_short_conv_forward)),
+    EntryPoint("fla.modules:FusedRMSNormGated", "forward", _plain_wrapper(fla_rms_norm_gated_forward)),
+    EntryPoint("fla.modules:RMSNorm", "forward", _plain_wrapper(fla_rms_norm_forward)),
+    EntryPoint("fla.modules.mlp:SwiGLULinear", "forward", _plain_wrapper(fla_swiglu_linear_forward)),
+    *(
+        EntryPoint(f"transformers.models.{family}.modeling_{family}", name, make)
+        for family in _TRANSFORMERS_GDN_MODULES
+        for name, make in (
+            ("torch_chunk_gated_delta_rule", _recurrence(transformers_recurrence_adapter)),
+            ("torch_recurrent_gated_delta_rule", _recurrence(transformers_recurrence_adapter)),
+            ("causal_conv1d_fn", _plain_wrapper(transformers_causal_conv1d_fn)),
+        )
+    ),
+]
+
+
+def _resolve_owner(owner: str) -> Any:
+    module_name, _, class_name = owner.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name) if class_name else module
+
+
+def _patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
+    current = getattr(owner, name)
+    if hasattr(current, "__specla_original__"):
+        return False  # already routed
+    setattr(owner, name, make(current))
+    return True
+
+
+def register_recurrence(owner: Any, name: str, adapter: RecurrenceAdapter) -> None:
+    """Route your own GDN recurrence ``owner.name`` (a module or class attribute that your model calls
+    by that name) through specla, so the ``specla`` backend can verify draft trees through it.
+
+    ``adapter`` receives the call's own ``(*args, **kwargs)`` and returns a :class:`RecurrenceCall`;
+    the function must return ``(o [B, T, HV, V], final_state or None)`` like fla's ops. Example::
+
+        def my_adapter(q, k, v, log_decay, beta, state=None):
+            return RecurrenceCall(q, k, v, log_decay, beta, initial_state=state, output_final_state=True)
+
+        register_recurrence(my_model_module, "my_gdn", my_adapter)
+    """
+    if not callable(getattr(owner, name, None)):
+        raise ValueError(f"{owner!r} has no callable attribute {name!r} to register as a GDN recurrence")
+    _patch(owner, name, _recurrence(adapter))
+
+
+@functools.cache
+def install() -> list[str]:
+    """Route every known entry point that is importable here; returns the ones routed."""
+    routed = []
+    for entry in KNOWN_ENTRY_POINTS:
+        try:
+            owner = _resolve_owner(entry.owner)
+        except (ImportError, AttributeError):
+            continue  # that family is not installed (or not in this version)
+        if hasattr(owner, entry.name):
+            _patch(owner, entry.name, entry.make)
+            routed.append(f"{entry.owner}.{entry.name}")
+    log.debug("specla capture routes %s", routed)
+    return routed
