@@ -1,0 +1,71 @@
+"""CUDA implementations of the ``specla::`` custom ops, backed by the Triton kernels.
+
+Importing this module registers them (``kernels/__init__`` does it when CUDA and Triton are present).
+Contracts are those of ``ops.py``: same shapes and dtypes, commits mutate the state in place, outputs
+never alias inputs. The kernels compute in fp32; a float64 state asks for the oracle, so the op's
+reference implementation runs instead. The verify route comes from :mod:`.dispatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import dispatch, ops, triton_conv, triton_verify
+
+
+def _reference_of(op: torch.library.CustomOpDef) -> Callable:
+    return op._init_fn  # the pure-PyTorch implementation ops.py defined the op with
+
+
+def _in_place(state: torch.Tensor, update: Callable[[torch.Tensor], object]) -> object:
+    """Run ``update`` on a contiguous view of ``state`` and make sure ``state`` itself ends up updated."""
+    work = state if state.is_contiguous() else state.contiguous()
+    out = update(work)
+    if work is not state:
+        state.copy_(work)
+    return out
+
+
+def _verify(q, k, v, g, beta, parents, state, scale, use_qk_l2norm, pending=None) -> tuple[torch.Tensor, torch.Tensor]:
+    route = dispatch.choose_route(parents.shape[1])
+    config = dispatch.kernel_config(route, parents.shape[1])
+    return triton_verify.tree_verify(
+        q, k, v, g, beta, parents, state, scale, use_qk_l2norm, route=route, pending=pending, config=config)
+
+
+@ops.gdn_tree_verify.register_kernel("cuda")
+def _gdn_tree_verify(q, k, v, g, beta, parents, state, scale, use_qk_l2norm):
+    if state.dtype != torch.float32:
+        return _reference_of(ops.gdn_tree_verify)(q, k, v, g, beta, parents, state, scale, use_qk_l2norm)
+    return _verify(q, k, v, g, beta, parents, state.contiguous(), scale, use_qk_l2norm)  # read only
+
+
+@ops.gdn_commit_.register_kernel("cuda")
+def _gdn_commit_(state, k, v, g, beta, num_accepted):
+    if state.dtype != torch.float32:
+        return _reference_of(ops.gdn_commit_)(state, k, v, g, beta, num_accepted)
+    _in_place(state, lambda s: triton_verify.commit_(s, k, v, g, beta, num_accepted))
+
+
+@ops.gdn_commit_verify_.register_kernel("cuda")
+def _gdn_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, num_pending,
+                        q, k, v, g, beta, parents, scale, use_qk_l2norm):
+    if state.dtype != torch.float32:
+        return _reference_of(ops.gdn_commit_verify_)(state, pending_k, pending_v, pending_g, pending_beta, num_pending,
+                                                     q, k, v, g, beta, parents, scale, use_qk_l2norm)
+    pending = triton_verify.Pending(pending_k, pending_v, pending_g, pending_beta, num_pending)
+    return _in_place(state, lambda s: _verify(q, k, v, g, beta, parents, s, scale, use_qk_l2norm, pending))
+
+
+@ops.tree_conv.register_kernel("cuda")
+def _tree_conv(x, conv_state, weight, bias, parents, silu):
+    if torch.float64 in (x.dtype, conv_state.dtype, weight.dtype):
+        return _reference_of(ops.tree_conv)(x, conv_state, weight, bias, parents, silu)
+    return triton_conv.tree_conv(x, conv_state, weight, bias, parents, silu)
+
+
+@ops.conv_state_commit_.register_kernel("cuda")
+def _conv_state_commit_(conv_state, x, num_accepted):
+    _in_place(conv_state, lambda s: triton_conv.conv_state_commit_(s, x, num_accepted))

@@ -1,0 +1,129 @@
+"""Which verify route (``serial``, ``parallel``, ``hybrid``) runs a draft, and with which launch shape.
+
+The kernels take the topology as device tensors, so the custom op itself only knows the node count;
+reading ``parents`` back would synchronize with the host and break CUDA-graph capture. The caller that
+built the draft on the host (the runtime) can describe it with :func:`topology_hint`; without a hint
+the cost model assumes the deepest tree of that size (a chain), the case where the routes differ most.
+:func:`use_route` or the environment variable ``SPECLA_VERIFY_ROUTE`` force a route.
+
+The cost model's constants are per-layer latencies in microseconds on an H200 at the GDN-1.3B shape,
+fitted from ``benchmarks/results/bench_kernels.json`` (``cost_model`` there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.topology import PAD, depth
+
+ROUTES = ("serial", "parallel", "hybrid")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of a route: V-tile width, warps per program, K chunk of the parallel route."""
+
+    block_v: int = 16
+    num_warps: int = 4
+    block_k: int = 64
+
+
+@dataclass(frozen=True)
+class TopologyHint:
+    """What the cost model needs to know about a draft (the largest row of a batch)."""
+
+    num_nodes: int  # real nodes
+    height: int  # nodes on the longest root-to-node path
+    jumps: int  # nodes that do not continue the node before them (the serial route resumes a parked state)
+
+    @classmethod
+    def from_parents(cls, parents: torch.Tensor) -> TopologyHint:
+        """Describe a host ``[B, N]`` parent array (run it where the draft is built, not in the hot path)."""
+        parents = parents.cpu()
+        real = parents != PAD
+        jumps = real & (parents != torch.arange(parents.shape[1]) - 1)
+        height = depth(parents).masked_fill(~real, 0).max() + 1
+        return cls(int(real.sum(-1).max()), int(height), int(jumps.sum(-1).max()))
+
+    @classmethod
+    def chain(cls, num_nodes: int) -> TopologyHint:
+        return cls(num_nodes, num_nodes, 0)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """latency(route) = base + per_node * (nodes walked serially) + per_jump * jumps (serial) or
+    base + per_level * log2(padded nodes) (parallel)."""
+
+    serial_base: float
+    serial_per_node: float
+    serial_per_jump: float
+    hybrid_base: float
+    hybrid_per_node: float
+    parallel_base: float
+    parallel_per_level: float
+
+    def estimate(self, route: str, hint: TopologyHint) -> float:
+        if route == "serial":
+            return self.serial_base + self.serial_per_node * hint.num_nodes + self.serial_per_jump * hint.jumps
+        if route == "hybrid":
+            return self.hybrid_base + self.hybrid_per_node * hint.height
+        if route == "parallel":
+            return self.parallel_base + self.parallel_per_level * max(16, hint.num_nodes - 1).bit_length()
+        raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
+
+
+H200_COSTS = CostModel(
+    serial_base=3.0, serial_per_node=0.35, serial_per_jump=0.6,
+    hybrid_base=4.0, hybrid_per_node=0.35,
+    parallel_base=5.0, parallel_per_level=0.5,
+)
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("specla_forced_route", default=None)
+_hint: contextvars.ContextVar[TopologyHint | None] = contextvars.ContextVar("specla_topology_hint", default=None)
+
+
+@contextlib.contextmanager
+def use_route(route: str) -> Iterator[None]:
+    """Force ``route`` for every verify launched inside the block."""
+    if route not in ROUTES:
+        raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
+    token = _forced.set(route)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+@contextlib.contextmanager
+def topology_hint(hint: TopologyHint) -> Iterator[None]:
+    """Describe the drafts verified inside the block (e.g. around one target forward pass)."""
+    token = _hint.set(hint)
+    try:
+        yield
+    finally:
+        _hint.reset(token)
+
+
+def choose_route(num_nodes: int, costs: CostModel = H200_COSTS) -> str:
+    """The route for a verify of ``num_nodes`` nodes: forced, else the cheapest for the current hint."""
+    forced = _forced.get() or os.environ.get("SPECLA_VERIFY_ROUTE")
+    if forced:
+        if forced not in ROUTES:
+            raise ValueError(f"SPECLA_VERIFY_ROUTE={forced!r} is not one of {ROUTES}")
+        return forced
+    hint = _hint.get() or TopologyHint.chain(num_nodes)
+    return min(ROUTES, key=lambda route: costs.estimate(route, hint))
+
+
+def kernel_config(route: str, num_nodes: int) -> KernelConfig:
+    """Launch shape per route (H200, K = V = 256), from the benchmark's sweep."""
+    if route == "parallel":
+        return KernelConfig(block_v=32, num_warps=8 if num_nodes > 16 else 4, block_k=64)
+    return KernelConfig(block_v=16, num_warps=4)

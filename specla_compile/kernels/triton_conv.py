@@ -1,0 +1,97 @@
+"""Triton kernels for the tree short convolution (with SiLU) and the conv-state commit.
+
+Same math as ``reference.tree_conv_reference`` / ``conv_state_commit_reference``. A program owns one
+batch row and a block of channels for every node at once: node j's taps are found by following the
+parent pointers W-1 times on device, and taps past the root read the durable conv state.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tree_conv_kernel(
+    x, conv_state, weight, bias, parents, y, N, D, S,
+    W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    """Grid: (B, channel blocks)."""
+    b = tl.program_id(0)
+    rn = tl.arange(0, BN)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    mn = rn < N
+    md = rd < D
+    m2 = mn[:, None] & md[None, :]
+    acc = tl.load(x + (b * N + rn[:, None]) * D + rd[None, :], mask=m2, other=0.0).to(tl.float32)
+    acc = acc * tl.load(weight + rd * W + (W - 1), mask=md, other=0.0).to(tl.float32)[None, :]
+    node = rn  # the i-th ancestor of each node while it exists
+    depth = tl.zeros([BN], dtype=tl.int32)  # real ancestors found so far
+    alive = mn
+    for i in tl.static_range(1, W):
+        par = tl.load(parents + b * N + node, mask=alive, other=-1)
+        alive = alive & (par >= 0)
+        node = tl.where(alive, par, node)
+        depth += alive.to(tl.int32)
+        from_x = tl.load(x + (b * N + node[:, None]) * D + rd[None, :], mask=m2 & alive[:, None], other=0.0)
+        # past the root, tap W-1-i reads the conv state's column S - i + depth (depth < i there)
+        col = S - i + depth
+        from_state = tl.load(conv_state + (b * D + rd[None, :]) * S + col[:, None], mask=m2 & (alive == 0)[:, None],
+                             other=0.0)
+        tap = tl.where(alive[:, None], from_x.to(tl.float32), from_state.to(tl.float32))
+        acc += tap * tl.load(weight + rd * W + (W - 1 - i), mask=md, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + rd, mask=md, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + (b * N + rn[:, None]) * D + rd[None, :], acc.to(y.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _conv_commit_kernel(conv_state, x, num_accepted, A, D, S, BS: tl.constexpr, BD: tl.constexpr):
+    """Grid: (B, channel blocks). New column c is column num + c of (old state ++ accepted inputs)."""
+    b = tl.program_id(0)
+    rs = tl.arange(0, BS)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    m2 = (rd < D)[:, None] & (rs < S)[None, :]
+    src = tl.minimum(tl.load(num_accepted + b).to(tl.int32), A) + rs
+    in_state = (src < S)[None, :]
+    old = tl.load(conv_state + (b * D + rd[:, None]) * S + src[None, :], mask=m2 & in_state, other=0.0)
+    new = tl.load(x + (b * A + (src - S)[None, :]) * D + rd[:, None], mask=m2 & (in_state == 0), other=0.0)
+    shifted = tl.where(in_state, old, new.to(old.dtype))
+    tl.debug_barrier()  # in place: every read of this block lands before any write
+    tl.store(conv_state + (b * D + rd[:, None]) * S + rs[None, :], shifted, mask=m2)
+
+
+def tree_conv(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    silu: bool = True,
+    *,
+    block_d: int = 128,
+) -> torch.Tensor:
+    """Tree short convolution, ``x [B, N, D]`` -> ``[B, N, D]`` (see ``specla::tree_conv``)."""
+    x, conv_state, weight, parents = (t.contiguous() for t in (x, conv_state, weight, parents))
+    batch, n, d = x.shape
+    y = torch.empty_like(x)
+    block_n = max(16, triton.next_power_of_2(n))
+    _tree_conv_kernel[(batch, triton.cdiv(d, block_d))](
+        x, conv_state, weight, bias if bias is not None else weight, parents, y, n, d, conv_state.shape[2],
+        W=weight.shape[1], BN=block_n, BD=block_d, HAS_BIAS=bias is not None, SILU=silu,
+    )
+    return y
+
+
+def conv_state_commit_(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor, *, block_d: int = 64) -> None:
+    """Shift each row's first ``num_accepted[b]`` inputs of ``x [B, A, D]`` into ``conv_state [B, D, S]`` in place."""
+    if not conv_state.is_contiguous():
+        raise ValueError("conv_state must be contiguous: it is updated in place")
+    batch, d, width = conv_state.shape
+    x = x.contiguous()
+    _conv_commit_kernel[(batch, triton.cdiv(d, block_d))](
+        conv_state, x, num_accepted, x.shape[1], d, width, BS=triton.next_power_of_2(width), BD=block_d,
+    )

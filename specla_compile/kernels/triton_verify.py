@@ -1,0 +1,419 @@
+"""Triton kernels for GDN tree verification and factor-record commit (the math of ``reference.py``).
+
+Three verify routes, each optionally fused with the delayed commit of pending accepted records:
+
+* ``serial``: one program per (row, value head, V tile) keeps its ``K x BV`` fp32 state tile on chip
+  and walks the nodes in topological order. Where the next node does not continue the previous one it
+  resumes from a parked state: only nodes that a later, non-adjacent child starts from are parked
+  (``snapshot`` parks every node instead: the per-token snapshot strategy of some serving systems).
+* ``hybrid``: heavy-light chains, computed on chip from ``parents``; one program per chain. A chain's
+  boundary state is re-derived by replaying its root path from the inputs (the factor records), so
+  chains need no parked states, no inter-program waiting and no host-side decomposition.
+* ``parallel``: the tree-masked UT form of DESIGN.md; the node count is padded to a power of two
+  ``BT >= 16`` and ``(I + A)^-1`` is built by recursive block doubling on tensor cores.
+
+Kernels take the topology as device tensors and never synchronize with the host (CUDA-graph safe).
+The same code runs on CPU under ``TRITON_INTERPRET=1`` (the tests).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime.topology import PAD
+from .dispatch import ROUTES, KernelConfig
+from .reference import L2NORM_EPS
+
+_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
+_PAD: tl.constexpr = tl.constexpr(PAD)
+
+
+# --- building blocks ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_key(ptr, b, j, h, N, H: tl.constexpr, K: tl.constexpr, rk, mk, USE_L2: tl.constexpr):
+    """One node's query or key row in fp32, L2-normalized when the model does it."""
+    x = tl.load(ptr + ((b * N + j) * H + h) * K + rk, mask=mk, other=0.0).to(tl.float32)
+    if USE_L2:
+        x = x * tl.rsqrt(tl.sum(x * x, 0) + _EPS)
+    return x
+
+
+@triton.jit
+def _load_value(ptr, b, j, hv, N, HV: tl.constexpr, V: tl.constexpr, rv, mv):
+    return tl.load(ptr + ((b * N + j) * HV + hv) * V + rv, mask=mv, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_gate(ptr, b, j, hv, N, HV: tl.constexpr):
+    return tl.load(ptr + (b * N + j) * HV + hv).to(tl.float32)
+
+
+@triton.jit
+def _step(s, k, v, g, beta):
+    """S <- alpha S; d = beta (v - S^T k); S <- S + k d^T (no output)."""
+    s = s * tl.exp(g)
+    d = beta * (v - tl.sum(s * k[:, None], 0))
+    return s + k[:, None] * d[None, :]
+
+
+@triton.jit
+def _step_out(s, q, k, v, g, beta, scale):
+    """The step plus o = scale S'^T q, with both K-reductions taken from alpha S so they run side by side."""
+    s = s * tl.exp(g)
+    d = beta * (v - tl.sum(s * k[:, None], 0))
+    o = scale * (tl.sum(s * q[:, None], 0) + tl.sum(q * k, 0) * d)
+    return s + k[:, None] * d[None, :], o
+
+
+@triton.jit
+def _apply_records(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, HV: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, rk, mk, rv, mv):
+    """Apply row b's first ``num`` pending records (normalized keys) to the state tile."""
+    num = tl.minimum(tl.load(num_ptr + b).to(tl.int32), A)
+    for i in range(0, num):
+        k = _load_key(pk, b, i, h, A, H, K, rk, mk, False)
+        v = _load_value(pv, b, i, hv, A, HV, V, rv, mv)
+        s = _step(s, k, v, _load_gate(pg, b, i, hv, A, HV), _load_gate(pb, b, i, hv, A, HV))
+    return s
+
+
+@triton.jit
+def _store_k_hat(k, k_hat, b, h, N, H: tl.constexpr, K: tl.constexpr, BKF: tl.constexpr,
+                 USE_L2: tl.constexpr):
+    """Emit the normalized keys of row b, head h (the verify's factor-record output), 16 nodes at a time."""
+    rk = tl.arange(0, BKF)
+    for n0 in range(0, N, 16):
+        rr = n0 + tl.arange(0, 16)
+        m = (rr < N)[:, None] & (rk < K)[None, :]
+        off = ((b * N + rr[:, None]) * H + h) * K + rk[None, :]
+        x = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
+        if USE_L2:
+            x = x * tl.rsqrt(tl.sum(x * x, 1) + _EPS)[:, None]
+        tl.store(k_hat + off, x, mask=m)
+
+
+@triton.jit
+def _ancestor_matrix(prow, rn, LOG2BN: tl.constexpr):
+    """incl[j, m]: m is j or an ancestor of j. Reachability squared log2(BN) times (exact: 0/1 operands)."""
+    reach = ((prow[:, None] == rn[None, :]) | (rn[:, None] == rn[None, :])).to(tl.float32)
+    for _ in tl.static_range(LOG2BN):
+        reach = tl.minimum(tl.dot(reach, reach), 1.0)
+    return reach > 0.5
+
+
+@triton.jit
+def _heavy_light(prow, incl, rn, N):
+    """Heavy-light decomposition on chip (the rule of ``topology.chain_decomposition``): every node
+    continues into its child with the largest subtree, ties to the earliest child. Returns
+    (is_start, head, depth): chain starts, each node's chain start, each node's depth."""
+    size = tl.sum(incl.to(tl.int32), 0)
+    score = size * (2 * rn.shape[0]) - rn
+    child = prow[:, None] == rn[None, :]  # [j, p]: p is j's parent
+    best = tl.max(tl.where(child, score[:, None], -1), 0)
+    best_of_parent = tl.sum(tl.where(child, best[None, :], 0), 1)
+    is_start = (rn < N) & ((prow < 0) | (score != best_of_parent))
+    head = tl.max(tl.where(incl & is_start[None, :], rn[None, :], -1), 1)
+    depth = tl.sum(incl.to(tl.int32), 1) - 1
+    return is_start, head, depth
+
+
+@triton.jit
+def _unit_lower_inverse(a, rt, LOG2BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + a)^-1 for strictly lower ``a``: at level l the inverse of every 2^(l+1) diagonal block is
+    D - D A_off D from the inverses D of its two halves (stable, no alternating power series)."""
+    t = (rt[:, None] == rt[None, :]).to(tl.float32)
+    for lvl in tl.static_range(LOG2BT):
+        half = 1 << lvl
+        off = (rt[:, None] // (2 * half) == rt[None, :] // (2 * half)) & (rt[:, None] // half != rt[None, :] // half)
+        t = t - tl.dot(tl.dot(t, tl.where(off, a, 0.0), input_precision=PREC), t, input_precision=PREC)
+    return t
+
+
+# --- kernels --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _recurrent_kernel(
+    q, k, v, g, beta, parents, state, o, k_hat, parked, counter,
+    pk, pv, pg, pb, num_pending,
+    scale, N, A,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BKF: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr,
+    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, VERIFY: tl.constexpr, HYBRID: tl.constexpr,
+    SNAPSHOT: tl.constexpr,
+):
+    """Serial route (grid z = 1), hybrid route (grid z = N, one program per chain) and the standalone
+    commit (VERIFY = False). Grid: (V tiles, B * HV, z)."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    c = tl.program_id(2)
+    b = i_bh // HV
+    hv = i_bh % HV
+    h = hv // (HV // H)
+    rk = tl.arange(0, BKF)
+    mk = rk < K
+    rv = i_v * BV + tl.arange(0, BV)
+    mv = rv < V
+    tile_off = i_bh.to(tl.int64) * K * V + rk[:, None] * V + rv[None, :]
+    tile_mask = mk[:, None] & mv[None, :]
+    rn = tl.arange(0, BN)
+    n_chains = 1
+    if HYBRID:
+        prow = tl.load(parents + b * N + rn, mask=rn < N, other=_PAD)
+        incl = _ancestor_matrix(prow, rn, LOG2BN)
+        is_start, head, depth = _heavy_light(prow, incl, rn, N)
+        n_chains = tl.sum(is_start.to(tl.int32), 0)
+    if c < n_chains:
+        s0 = tl.load(state + tile_off, mask=tile_mask, other=0.0)
+        if HAS_PENDING:
+            s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rk, mk, rv, mv)
+            if HYBRID:
+                # every chain program reads the old tile; the last one to finish reading writes the new one
+                tl.debug_barrier()
+                seen = tl.atomic_add(counter + i_bh * tl.num_programs(0) + i_v, 1)
+                if seen == n_chains - 1:
+                    tl.store(state + tile_off, s0, mask=tile_mask)
+            else:
+                tl.store(state + tile_off, s0, mask=tile_mask)
+        if VERIFY:
+            if (i_v == 0) & (hv % (HV // H) == 0) & (c == 0):
+                _store_k_hat(k, k_hat, b, h, N, H, K, BKF, USE_L2)
+            if HYBRID:
+                rank = tl.cumsum(is_start.to(tl.int32), 0) - 1
+                start = tl.sum(tl.where(is_start & (rank == c), rn, 0), 0)
+                start_depth = tl.sum(tl.where(rn == start, depth, 0), 0)
+                on_path = tl.sum(tl.where(rn[:, None] == start, incl.to(tl.int32), 0), 0) > 0
+                in_chain = head == start
+                s = s0
+                for t in range(0, start_depth):  # the boundary state, from the path's records
+                    m = tl.sum(tl.where(on_path & (depth == t), rn, 0), 0)
+                    kk = _load_key(k, b, m, h, N, H, K, rk, mk, USE_L2)
+                    vv = _load_value(v, b, m, hv, N, HV, V, rv, mv)
+                    s = _step(s, kk, vv, _load_gate(g, b, m, hv, N, HV), _load_gate(beta, b, m, hv, N, HV))
+                for t in range(0, tl.sum(in_chain.to(tl.int32), 0)):
+                    j = tl.sum(tl.where(in_chain & (depth == start_depth + t), rn, 0), 0)
+                    qj = _load_key(q, b, j, h, N, H, K, rk, mk, USE_L2)
+                    kj = _load_key(k, b, j, h, N, H, K, rk, mk, USE_L2)
+                    vj = _load_value(v, b, j, hv, N, HV, V, rv, mv)
+                    gj = _load_gate(g, b, j, hv, N, HV)
+                    s, oj = _step_out(s, qj, kj, vj, gj, _load_gate(beta, b, j, hv, N, HV), scale)
+                    tl.store(o + ((b * N + j) * HV + hv) * V + rv, oj.to(o.dtype.element_ty), mask=mv)
+            else:
+                prow = tl.load(parents + b * N + rn, mask=rn < N, other=_PAD)
+                park_base = parked + (i_bh.to(tl.int64) * N * K) * V + rk[:, None] * V + rv[None, :]
+                s = s0
+                for j in range(0, N):
+                    p = tl.load(parents + b * N + j)
+                    if p != j - 1:
+                        if p < 0:  # a root (or padding): from the durable state
+                            s = s0
+                        else:
+                            tl.debug_barrier()  # the parked tile was written by other threads
+                            s = tl.load(park_base + p * K * V, mask=tile_mask, other=0.0)
+                    qj = _load_key(q, b, j, h, N, H, K, rk, mk, USE_L2)
+                    kj = _load_key(k, b, j, h, N, H, K, rk, mk, USE_L2)
+                    vj = _load_value(v, b, j, hv, N, HV, V, rv, mv)
+                    gj = _load_gate(g, b, j, hv, N, HV)
+                    s, oj = _step_out(s, qj, kj, vj, gj, _load_gate(beta, b, j, hv, N, HV), scale)
+                    tl.store(o + ((b * N + j) * HV + hv) * V + rv, oj.to(o.dtype.element_ty), mask=mv)
+                    if SNAPSHOT:
+                        tl.store(park_base + j * K * V, s, mask=tile_mask)
+                    else:
+                        if tl.sum(((prow == j) & (rn > j + 1)).to(tl.int32), 0) > 0:
+                            tl.store(park_base + j * K * V, s, mask=tile_mask)
+
+
+@triton.jit
+def _parallel_kernel(
+    q, k, v, g, beta, parents, state, o, k_hat,
+    pk, pv, pg, pb, num_pending,
+    scale, N, A,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2BT: tl.constexpr,
+    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr,
+):
+    """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING).
+    Grid: (V tiles, B * HV). The K dimension streams in chunks of BK; raw dot products are
+    rescaled by the row norms afterwards, so normalization costs no extra pass."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // HV
+    hv = i_bh % HV
+    h = hv // (HV // H)
+    rv = i_v * BV + tl.arange(0, BV)
+    mv = rv < V
+    state_tile = state + i_bh.to(tl.int64) * K * V
+    if HAS_PENDING:
+        rkf = tl.arange(0, BKF)
+        full_off = rkf[:, None] * V + rv[None, :]
+        full_mask = (rkf < K)[:, None] & mv[None, :]
+        s0 = tl.load(state_tile + full_off, mask=full_mask, other=0.0)
+        s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
+        tl.store(state_tile + full_off, s0, mask=full_mask)
+        tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
+    if (i_v == 0) & (hv % (HV // H) == 0):
+        _store_k_hat(k, k_hat, b, h, N, H, K, BKF, USE_L2)
+
+    rt = tl.arange(0, BT)
+    mt = rt < N
+    prow = tl.load(parents + b * N + rt, mask=mt, other=_PAD)
+    incl = _ancestor_matrix(prow, rt, LOG2BT)
+    strict = incl & (rt[:, None] != rt[None, :])
+    gt = tl.load(g + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
+    bt = tl.load(beta + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
+    gamma = tl.sum(tl.where(incl, gt[None, :], 0.0), 1)
+
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    ks = tl.zeros([BT, BV], dtype=tl.float32)
+    qs = tl.zeros([BT, BV], dtype=tl.float32)
+    k_sq = tl.zeros([BT], dtype=tl.float32)
+    q_sq = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < K
+        node_off = ((b * N + rt[:, None]) * H + h) * K + rk[None, :]
+        node_mask = mt[:, None] & mk[None, :]
+        kc = tl.load(k + node_off, mask=node_mask, other=0.0).to(tl.float32)
+        qc = tl.load(q + node_off, mask=node_mask, other=0.0).to(tl.float32)
+        sc = tl.load(state_tile + rk[:, None] * V + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
+        qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
+        ks += tl.dot(kc, sc, input_precision=PREC)
+        qs += tl.dot(qc, sc, input_precision=PREC)
+        k_sq += tl.sum(kc * kc, 1)
+        q_sq += tl.sum(qc * qc, 1)
+    if USE_L2:
+        k_inv = tl.rsqrt(k_sq + _EPS)
+        q_inv = tl.rsqrt(q_sq + _EPS)
+        kk = kk * k_inv[:, None] * k_inv[None, :]
+        qk = qk * q_inv[:, None] * k_inv[None, :]
+        ks = ks * k_inv[:, None]
+        qs = qs * q_inv[:, None]
+
+    decay = tl.where(incl, tl.exp(tl.where(incl, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+    a = tl.where(strict, bt[:, None] * decay * kk, 0.0)
+    t_inv = _unit_lower_inverse(a, rt, LOG2BT, PREC)
+    val_off = ((b * N + rt[:, None]) * HV + hv) * V + rv[None, :]
+    val_mask = mt[:, None] & mv[None, :]
+    vt = tl.load(v + val_off, mask=val_mask, other=0.0).to(tl.float32)
+    eg = tl.exp(gamma)
+    u = tl.dot(t_inv, bt[:, None] * (vt - eg[:, None] * ks), input_precision=PREC)
+    out = scale * (eg[:, None] * qs + tl.dot(decay * qk, u, input_precision=PREC))
+    tl.store(o + val_off, out.to(o.dtype.element_ty), mask=val_mask)
+
+
+# --- launchers ------------------------------------------------------------------------------------
+
+
+class Pending(NamedTuple):
+    """Accepted records still to be applied to the durable state (the delayed update)."""
+
+    k: torch.Tensor  # [B, A, H, K], normalized keys
+    v: torch.Tensor  # [B, A, HV, V]
+    g: torch.Tensor  # [B, A, HV]
+    beta: torch.Tensor  # [B, A, HV]
+    num: torch.Tensor  # [B]
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _pending_args(pending: Pending | None, state: torch.Tensor) -> tuple[list[torch.Tensor], int, bool]:
+    if pending is None or pending.k.shape[1] == 0:
+        return [state] * 5, 0, False  # never read: HAS_PENDING is off
+    return [t.contiguous() for t in pending], pending.k.shape[1], True
+
+
+def tree_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    *,
+    route: str,
+    pending: Pending | None = None,
+    config: KernelConfig | None = None,
+    snapshot: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a tree with one route; returns ``(o, k_hat)`` like ``specla::gdn_tree_verify``.
+
+    ``pending`` first commits accepted records into ``state`` in place (``specla::gdn_commit_verify_``).
+    ``snapshot [B, HV, N, K, V]`` (serial route only) receives every node's state."""
+    if route not in ROUTES:
+        raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
+    if snapshot is not None and route != "serial":
+        raise ValueError("snapshot is only produced by the serial route")
+    config = config or KernelConfig()
+    q, k, v, g, beta, parents = (t.contiguous() for t in (q, k, v, g, beta, parents))
+    batch, n, heads, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    o = torch.empty_like(v)
+    k_hat = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
+    block_v = min(config.block_v, _pow2_at_least(dv, 16))
+    grid_v = triton.cdiv(dv, block_v)
+    shape = dict(H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
+                 HAS_PENDING=has_pending, num_warps=config.num_warps)
+    if route == "parallel":
+        bt = _pow2_at_least(n, 16)
+        _parallel_kernel[(grid_v, batch * hv)](
+            q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num, scale, n, n_pending,
+            BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1,
+            # tf32 keeps the error under a bf16 output's rounding; fp32 inputs get fp32-grade products
+            PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape,
+        )
+        return o, k_hat
+    hybrid = route == "hybrid"
+    bn = _pow2_at_least(n, 16)
+    if snapshot is not None:
+        parked = snapshot
+    else:  # only branch points are written; sized for the worst case, never cleared
+        parked = state.new_empty(batch, hv, n, dk, dv) if (n > 2 and not hybrid) else state
+    counter = torch.zeros(batch * hv * grid_v, dtype=torch.int32, device=q.device) if (hybrid and has_pending) else num
+    _recurrent_kernel[(grid_v, batch * hv, n if hybrid else 1)](
+        q, k, v, g, beta, parents, state, o, k_hat, parked, counter, pk, pv, pg, pb, num, scale, n, n_pending,
+        BN=bn, LOG2BN=bn.bit_length() - 1, VERIFY=True, HYBRID=hybrid, SNAPSHOT=snapshot is not None, **shape,
+    )
+    return o, k_hat
+
+
+def commit_(
+    state: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_accepted: torch.Tensor,
+    *,
+    config: KernelConfig | None = None,
+) -> None:
+    """Apply each row's first ``num_accepted[b]`` records to ``state`` in place (``specla::gdn_commit_``)."""
+    config = config or KernelConfig()
+    pending = Pending(k, v, g, beta, num_accepted)
+    (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
+    if not has_pending:
+        return
+    batch, _, heads, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    block_v = min(config.block_v, _pow2_at_least(dv, 16))
+    grid_v = triton.cdiv(dv, block_v)
+    unused = state  # verify-only pointers: VERIFY is off
+    _recurrent_kernel[(grid_v, batch * hv, 1)](
+        unused, unused, unused, unused, unused, num, state, unused, unused, unused, num,
+        pk, pv, pg, pb, num, 1.0, 0, n_pending,
+        H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, BN=16, LOG2BN=4, USE_L2=False,
+        HAS_PENDING=True, VERIFY=False, HYBRID=False, SNAPSHOT=False, num_warps=config.num_warps,
+    )

@@ -1,0 +1,119 @@
+"""Cases and checks shared by the Triton kernel tests: on CPU under the interpreter (small shapes) and
+on CUDA (real shapes). Each check runs a kernel with poisoned (NaN) allocations and compares every
+output element with the fp64 reference."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from specla_compile.kernels import reference as ref
+from specla_compile.runtime.topology import PAD
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def random_parents(rows: int, nodes: int, *, seed: int, kind: str = "tree", padding: int = 0) -> torch.Tensor:
+    """``[rows, nodes + padding]``: ``chain``, ``tree`` (random parent among earlier nodes, biased to
+    recent ones so trees get deep), ``forest`` (some extra roots) or ``star``; PAD tail of ``padding``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        row = [-1]
+        for j in range(1, nodes):
+            if kind == "chain":
+                row.append(j - 1)
+            elif kind == "star":
+                row.append(0)
+            elif kind == "forest" and torch.rand((), generator=gen) < 0.2:
+                row.append(-1)
+            elif torch.rand((), generator=gen) < 0.7:
+                row.append(max(0, j - int(torch.randint(1, 4, (), generator=gen))))
+            else:
+                row.append(int(torch.randint(0, j, (), generator=gen)))
+        out.append(row + [PAD] * padding)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def random_inputs(
+    parents: torch.Tensor, *, heads: int, value_heads: int, dk: int, dv: int, seed: int,
+    dtype: torch.dtype, device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Unnormalized q, k (the kernels normalize), v, gates, fp32 state: random, never zero."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, n = parents.shape
+    randn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = {
+        "q": randn(batch, n, heads, dk).to(dtype),
+        "k": randn(batch, n, heads, dk).to(dtype),
+        "v": randn(batch, n, value_heads, dv).to(dtype),
+        "g": (-torch.rand(batch, n, value_heads, generator=gen, dtype=torch.float64) * 0.7 - 0.01).float(),
+        "beta": (torch.rand(batch, n, value_heads, generator=gen, dtype=torch.float64) * 0.9 + 0.05).float(),
+        "state": randn(batch, value_heads, dk, dv).float(),
+    }
+    return {name: t.to(device) for name, t in x.items()}
+
+
+def accepted_records(x: dict[str, torch.Tensor], parents: torch.Tensor, max_accepted: int, seed: int):
+    """Records of a root path of each row (what a commit applies) and a random accepted count per row
+    (0 included), from the fp64 reference's records of ``x``."""
+    _, records = ref.gdn_tree_factorized(*(x[n].double() for n in NAMES), parents, None, use_qk_l2norm=True)
+    paths = [_deepest_path(row) for row in parents.tolist()]
+    width = min(max_accepted, min(len(p) for p in paths))
+    index = torch.tensor([p[:width] for p in paths], device=parents.device)
+    gen = torch.Generator().manual_seed(seed)
+    num = torch.randint(0, width + 1, (parents.shape[0],), generator=gen).to(parents.device)
+    return ref.FactorRecords(*(t.float() for t in records.select(index))), num
+
+
+def _deepest_path(row: list[int]) -> list[int]:
+    real = [j for j, p in enumerate(row) if p != PAD]
+    last = max(real, key=lambda j: (_depth(row, j), -j))
+    path = [last]
+    while row[path[-1]] >= 0:
+        path.append(row[path[-1]])
+    return path[::-1]
+
+
+def _depth(row: list[int], j: int) -> int:
+    return 0 if row[j] < 0 else 1 + _depth(row, row[j])
+
+
+@contextlib.contextmanager
+def poisoned_allocations() -> Iterator[None]:
+    """Inside the block, ``torch.empty``/``empty_like`` return NaN-filled floats, so an element a kernel
+    never writes shows up as NaN instead of leftover memory that might happen to be right."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error; NaN (an unwritten element) never passes."""
+    a, b = a.double().cpu(), b.double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm()).item()
+
+
+def reference_verify(x: dict[str, torch.Tensor], parents: torch.Tensor, scale: float, use_qk_l2norm: bool,
+                     pending: tuple[ref.FactorRecords, torch.Tensor] | None = None):
+    """fp64 oracle: (o, k_hat, state after the pending commit)."""
+    x64 = {n: t.double().cpu() for n, t in x.items()}
+    state = x64["state"]
+    if pending is not None:
+        records, num = pending
+        state = ref.gdn_commit_reference(state, ref.FactorRecords(*(t.double().cpu() for t in records)), num.cpu())
+    o, _ = ref.gdn_tree_reference(*(x64[n] for n in NAMES), parents.cpu(), state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    k_hat = ref.l2norm(x64["k"]) if use_qk_l2norm else x64["k"]
+    return o, k_hat, state

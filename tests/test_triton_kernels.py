@@ -1,0 +1,158 @@
+"""Every Triton kernel under ``TRITON_INTERPRET=1`` on CPU against the fp64 reference (small shapes,
+random trees with padding, grouped heads HV = 2H, random inputs, NaN-poisoned outputs).
+
+Triton reads ``TRITON_INTERPRET`` when it is first imported, and other test modules import it
+(through fla) during collection; so in a normal run ``test_kernels_under_interpreter`` runs this file
+again in a fresh process with the variable set, where the kernel tests themselves run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_cases import (
+    NAMES,
+    accepted_records,
+    poisoned_allocations,
+    random_inputs,
+    random_parents,
+    reference_verify,
+    rel_err,
+)
+
+from specla_compile.kernels import reference as ref
+from specla_compile.kernels.dispatch import ROUTES, KernelConfig
+
+pytest.importorskip("triton")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_interpreter's process")
+if INTERPRETED:
+    from specla_compile.kernels import triton_conv as tc
+    from specla_compile.kernels import triton_verify as tv
+
+
+@pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(),
+                    reason="already interpreted, or CUDA present (test_gpu_kernels.py covers the compiled kernels)")
+def test_kernels_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
+
+
+# (topology kind, rows, real nodes, PAD tail, K, V, H, HV, l2norm, launch config)
+CASES = {
+    "chain": ("chain", 2, 9, 0, 16, 32, 1, 2, True, KernelConfig(block_v=16)),
+    "tree_padded": ("tree", 2, 12, 3, 32, 16, 2, 4, True, KernelConfig(block_k=16)),
+    "forest_no_l2": ("forest", 1, 16, 0, 32, 32, 1, 2, False, KernelConfig(block_v=32)),
+    "star_padded": ("star", 2, 7, 2, 16, 16, 2, 4, True, KernelConfig()),
+    "single_node": ("tree", 3, 1, 0, 16, 16, 1, 2, True, KernelConfig()),
+    "tree_16": ("tree", 1, 16, 0, 16, 32, 2, 4, True, KernelConfig(block_v=16, block_k=16)),
+}
+SCALE = 0.3
+
+
+def case_inputs(name: str, seed: int):
+    kind, rows, nodes, pad, dk, dv, heads, value_heads, l2, config = CASES[name]
+    parents = random_parents(rows, nodes, seed=seed, kind=kind, padding=pad)
+    x = random_inputs(parents, heads=heads, value_heads=value_heads, dk=dk, dv=dv, seed=seed, dtype=torch.float32)
+    return parents, x, l2, config
+
+
+@interpreted
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", CASES)
+def test_verify(case, route):
+    parents, x, l2, config = case_inputs(case, seed=len(case))
+    state = x["state"].clone()
+    with poisoned_allocations():
+        o, k_hat = tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route=route, config=config)
+    ref_o, ref_k, _ = reference_verify(x, parents, SCALE, l2)
+    assert rel_err(o, ref_o) <= 1e-5
+    assert rel_err(k_hat, ref_k) <= 1e-6
+    assert torch.equal(state, x["state"])  # verify never writes the durable state
+
+
+@interpreted
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", ["chain", "tree_padded", "star_padded", "tree_16"])
+def test_fused_commit_verify(case, route):
+    parents, x, l2, config = case_inputs(case, seed=7)
+    prev_parents, prev = case_inputs(case, seed=8)[:2]
+    records, num = accepted_records(prev, prev_parents, max_accepted=6, seed=9)
+    state = x["state"].clone()
+    with poisoned_allocations():
+        o, k_hat = tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route=route, config=config,
+                                  pending=tv.Pending(*records, num))
+    ref_o, ref_k, ref_state = reference_verify(x, parents, SCALE, l2, pending=(records, num))
+    assert rel_err(state, ref_state) <= 1e-6
+    assert rel_err(o, ref_o) <= 1e-5
+    assert rel_err(k_hat, ref_k) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_commit(block_v):
+    parents, x, _, _ = case_inputs("tree_padded", seed=3)
+    records, num = accepted_records(x, parents, max_accepted=8, seed=4)
+    assert num.min() < num.max()  # rows commit different lengths
+    state = x["state"].clone()
+    tv.commit_(state, *records, num, config=KernelConfig(block_v=block_v))
+    expected = ref.gdn_commit_reference(x["state"].double(), ref.FactorRecords(*(t.double() for t in records)), num)
+    assert rel_err(state, expected) <= 1e-6
+    assert torch.equal(state[num == 0], x["state"][num == 0])
+
+
+@interpreted
+def test_snapshot_holds_every_node_state():
+    parents, x, l2, _ = case_inputs("tree_padded", seed=5)
+    batch, n = parents.shape
+    hv, dk, dv = x["state"].shape[1:]
+    snapshot = torch.full((batch, hv, n, dk, dv), float("nan"))
+    tv.tree_verify(*(x[n_] for n_ in NAMES), parents, x["state"], SCALE, l2, route="serial", snapshot=snapshot)
+    _, states = ref.gdn_tree_reference(*(x[n_].double() for n_ in NAMES), parents, x["state"].double(),
+                                       scale=SCALE, use_qk_l2norm=l2)
+    assert rel_err(snapshot.transpose(1, 2), states) <= 1e-6
+
+
+@interpreted
+def test_unknown_route_and_misplaced_snapshot_are_refused():
+    parents, x, l2, _ = case_inputs("chain", seed=1)
+    args = (*(x[n] for n in NAMES), parents, x["state"], SCALE, l2)
+    with pytest.raises(ValueError, match="unknown route"):
+        tv.tree_verify(*args, route="warp")
+    with pytest.raises(ValueError, match="serial route"):
+        tv.tree_verify(*args, route="hybrid", snapshot=torch.empty(0))
+
+
+@interpreted
+@pytest.mark.parametrize("width, state_len, with_bias, silu", [(4, 3, True, True), (4, 6, False, True), (2, 1, True, False)])
+@pytest.mark.parametrize("kind", ["tree", "forest", "chain"])
+def test_tree_conv(kind, width, state_len, with_bias, silu):
+    gen = torch.Generator().manual_seed(width * 10 + state_len)
+    parents = random_parents(2, 13, seed=state_len, kind=kind, padding=3)
+    x = torch.randn(2, 16, 40, generator=gen)
+    conv_state = torch.randn(2, 40, state_len, generator=gen)
+    weight = torch.randn(40, width, generator=gen)
+    bias = torch.randn(40, generator=gen) if with_bias else None
+    with poisoned_allocations():
+        y = tc.tree_conv(x, conv_state, weight, bias, parents, silu, block_d=16)
+    expected = ref.tree_conv_reference(x.double(), conv_state.double(), weight.double(),
+                                       None if bias is None else bias.double(), parents, silu=silu)
+    assert rel_err(y, expected) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("state_len, accepted", [(3, [0, 2]), (3, [5, 1]), (6, [4, 4])])
+def test_conv_state_commit(state_len, accepted):
+    gen = torch.Generator().manual_seed(state_len)
+    conv_state = torch.randn(2, 40, state_len, generator=gen)
+    x = torch.randn(2, max(accepted) + 1, 40, generator=gen)
+    num = torch.tensor(accepted)
+    updated = conv_state.clone()
+    tc.conv_state_commit_(updated, x, num, block_d=16)
+    assert torch.equal(updated, ref.conv_state_commit_reference(conv_state, x, num))
