@@ -264,3 +264,24 @@ def test_backend_is_registered_without_importing_the_package():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+def test_inductor_inner_compiler_verifies_a_chain():
+    """The default inner compiler (inductor, C++ on CPU) on one family: slower to build, so once."""
+    torch._dynamo.reset()
+    model = tiny_model("fla", layers=2)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=gen)
+    chain = torch.randint(0, VOCAB, (1, 4), generator=gen)
+    compiled = torch.compile(model, backend="specla")
+    with torch.no_grad():
+        eager = model(prompt, use_cache=True)
+        expected = []
+        for t in range(4):
+            eager = model(chain[:, t : t + 1], past_key_values=eager.past_key_values, use_cache=True)
+            expected.append(eager.logits)
+        cache = compiled(prompt, use_cache=True).past_key_values
+        session = VerifySession()
+        with session.verify(torch.arange(-1, 3)[None]):
+            logits = compiled(input_ids=chain, past_key_values=cache, use_cache=True).logits
+        assert (logits - torch.cat(expected, 1)).abs().max() <= 1e-5
