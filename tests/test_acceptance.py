@@ -61,7 +61,9 @@ def test_bad_inputs_raise():
             warp_probs(torch.randn(2, 5), **kwargs)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8), (0.9, 7, 0.6)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8), (0.9, 7, 0.6)]
+)
 def test_warp_probs_matches_transformers_warpers(temperature, top_k, top_p):
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)) * 3
     ref = logits.clone()
@@ -119,7 +121,9 @@ def _first_two(parents, tokens, tp, dp, gen, use_draft_probs: bool, target: torc
     continue with a plain target sample, as the next iteration would."""
     out = sample_accept(tokens, torch.tensor([parents]).expand_as(tokens), tp, dp if use_draft_probs else None, gen)
     rows = torch.arange(tokens.shape[0])
-    emitted = torch.cat([tokens.gather(1, out.path.clamp(min=0))[:, 1:], torch.zeros(len(rows), 1, dtype=torch.long)], 1)
+    emitted = torch.cat(
+        [tokens.gather(1, out.path.clamp(min=0))[:, 1:], torch.zeros(len(rows), 1, dtype=torch.long)], 1
+    )
     emitted[rows, out.num_accepted - 1] = out.next_token
     first, second = emitted[:, 0], emitted[:, 1]
     single = out.num_accepted == 1

@@ -114,13 +114,17 @@ def test_tau_zero_keeps_only_best_paths(depth, top_k, seed):
     config = SpecConfig(mode="tree", depth=depth, top_k=top_k, budget=64, tau=0.0)
     pending = torch.tensor([seed % vocab])
     pruned = build_draft(PathLM(vocab, seed), pending, config)
-    full = build_draft(PathLM(vocab, seed), pending, SpecConfig(mode="tree", depth=depth, top_k=top_k, budget=64, tau=math.inf))
+    full = build_draft(
+        PathLM(vocab, seed), pending, SpecConfig(mode="tree", depth=depth, top_k=top_k, budget=64, tau=math.inf)
+    )
     paths = draft_paths(pruned.tokens[0], pruned.parents[0])
     everything = draft_paths(full.tokens[0], full.parents[0])
     assert len(everything) == top_k + (depth - 1) * top_k**2
-    score = lambda p: sum(  # noqa: E731
-        float(torch.log_softmax(path_logits((int(pending),) + p[:i], vocab, seed), -1)[p[i]]) for i in range(len(p))
-    )
+
+    def score(p: tuple[int, ...]) -> float:
+        context = (int(pending),)
+        return sum(float(torch.log_softmax(path_logits(context + p[:i], vocab, seed), -1)[p[i]]) for i in range(len(p)))
+
     best = {d: max((p for p in everything if len(p) == d), key=score) for d in range(1, depth + 1)}
     assert paths == {b[:i] for b in best.values() for i in range(1, len(b) + 1)}
 

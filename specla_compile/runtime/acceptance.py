@@ -41,7 +41,9 @@ def _check_draft(tokens: torch.Tensor, parents: torch.Tensor, dist: torch.Tensor
     if tokens.shape != parents.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must have the same shape")
     if dist.dim() != 3 or dist.shape[:2] != parents.shape:
-        raise ValueError(f"{name} must have shape [B, N, V] = [{parents.shape[0]}, {parents.shape[1]}, V], got {tuple(dist.shape)}")
+        raise ValueError(
+            f"{name} must have shape [B, N, V] = [{parents.shape[0]}, {parents.shape[1]}, V], got {tuple(dist.shape)}"
+        )
     return parents.to(tokens.device)
 
 

@@ -44,12 +44,30 @@ class DraftRequest:
     sequences: list[torch.Tensor]
 
 
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Size of the logits a causal LM produces (its output embedding's rows), e.g. to check a drafter."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(
+            f"{type(model).__name__} has no output embedding (get_output_embeddings()) to read its vocabulary from"
+        )
+    return head.weight.shape[0]
+
+
 class Drafter(ABC):
     """Base class of drafters. Subclasses set ``vocab_size`` (``None`` = any vocabulary) and
     ``needs_features`` (True = wants the target's last hidden state at committed positions)."""
 
     vocab_size: int | None = None
     needs_features: bool = False
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` unless this drafter proposes tokens of a target with ``vocab_size`` logits."""
+        if self.vocab_size is not None and self.vocab_size != vocab_size:
+            raise ValueError(
+                f"{type(self).__name__} drafts over a vocabulary of {self.vocab_size} tokens but the target has "
+                f"{vocab_size}; the drafter must share the target's tokenizer"
+            )
 
     def begin(self, sequences: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         """Start of ``generate``: the prompts (one 1-D tensor per row) and, if ``needs_features``, the

@@ -1,0 +1,196 @@
+"""The EAGLE-style draft head: its config, the module, checkpoint I/O and the training loss.
+
+Position ``t`` of the head reads the pair (target feature f_t, embedding of token x_{t+1}), fuses
+the concatenation with a linear layer, runs one Transformer decoder layer (RoPE self-attention and a
+SwiGLU MLP, pre-norm) and predicts the next feature f_{t+1}; the target's own LM head turns that
+prediction into logits for x_{t+2}. The target's input embeddings and LM head are used, frozen, and
+never stored in the head's checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..drafting import output_vocab_size
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class EagleConfig:
+    """Shape of an EAGLE head; ``hidden_size`` and ``vocab_size`` must equal the target's."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "num_heads", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EagleConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must split into {self.num_heads} heads of an even size (RoPE)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def for_target(cls, target: nn.Module, **overrides: int | float) -> EagleConfig:
+        """A head sized after ``target``: its hidden size and vocabulary, its attention head count
+        when that gives even head sizes (else 64-wide heads), its MLP width when it has one."""
+        hidden = target.get_input_embeddings().weight.shape[1]
+        cfg = getattr(target, "config", None)
+        heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "num_heads", None)
+        if not heads or hidden % heads or (hidden // heads) % 2:
+            heads = max(1, hidden // 64)
+        values = {
+            "hidden_size": hidden,
+            "vocab_size": output_vocab_size(target),
+            "num_heads": heads,
+            "intermediate_size": getattr(cfg, "intermediate_size", None) or 4 * hidden,
+            "rms_norm_eps": getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "norm_eps", None) or 1e-6,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    def check_target(self, target: nn.Module) -> None:
+        """Raise ``ValueError`` unless this head's hidden size and vocabulary match ``target``'s."""
+        hidden = target.get_input_embeddings().weight.shape[1]
+        vocab = output_vocab_size(target)
+        if (hidden, vocab) != (self.hidden_size, self.vocab_size):
+            raise ValueError(
+                f"EAGLE head was built for hidden_size={self.hidden_size}, vocab_size={self.vocab_size} but the "
+                f"target has hidden_size={hidden}, vocab_size={vocab}"
+            )
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE (rotate-half layout) of ``x [R, H, S, d]`` at integer ``positions [R, S]``."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
+    angle = (positions[:, None, :, None].double() * inv_freq).to(x.dtype)  # [R, 1, S, half]
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class EagleHead(nn.Module):
+    """One decoder layer over fused (feature, next-token embedding) pairs; predicts the next feature."""
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        self.config = config
+        d, i = config.hidden_size, config.intermediate_size
+        self.fuse = nn.Linear(2 * d, d)
+        self.attn_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.gate_proj, self.up_proj = nn.Linear(d, i, bias=False), nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run ``S`` pairs per row.
+
+        ``features, embeds [R, S, D]``; ``positions [R, S]``; ``past`` = cached keys and values
+        ``[R, H, P, d]``; ``mask [R or 1, S, P + S]`` (True = may attend) over the past and then these
+        ``S`` pairs. Returns the predicted next features ``[R, S, D]`` and these pairs' keys and values
+        ``[R, H, S, d]`` (RoPE applied) for the caller's cache.
+        """
+        rows, s, _ = features.shape
+        heads, dim = self.config.num_heads, self.config.head_dim
+        x = self.fuse(torch.cat([embeds, features], dim=-1))
+        h = self.attn_norm(x)
+        split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)  # noqa: E731
+        q = _rotate(split(self.q_proj(h)), positions, self.config.rope_theta)
+        k = _rotate(split(self.k_proj(h)), positions, self.config.rope_theta)
+        v = split(self.v_proj(h))
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(rows, s, heads * dim))
+        h = self.mlp_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x, k, v
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (the head's own weights only) to ``path``."""
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, CONFIG_NAME), "w") as f:
+            json.dump({"model_type": "specla_eagle_head", **dataclasses.asdict(self.config)}, f, indent=2)
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, os.path.join(path, WEIGHTS_NAME)
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> EagleHead:
+        """Load a head written by :meth:`save_pretrained`."""
+        config_file, weights_file = os.path.join(path, CONFIG_NAME), os.path.join(path, WEIGHTS_NAME)
+        if not (os.path.isfile(config_file) and os.path.isfile(weights_file)):
+            raise ValueError(f"{path} is not an EAGLE head checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        with open(config_file) as f:
+            raw = json.load(f)
+        if raw.pop("model_type", None) != "specla_eagle_head":
+            raise ValueError(f"{config_file} does not describe an EAGLE head (model_type != 'specla_eagle_head')")
+        head = cls(EagleConfig(**raw))
+        state = load_file(weights_file)
+        head.load_state_dict(state)
+        return head.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+
+
+def causal_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[1, length, length]`` mask letting each position see itself and earlier positions."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]
+
+
+def eagle_loss(
+    head: EagleHead,
+    embed: nn.Module,
+    lm_head: nn.Module,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    target_logits: torch.Tensor,
+    cls_weight: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE's training loss on a block ``input_ids [B, T]`` with the target's ``features [B, T, D]``
+    (last hidden state) and ``target_logits [B, T, V]``: Smooth-L1 regression of the predicted
+    feature onto f_{t+1}, plus ``cls_weight`` times the cross-entropy of the head's next-token
+    distribution against the target's at t+1. Returns the loss and float statistics (reg, cls,
+    top-1 agreement with the target)."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [batch, length >= 2], got {tuple(input_ids.shape)}")
+    dtype = head.fuse.weight.dtype
+    length = input_ids.shape[1] - 1
+    positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], length)
+    with torch.no_grad():
+        embeds = embed(input_ids[:, 1:]).to(dtype)
+        target_probs = target_logits[:, 1:].float().softmax(-1)
+    predicted, _, _ = head(features[:, :-1].to(dtype), embeds, positions, causal_mask(length, input_ids.device))
+    reg = F.smooth_l1_loss(predicted.float(), features[:, 1:].float())
+    log_probs = torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
+    cls = -(target_probs * log_probs).sum(-1).mean()
+    agree = (log_probs.argmax(-1) == target_probs.argmax(-1)).float().mean()
+    return reg + cls_weight * cls, {"reg": reg.item(), "cls": cls.item(), "top1": agree.item()}

@@ -1,0 +1,157 @@
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_lm import features_of, tiny_lm
+
+from specla_compile.runtime.config import SpecConfig
+from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+from specla_compile.runtime.drafters.eagle_head import causal_mask
+from specla_compile.runtime.drafting import DraftRequest
+from specla_compile.runtime.tree_builder import build_draft
+
+VOCAB = 300
+
+
+def make(seed: int = 0, dtype=torch.float64):
+    target = tiny_lm(vocab=VOCAB, seed=seed, dtype=dtype)
+    torch.manual_seed(seed + 1)
+    head = EagleHead(EagleConfig.for_target(target, intermediate_size=48)).to(dtype)
+    return target, head
+
+
+def test_head_shapes_and_cache_consistency():
+    target, head = make()
+    cfg = head.config
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_heads) == (32, VOCAB, 4)
+    feats, embeds = torch.randn(2, 7, 32, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64)
+    pos = torch.arange(7).expand(2, 7)
+    hidden, k, v = head(feats, embeds, pos, causal_mask(7))
+    assert hidden.shape == (2, 7, 32) and k.shape == v.shape == (2, 4, 7, 8)
+    # The same pairs fed as 4 cached + 3 new give the same outputs.
+    h1, k1, v1 = head(feats[:, :4], embeds[:, :4], pos[:, :4], causal_mask(4))
+    tail_mask = torch.ones(3, 7, dtype=torch.bool).tril(4)[None]
+    h2, _, _ = head(feats[:, 4:], embeds[:, 4:], pos[:, 4:], tail_mask, (k1, v1))
+    torch.testing.assert_close(torch.cat([h1, h2], 1), hidden)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="even size"):
+        EagleConfig(hidden_size=30, vocab_size=10, num_heads=4, intermediate_size=8)
+    with pytest.raises(ValueError, match="vocab_size"):
+        EagleConfig(hidden_size=32, vocab_size=0, num_heads=4, intermediate_size=8)
+
+
+def scratch_step(drafter: EagleDrafter, target, sequences, record: list):
+    """Oracle: every frontier node's whole pair sequence (real features of the committed pairs, then the
+    head's own predictions along its draft path) re-run through the head from scratch, no cache.
+    Appends the logits of every level to ``record``."""
+    head = drafter.head
+    state = {}
+
+    def run(pairs):
+        feats = torch.stack([f for f, _ in pairs])[None]
+        tokens = torch.tensor([t for _, t in pairs])[None]
+        n = len(pairs)
+        hidden, _, _ = head(feats, drafter.embed(tokens), torch.arange(n)[None], causal_mask(n))
+        return hidden[0, -1]
+
+    def step(frontier):
+        with torch.no_grad():
+            if frontier.depth == 0:
+                rows = []
+                for seq in sequences:
+                    f = features_of(target, seq[:-1])
+                    pairs = [(f[t], int(seq[t + 1])) for t in range(len(seq) - 1)]
+                    rows.append([(pairs, run(pairs))])
+            else:
+                rows = [
+                    [(row[s][0] + [(row[s][1], t)], None) for s, t in zip(slots, toks)]
+                    for row, slots, toks in zip(state["rows"], frontier.parent_slots.tolist(), frontier.tokens.tolist())
+                ]
+                rows = [[(pairs, run(pairs)) for pairs, _ in row] for row in rows]
+            state["rows"] = rows
+            record.append(torch.stack([torch.stack([drafter.lm_head(h) for _, h in row]) for row in rows]))
+            return record[-1]
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, top_k=3, budget=8, tau=3.0)]
+)
+def test_cache_rollback_matches_recomputing_from_scratch(config):
+    target, head = make(seed=2)
+    drafter = EagleDrafter(head, target)
+    seen = []
+    drafter.logits = lambda hidden: seen.append(EagleDrafter.logits(drafter, hidden)) or seen[-1]
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (6, 3)]
+    drafter.begin(seqs, [features_of(target, s) for s in seqs])
+    for _ in range(4):
+        seqs = [torch.cat([s, torch.randint(0, VOCAB, (1,), generator=gen)]) for s in seqs]  # pending tokens
+        seen.clear()
+        draft = drafter.propose(DraftRequest([0, 1], seqs), config)
+        oracle = []
+        expected = build_draft(scratch_step(drafter, target, seqs, oracle), torch.stack([s[-1] for s in seqs]), config)
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+        assert len(seen) == len(oracle) == config.depth
+        for got, want in zip(seen, oracle):
+            torch.testing.assert_close(got, want)
+        # Nothing speculative stays cached: one pair per committed token but the first.
+        assert [drafter._rows[b].cached for b in (0, 1)] == [len(s) - 1 for s in seqs]
+        # Accept part of the draft's first branch for row 0, reject everything for row 1.
+        kept = int(torch.randint(0, draft.tokens.shape[1], (1,), generator=gen))
+        accepted = [
+            draft.tokens[0, 1 : 1 + kept] if config.mode == "chain" else draft.tokens[0, 1:2],
+            torch.tensor([], dtype=torch.long),
+        ]
+        new = [torch.cat([s, a]) for s, a in zip(seqs, accepted)]
+        drafter.commit(
+            [0, 1],
+            [n[len(s) - 1 :] for s, n in zip(seqs, new)],
+            [features_of(target, n)[len(s) - 1 :] for s, n in zip(seqs, new)],
+        )
+        seqs = new
+
+
+def test_save_load_round_trip(tmp_path):
+    target, head = make(seed=4, dtype=torch.float32)
+    drafter = EagleDrafter(head, target)
+    drafter.save_pretrained(tmp_path)
+    stored = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert set(stored) == set(head.state_dict()), "only the head's own weights are stored"
+    assert json.load(open(tmp_path / "config.json"))["hidden_size"] == 32
+    loaded = EagleDrafter.from_pretrained(tmp_path, target)
+    seq = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(5))
+    config = SpecConfig(mode="tree", depth=3, top_k=2, budget=6)
+    drafts = []
+    for d in (drafter, loaded):
+        d.begin([seq[:-1]], [features_of(target, seq[:-1])])
+        drafts.append(d.propose(DraftRequest([0], [seq]), config))
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].parents, drafts[1].parents)
+    again = loaded.propose(DraftRequest([0], [seq]), config)
+    assert torch.equal(again.tokens, drafts[1].tokens), "re-drafting the same sequence is idempotent"
+    for a, b in zip(drafter.head.state_dict().values(), loaded.head.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        EagleDrafter.from_pretrained(tmp_path, tiny_lm(vocab=VOCAB, hidden=48))
+    with pytest.raises(ValueError, match="vocab_size=300"):
+        EagleDrafter.from_pretrained(tmp_path, tiny_lm(vocab=VOCAB + 1))
+    with pytest.raises(ValueError, match="not an EAGLE head checkpoint"):
+        EagleHead.from_pretrained(tmp_path / "missing")
+
+
+def test_feature_bookkeeping_errors():
+    target, head = make()
+    drafter = EagleDrafter(head, target)
+    seq = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(6))
+    with pytest.raises(ValueError, match="features over every prompt"):
+        drafter.begin([seq])
+    drafter.begin([seq], [features_of(target, seq)[:2]])
+    with pytest.raises(ValueError, match="target features"):
+        drafter.propose(DraftRequest([0], [torch.cat([seq, seq[:1]])]), SpecConfig())
+    with pytest.raises(ValueError, match=r"\[positions, 32\]"):
+        drafter.begin([seq], [torch.randn(5, 31, dtype=torch.float64)])

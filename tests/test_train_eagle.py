@@ -1,0 +1,112 @@
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_lm import features_of, tiny_lm
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from specla_compile.runtime.config import SpecConfig
+from specla_compile.runtime.drafters import EagleDrafter
+from specla_compile.runtime.drafting import DraftRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "theta", "iota"]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_eagle", ROOT / "examples" / "train_eagle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A tiny target saved with a word-level tokenizer, and a corpus of a .txt and a .jsonl file."""
+    target = tiny_lm(vocab=300, seed=0)
+    target.save_pretrained(tmp_path / "target")
+    vocab = {w: i + 2 for i, w in enumerate(WORDS)} | {"[UNK]": 0, "[EOS]": 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(
+        tmp_path / "target"
+    )
+    rng = random.Random(0)
+    text = lambda n: " ".join(rng.choice(WORDS[:5]) if rng.random() < 0.8 else rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    (tmp_path / "a.txt").write_text(text(500))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": text(40)}) + "\n" for _ in range(15)))
+    return tmp_path
+
+
+def args(work, out, steps, *extra):
+    return [
+        "--target",
+        str(work / "target"),
+        "--data",
+        str(work / "a.txt"),
+        str(work / "b.jsonl"),
+        "--out",
+        str(out),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--steps",
+        str(steps),
+        "--lr",
+        "3e-3",
+        "--save-every",
+        "15",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("tokenizer", [[], ["--tokenizer", "none"]], ids=["target-tokenizer", "bytes"])
+def test_training_runs_loss_drops_and_resumes(workdir, tokenizer):
+    script = load_script()
+    out = workdir / "head"
+    first = script.main(args(workdir, out, 30, *tokenizer))
+    losses = [r["loss"] for r in first]
+    assert [r["step"] for r in first] == list(range(1, 31))
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
+    assert first[-1]["top1"] > first[0]["top1"]
+
+    second = script.main(args(workdir, out, 40, *tokenizer, "--resume"))
+    assert [r["step"] for r in second] == list(range(31, 41))
+    assert second[0]["loss"] < losses[0], "resumed from the trained head, not from scratch"
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 41))
+    assert torch.load(out / "trainer_state.pt")["step"] == 40
+
+    target = tiny_lm(vocab=300, seed=0)
+    drafter = EagleDrafter.from_pretrained(out, target)
+    seq = torch.randint(2, 10, (12,), generator=torch.Generator().manual_seed(1))
+    drafter.begin([seq[:-1]], [features_of(target, seq[:-1])])
+    draft = drafter.propose(DraftRequest([0], [seq]), SpecConfig(mode="tree", depth=3, top_k=2, budget=5))
+    assert draft.tokens.shape[1] == 6
+
+
+def test_bad_corpus_and_resume_errors(workdir):
+    script = load_script()
+    (workdir / "bad.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
+    with pytest.raises(ValueError, match="'text' field"):
+        script.read_corpus([str(workdir / "bad.jsonl")])
+    with pytest.raises(ValueError, match="not found"):
+        script.read_corpus([str(workdir / "missing.txt")])
+    with pytest.raises(ValueError, match="no checkpoint"):
+        script.main(args(workdir, workdir / "fresh", 5, "--resume"))
+    with pytest.raises(ValueError, match="fewer than one block"):
+        script.make_blocks(list(range(10)), 32)
+
+
+def test_batches_cover_every_block_each_epoch():
+    script = load_script()
+    seen = torch.cat([script.batch_indices(10, step, 4, seed=3) for step in range(5)])  # 20 samples = 2 epochs
+    assert sorted(seen[:10].tolist()) == list(range(10)) and sorted(seen[10:].tolist()) == list(range(10))
+    assert torch.equal(script.batch_indices(10, 3, 4, seed=3), seen[12:16])
