@@ -22,8 +22,9 @@ class Draft:
 
     ``tokens [B, N]`` and ``parents [B, N]`` (topology conventions of :mod:`.topology`: -1 root,
     -2 padding at the row's tail). ``probs [B, N, V]``, when given, is the draft distribution at each
-    node from which that node's children were sampled without replacement; ``None`` means the
-    children were chosen deterministically (point masses), which lossless sampling also handles.
+    node from which that node's children were sampled without replacement, in node-index order;
+    ``None`` means the children were chosen deterministically (point masses), which lossless
+    sampling also handles.
     """
 
     tokens: torch.Tensor
