@@ -44,7 +44,7 @@ def random_inputs(
     """Unnormalized q, k (the kernels normalize), v, gates, fp32 state: random, never zero."""
     gen = torch.Generator().manual_seed(seed)
     batch, n = parents.shape
-    randn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    randn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     x = {
         "q": randn(batch, n, heads, dk).to(dtype),
         "k": randn(batch, n, heads, dk).to(dtype),
@@ -100,7 +100,7 @@ def poisoned_allocations() -> Iterator[None]:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error; NaN (an unwritten element) never passes."""
-    a, b = a.double().cpu(), b.double().cpu()
+    a, b = a.double(), b.double().to(a.device)
     if not torch.isfinite(a).all():
         return float("inf")
     return ((a - b).norm() / b.norm()).item()
@@ -108,12 +108,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def reference_verify(x: dict[str, torch.Tensor], parents: torch.Tensor, scale: float, use_qk_l2norm: bool,
                      pending: tuple[ref.FactorRecords, torch.Tensor] | None = None):
-    """fp64 oracle: (o, k_hat, state after the pending commit)."""
-    x64 = {n: t.double().cpu() for n, t in x.items()}
+    """fp64 oracle on the inputs' device: (o, k_hat, state after the pending commit)."""
+    x64 = {n: t.double() for n, t in x.items()}
     state = x64["state"]
     if pending is not None:
         records, num = pending
-        state = ref.gdn_commit_reference(state, ref.FactorRecords(*(t.double().cpu() for t in records)), num.cpu())
-    o, _ = ref.gdn_tree_reference(*(x64[n] for n in NAMES), parents.cpu(), state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        state = ref.gdn_commit_reference(state, ref.FactorRecords(*(t.double() for t in records)), num)
+    o, _ = ref.gdn_tree_reference(*(x64[n] for n in NAMES), parents, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     k_hat = ref.l2norm(x64["k"]) if use_qk_l2norm else x64["k"]
     return o, k_hat, state

@@ -39,7 +39,7 @@ if INTERPRETED:
 def test_kernels_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900)
+                         env=env, capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
 

@@ -56,34 +56,30 @@ class TopologyHint:
         return cls(num_nodes, num_nodes, 0)
 
 
+def route_features(route: str, hint: TopologyHint) -> tuple[float, ...]:
+    """What a route's latency grows with: the serial route walks every node and reloads a parked state
+    at every jump; the hybrid route's longest program walks the tree's height; the parallel route's
+    inverse takes log2(padded nodes) doubling levels."""
+    if route == "serial":
+        return (1.0, hint.num_nodes, hint.jumps)
+    if route == "hybrid":
+        return (1.0, hint.height)
+    if route == "parallel":
+        return (1.0, max(15, hint.num_nodes - 1).bit_length())
+    raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """latency(route) = base + per_node * (nodes walked serially) + per_jump * jumps (serial) or
-    base + per_level * log2(padded nodes) (parallel)."""
+    """Latency of a route = its coefficients . :func:`route_features` (microseconds)."""
 
-    serial_base: float
-    serial_per_node: float
-    serial_per_jump: float
-    hybrid_base: float
-    hybrid_per_node: float
-    parallel_base: float
-    parallel_per_level: float
+    coefficients: dict[str, tuple[float, ...]]
 
     def estimate(self, route: str, hint: TopologyHint) -> float:
-        if route == "serial":
-            return self.serial_base + self.serial_per_node * hint.num_nodes + self.serial_per_jump * hint.jumps
-        if route == "hybrid":
-            return self.hybrid_base + self.hybrid_per_node * hint.height
-        if route == "parallel":
-            return self.parallel_base + self.parallel_per_level * max(16, hint.num_nodes - 1).bit_length()
-        raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
+        return sum(c * f for c, f in zip(self.coefficients[route], route_features(route, hint), strict=True))
 
 
-H200_COSTS = CostModel(
-    serial_base=3.0, serial_per_node=0.35, serial_per_jump=0.6,
-    hybrid_base=4.0, hybrid_per_node=0.35,
-    parallel_base=5.0, parallel_per_level=0.5,
-)
+H200_COSTS = CostModel({"serial": (3.0, 0.35, 0.6), "hybrid": (4.0, 0.35), "parallel": (4.0, 0.5)})
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("specla_forced_route", default=None)
 _hint: contextvars.ContextVar[TopologyHint | None] = contextvars.ContextVar("specla_topology_hint", default=None)

@@ -76,7 +76,7 @@ def _apply_records(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, HV:
                    K: tl.constexpr, V: tl.constexpr, rk, mk, rv, mv):
     """Apply row b's first ``num`` pending records (normalized keys) to the state tile."""
     num = tl.minimum(tl.load(num_ptr + b).to(tl.int32), A)
-    for i in range(0, num):
+    for i in range(num):
         k = _load_key(pk, b, i, h, A, H, K, rk, mk, False)
         v = _load_value(pv, b, i, hv, A, HV, V, rv, mv)
         s = _step(s, k, v, _load_gate(pg, b, i, hv, A, HV), _load_gate(pb, b, i, hv, A, HV))
@@ -191,12 +191,12 @@ def _recurrent_kernel(
                 on_path = tl.sum(tl.where(rn[:, None] == start, incl.to(tl.int32), 0), 0) > 0
                 in_chain = head == start
                 s = s0
-                for t in range(0, start_depth):  # the boundary state, from the path's records
+                for t in range(start_depth):  # the boundary state, from the path's records
                     m = tl.sum(tl.where(on_path & (depth == t), rn, 0), 0)
                     kk = _load_key(k, b, m, h, N, H, K, rk, mk, USE_L2)
                     vv = _load_value(v, b, m, hv, N, HV, V, rv, mv)
                     s = _step(s, kk, vv, _load_gate(g, b, m, hv, N, HV), _load_gate(beta, b, m, hv, N, HV))
-                for t in range(0, tl.sum(in_chain.to(tl.int32), 0)):
+                for t in range(tl.sum(in_chain.to(tl.int32), 0)):
                     j = tl.sum(tl.where(in_chain & (depth == start_depth + t), rn, 0), 0)
                     qj = _load_key(q, b, j, h, N, H, K, rk, mk, USE_L2)
                     kj = _load_key(k, b, j, h, N, H, K, rk, mk, USE_L2)
@@ -208,7 +208,7 @@ def _recurrent_kernel(
                 prow = tl.load(parents + b * N + rn, mask=rn < N, other=_PAD)
                 park_base = parked + (i_bh.to(tl.int64) * N * K) * V + rk[:, None] * V + rv[None, :]
                 s = s0
-                for j in range(0, N):
+                for j in range(N):
                     p = tl.load(parents + b * N + j)
                     if p != j - 1:
                         if p < 0:  # a root (or padding): from the durable state

@@ -1,0 +1,167 @@
+"""The CUDA implementations of the ops (Triton kernels) at real shapes against the fp64 reference.
+
+K = V = 256, 8 value heads over 4 query/key heads, up to 64 nodes, random trees with padding, bf16
+inputs, fp32 state, outputs NaN-poisoned. Skipped without CUDA. Tolerances (relative Frobenius error):
+``o`` 1e-2 (a bf16 output's own rounding is ~2e-3 and the parallel route multiplies bf16-derived
+operands in tf32), ``k_hat`` and committed states 1e-5 (fp32 arithmetic); fp32 inputs 1e-4 for ``o``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import (
+    NAMES,
+    accepted_records,
+    poisoned_allocations,
+    random_inputs,
+    random_parents,
+    reference_verify,
+    rel_err,
+)
+
+from specla_compile.kernels import ops
+from specla_compile.kernels import reference as ref
+from specla_compile.kernels.dispatch import ROUTES, KernelConfig, use_route
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (topology kind, rows, real nodes, PAD tail)
+CASES = {
+    "single": ("tree", 2, 1, 0),
+    "chain8": ("chain", 2, 8, 0),
+    "chain16": ("chain", 1, 16, 0),
+    "tree16_padded": ("tree", 2, 13, 3),
+    "star24_padded": ("star", 1, 20, 4),
+    "forest33": ("forest", 2, 33, 0),
+    "tree64_padded": ("tree", 2, 60, 4),
+}
+HEADS, VALUE_HEADS, DIM = 4, 8, 256
+SCALE = DIM**-0.5
+O_TOL, EXACT_TOL = 1e-2, 1e-5
+
+
+def inputs(case: str, seed: int, dtype: torch.dtype = torch.bfloat16):
+    kind, rows, nodes, pad = CASES[case]
+    parents = random_parents(rows, nodes, seed=seed, kind=kind, padding=pad).cuda()
+    x = random_inputs(parents, heads=HEADS, value_heads=VALUE_HEADS, dk=DIM, dv=DIM, seed=seed, dtype=dtype, device="cuda")
+    return parents, x
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", CASES)
+def test_verify(case, route):
+    parents, x = inputs(case, seed=1)
+    state = x["state"].clone()
+    with poisoned_allocations(), use_route(route):
+        o, k_hat = ops.gdn_tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, True)
+    ref_o, ref_k, _ = reference_verify(x, parents, SCALE, True)
+    assert o.dtype == torch.bfloat16 and k_hat.dtype == torch.float32
+    assert rel_err(o, ref_o) <= O_TOL
+    assert rel_err(k_hat, ref_k) <= EXACT_TOL
+    assert torch.equal(state, x["state"])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", ["chain8", "tree16_padded", "forest33", "tree64_padded"])
+def test_fp32_inputs(case, route):
+    parents, x = inputs(case, seed=2, dtype=torch.float32)
+    with poisoned_allocations(), use_route(route):
+        o, _ = ops.gdn_tree_verify(*(x[n] for n in NAMES), parents, x["state"], SCALE, False)
+    assert rel_err(o, reference_verify(x, parents, SCALE, False)[0]) <= 1e-4
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", ["chain8", "tree16_padded", "tree64_padded"])
+def test_fused_commit_verify(case, route):
+    parents, x = inputs(case, seed=3)
+    prev_parents, prev = inputs(case, seed=4)
+    records, num = accepted_records(prev, prev_parents, max_accepted=8, seed=5)
+    state = x["state"].clone()
+    with poisoned_allocations(), use_route(route):
+        o, k_hat = ops.gdn_commit_verify_(state, *records, num, *(x[n] for n in NAMES), parents, SCALE, True)
+    ref_o, ref_k, ref_state = reference_verify(x, parents, SCALE, True, pending=(records, num))
+    assert rel_err(state, ref_state) <= EXACT_TOL
+    assert rel_err(o, ref_o) <= O_TOL
+    assert rel_err(k_hat, ref_k) <= EXACT_TOL
+
+
+def test_commit():
+    parents, x = inputs("tree64_padded", seed=6)
+    records, num = accepted_records(x, parents, max_accepted=8, seed=7)
+    state = x["state"].clone()
+    ops.gdn_commit_(state, *records, num)
+    expected = ref.gdn_commit_reference(x["state"].double(), ref.FactorRecords(*(t.double() for t in records)), num)
+    assert rel_err(state, expected) <= EXACT_TOL
+
+
+SWEEP = {
+    "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(32, 4), KernelConfig(32, 8)],
+    "hybrid": [KernelConfig(8, 2), KernelConfig(32, 4)],
+    "parallel": [KernelConfig(16, 4, 64), KernelConfig(32, 8, 32), KernelConfig(64, 8, 64), KernelConfig(64, 4, 32)],
+}
+
+
+@pytest.mark.parametrize("route, config", [(r, c) for r, cs in SWEEP.items() for c in cs])
+def test_launch_configs(route, config):
+    """Every launch shape the benchmark sweeps computes the same function."""
+    from specla_compile.kernels import triton_verify
+
+    parents, x = inputs("forest33", seed=8)
+    with poisoned_allocations():
+        o, _ = triton_verify.tree_verify(*(x[n] for n in NAMES), parents, x["state"], SCALE, True, route=route, config=config)
+    assert rel_err(o, reference_verify(x, parents, SCALE, True)[0]) <= O_TOL
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_cuda_graph_replay(route):
+    """Topology and inputs are device tensors read inside the kernels: a captured graph replays new
+    drafts (new parents too) without recapture, and capture itself needs no host synchronization."""
+    parents, x = inputs("tree16_padded", seed=9)
+    records, num = accepted_records(x, parents, max_accepted=4, seed=10)
+    static = {n: t.clone() for n, t in x.items()}
+    static_parents, static_num = parents.clone(), num.clone()
+    with use_route(route):
+        ops.gdn_commit_verify_(static["state"].clone(), *records, static_num, *(static[n] for n in NAMES), static_parents, SCALE, True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o, _ = ops.gdn_commit_verify_(static["state"], *records, static_num, *(static[n] for n in NAMES),
+                                          static_parents, SCALE, True)
+    new_parents, new = inputs("tree16_padded", seed=11)
+    for n, t in new.items():
+        static[n].copy_(t)
+    static_parents.copy_(new_parents)
+    static_num.copy_(num.flip(0))
+    graph.replay()
+    ref_o, _, ref_state = reference_verify(new, new_parents, SCALE, True, pending=(records, num.flip(0)))
+    assert rel_err(o, ref_o) <= O_TOL
+    assert rel_err(static["state"], ref_state) <= EXACT_TOL
+
+
+def test_float64_state_runs_the_reference():
+    parents, x = inputs("chain8", seed=12, dtype=torch.float64)
+    state = x["state"].double()
+    o, _ = ops.gdn_tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, True)
+    assert rel_err(o, reference_verify({**x, "state": state}, parents, SCALE, True)[0]) <= 1e-12
+
+
+@pytest.mark.parametrize("state_len, with_bias", [(3, True), (4, False)])
+@pytest.mark.parametrize("case", ["chain16", "tree64_padded", "forest33"])
+def test_tree_conv_and_commit(case, state_len, with_bias):
+    parents, _ = inputs(case, seed=13)
+    gen = torch.Generator().manual_seed(state_len)
+    batch, n = parents.shape
+    channels = 3 * HEADS * DIM  # q, k and v convolved together
+    x = torch.randn(batch, n, channels, generator=gen).bfloat16().cuda()
+    conv_state = torch.randn(batch, channels, state_len, generator=gen).bfloat16().cuda()
+    weight = torch.randn(channels, 4, generator=gen).bfloat16().cuda()
+    bias = torch.randn(channels, generator=gen).bfloat16().cuda() if with_bias else None
+    with poisoned_allocations():
+        y = ops.tree_conv(x, conv_state, weight, bias, parents, True)
+    expected = ref.tree_conv_reference(x.double(), conv_state.double(), weight.double(),
+                                       None if bias is None else bias.double(), parents)
+    assert rel_err(y, expected) <= O_TOL
+    num = torch.tensor([min(n, 5), 0][:batch], device="cuda")
+    updated = conv_state.clone()
+    ops.conv_state_commit_(updated, x, num)
+    assert torch.equal(updated, ref.conv_state_commit_reference(conv_state, x, num))
