@@ -171,13 +171,14 @@ def verify_bytes(n: int, *, state_writes: int = 0, pending: int = 0) -> int:
 
 
 def ours(route: str, parents: torch.Tensor, config=None) -> Callable:
+    """Our verify on one buffer set (with pending records: the fused commit), the dispatcher's launch shape
+    unless ``config`` is given."""
     from specla_compile.kernels import dispatch, triton_verify
 
-    config = config or dispatch.kernel_config(route, parents.shape[1])
-
     def run(s: dict, p=None, snap=None):
+        cfg = config or dispatch.kernel_config(route, parents.shape[1], p is not None)
         return triton_verify.tree_verify(s["q"], s["k"], s["v"], s["g"], s["beta"], parents, s["state"], SCALE, True,
-                                         route=route, pending=p, config=config, snapshot=snap)
+                                         route=route, pending=p, config=cfg, snapshot=snap)
 
     return run
 
@@ -238,7 +239,8 @@ def bench_topology(parents_list: list[int], states: list[torch.Tensor], seed: in
     for route in ("serial", "parallel", "hybrid"):
         run = ours(route, parents)
         writes = 2 * parked if route == "serial" else 0  # each parked state is written and read back
-        programs = (V // dispatch.kernel_config(route, n).block_v) * B * HV * (n if route == "hybrid" else 1)
+        cfg = dispatch.kernel_config(route, n)
+        programs = (V // cfg.block_v) * B * HV * (n if route == "hybrid" else 1)
         record(f"ours_{route}", time_graph(lambda i: run(sets[i])), verify_bytes(n, state_writes=writes), programs)
     if chain:
         pending_n = max(1, n // 2)
@@ -356,20 +358,22 @@ def bench_sweep(states: list[torch.Tensor]) -> list[dict]:
     shapes = {"chain8": chain_parents(8), "tree_2_4_16": beam_tree(2, 4, 16), "tree_2_24_32": beam_tree(2, 24, 32),
               "tree_4_4_32": beam_tree(4, 4, 32)}
     configs = {
-        "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(16, 4), KernelConfig(32, 4),
-                   KernelConfig(32, 8)],
-        "hybrid": [KernelConfig(8, 2), KernelConfig(16, 4), KernelConfig(32, 4)],
-        "parallel": [KernelConfig(16, 4, 64), KernelConfig(32, 4, 64), KernelConfig(32, 8, 64), KernelConfig(32, 8, 32),
-                     KernelConfig(64, 8, 64), KernelConfig(64, 4, 32)],
+        "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(16, 4)],
+        "hybrid": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 4)],
+        "parallel": [KernelConfig(64, 4, 32), KernelConfig(32, 4, 64), KernelConfig(64, 8, 32), KernelConfig(128, 4, 32),
+                     KernelConfig(128, 8, 32)],
+        "parallel+pending": [KernelConfig(32, 4, 64), KernelConfig(64, 4, 32), KernelConfig(16, 4, 64)],
     }
     out = []
     for shape, plist in shapes.items():
         parents = torch.tensor([plist], device="cuda")
         sets = make_sets(len(plist), states, seed=3)
+        pend = records_for(sets, 4)
         for route, cfgs in configs.items():
             for cfg in cfgs:
-                run = ours(route, parents, config=cfg)
-                t = time_graph(lambda i: run(sets[i]))["median_us"]
+                run = ours(route.split("+")[0], parents, config=cfg)
+                with_pending = route.endswith("+pending")
+                t = time_graph(lambda i: run(sets[i], p=pend[i] if with_pending else None))["median_us"]
                 out.append({"shape": shape, "route": route, "block_v": cfg.block_v, "num_warps": cfg.num_warps,
                             "block_k": cfg.block_k, "median_us": t})
                 print(f"    {shape} {route} {cfg}: {t:.2f} us", flush=True)

@@ -95,10 +95,11 @@ def test_commit():
     assert rel_err(state, expected) <= EXACT_TOL
 
 
-SWEEP = {
-    "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(32, 4), KernelConfig(32, 8)],
-    "hybrid": [KernelConfig(8, 2), KernelConfig(32, 4)],
-    "parallel": [KernelConfig(16, 4, 64), KernelConfig(32, 8, 32), KernelConfig(64, 8, 64), KernelConfig(64, 4, 32)],
+SWEEP = {  # every launch shape benchmarks/bench_kernels.py --sections sweep measures
+    "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(16, 4)],
+    "hybrid": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 4)],
+    "parallel": [KernelConfig(64, 4, 32), KernelConfig(32, 4, 64), KernelConfig(64, 8, 32), KernelConfig(128, 4, 32),
+                 KernelConfig(128, 8, 32), KernelConfig(16, 4, 64)],
 }
 
 
@@ -111,6 +112,21 @@ def test_launch_configs(route, config):
     with poisoned_allocations():
         o, _ = triton_verify.tree_verify(*(x[n] for n in NAMES), parents, x["state"], SCALE, True, route=route, config=config)
     assert rel_err(o, reference_verify(x, parents, SCALE, True)[0]) <= O_TOL
+
+
+@pytest.mark.parametrize("config", [KernelConfig(32, 4, 64), KernelConfig(64, 4, 32), KernelConfig(16, 4, 64)])
+def test_fused_parallel_launch_configs(config):
+    from specla_compile.kernels import triton_verify
+
+    parents, x = inputs("tree16_padded", seed=14)
+    records, num = accepted_records(x, parents, max_accepted=6, seed=15)
+    state = x["state"].clone()
+    with poisoned_allocations():
+        o, _ = triton_verify.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, True, route="parallel",
+                                         config=config, pending=triton_verify.Pending(*records, num))
+    ref_o, _, ref_state = reference_verify(x, parents, SCALE, True, pending=(records, num))
+    assert rel_err(state, ref_state) <= EXACT_TOL
+    assert rel_err(o, ref_o) <= O_TOL
 
 
 @pytest.mark.parametrize("route", ROUTES)

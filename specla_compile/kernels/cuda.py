@@ -30,7 +30,7 @@ def _in_place(state: torch.Tensor, update: Callable[[torch.Tensor], object]) -> 
 
 def _verify(q, k, v, g, beta, parents, state, scale, use_qk_l2norm, pending=None) -> tuple[torch.Tensor, torch.Tensor]:
     route = dispatch.choose_route(parents.shape[1])
-    config = dispatch.kernel_config(route, parents.shape[1])
+    config = dispatch.kernel_config(route, parents.shape[1], pending is not None)
     return triton_verify.tree_verify(
         q, k, v, g, beta, parents, state, scale, use_qk_l2norm, route=route, pending=pending, config=config)
 

@@ -29,8 +29,8 @@ ROUTES = ("serial", "parallel", "hybrid")
 class KernelConfig:
     """Launch shape of a route: V-tile width, warps per program, K chunk of the parallel route."""
 
-    block_v: int = 16
-    num_warps: int = 4
+    block_v: int = 8
+    num_warps: int = 1
     block_k: int = 64
 
 
@@ -118,8 +118,13 @@ def choose_route(num_nodes: int, costs: CostModel = H200_COSTS) -> str:
     return min(ROUTES, key=lambda route: costs.estimate(route, hint))
 
 
-def kernel_config(route: str, num_nodes: int) -> KernelConfig:
-    """Launch shape per route (H200, K = V = 256), from the benchmark's sweep."""
+def kernel_config(route: str, num_nodes: int, pending: bool = False) -> KernelConfig:
+    """Launch shape per route on an H200 at K = V = 256, from the benchmark's sweep. The recurrent
+    routes are latency-bound, so narrow tiles and few warps keep the K-reductions in-warp; the parallel
+    route amortizes its per-program node-matrix work over wide V tiles, narrower when the fused commit
+    also holds a full K x BV tile in registers."""
     if route == "parallel":
-        return KernelConfig(block_v=32, num_warps=8 if num_nodes > 16 else 4, block_k=64)
-    return KernelConfig(block_v=16, num_warps=4)
+        return KernelConfig(block_v=32, num_warps=4, block_k=64) if pending else KernelConfig(64, 4, 32)
+    if route == "hybrid":
+        return KernelConfig(block_v=8, num_warps=2)
+    return KernelConfig(block_v=8, num_warps=1)

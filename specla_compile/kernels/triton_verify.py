@@ -36,22 +36,18 @@ _PAD: tl.constexpr = tl.constexpr(PAD)
 
 
 @triton.jit
-def _load_key(ptr, b, j, h, N, H: tl.constexpr, K: tl.constexpr, rk, mk, USE_L2: tl.constexpr):
-    """One node's query or key row in fp32, L2-normalized when the model does it."""
-    x = tl.load(ptr + ((b * N + j) * H + h) * K + rk, mask=mk, other=0.0).to(tl.float32)
-    if USE_L2:
-        x = x * tl.rsqrt(tl.sum(x * x, 0) + _EPS)
-    return x
-
-
-@triton.jit
-def _load_value(ptr, b, j, hv, N, HV: tl.constexpr, V: tl.constexpr, rv, mv):
-    return tl.load(ptr + ((b * N + j) * HV + hv) * V + rv, mask=mv, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_gate(ptr, b, j, hv, N, HV: tl.constexpr):
-    return tl.load(ptr + (b * N + j) * HV + hv).to(tl.float32)
+def _load_node(q, k, v, g, beta, b, j, h, hv, N, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, rk, mk, rv, mv):
+    """Raw inputs of node j (clamped to the last node, so a walk may read one past its end). The walks
+    issue these one node ahead: their memory latency overlaps the previous step instead of stalling it."""
+    j = tl.minimum(j, N - 1)
+    qk = ((b * N + j) * H + h) * K + rk
+    gate = (b * N + j) * HV + hv
+    return (tl.load(q + qk, mask=mk, other=0.0).to(tl.float32),
+            tl.load(k + qk, mask=mk, other=0.0).to(tl.float32),
+            tl.load(v + gate * V + rv, mask=mv, other=0.0).to(tl.float32),
+            tl.load(g + gate).to(tl.float32),
+            tl.load(beta + gate).to(tl.float32))
 
 
 @triton.jit
@@ -63,8 +59,11 @@ def _step(s, k, v, g, beta):
 
 
 @triton.jit
-def _step_out(s, q, k, v, g, beta, scale):
+def _step_out(s, q, k, v, g, beta, scale, USE_L2: tl.constexpr):
     """The step plus o = scale S'^T q, with both K-reductions taken from alpha S so they run side by side."""
+    if USE_L2:
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + _EPS)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + _EPS)
     s = s * tl.exp(g)
     d = beta * (v - tl.sum(s * k[:, None], 0))
     o = scale * (tl.sum(s * q[:, None], 0) + tl.sum(q * k, 0) * d)
@@ -74,21 +73,25 @@ def _step_out(s, q, k, v, g, beta, scale):
 @triton.jit
 def _apply_records(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, HV: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, rk, mk, rv, mv):
-    """Apply row b's first ``num`` pending records (normalized keys) to the state tile."""
+    """Apply row b's first ``num`` pending records (normalized keys) to the state tile, each record
+    loaded one step ahead."""
     num = tl.minimum(tl.load(num_ptr + b).to(tl.int32), A)
+    # records have no query: the key pointer stands in for it and the copy is dropped
+    _, kn, vn, gn, bn = _load_node(pk, pk, pv, pg, pb, b, 0, h, hv, A, H, HV, K, V, rk, mk, rv, mv)
     for i in range(num):
-        k = _load_key(pk, b, i, h, A, H, K, rk, mk, False)
-        v = _load_value(pv, b, i, hv, A, HV, V, rv, mv)
-        s = _step(s, k, v, _load_gate(pg, b, i, hv, A, HV), _load_gate(pb, b, i, hv, A, HV))
+        ki, vi, gi, bi = kn, vn, gn, bn
+        _, kn, vn, gn, bn = _load_node(pk, pk, pv, pg, pb, b, i + 1, h, hv, A, H, HV, K, V, rk, mk, rv, mv)
+        s = _step(s, ki, vi, gi, bi)
     return s
 
 
 @triton.jit
 def _store_k_hat(k, k_hat, b, h, N, H: tl.constexpr, K: tl.constexpr, BKF: tl.constexpr,
-                 USE_L2: tl.constexpr):
-    """Emit the normalized keys of row b, head h (the verify's factor-record output), 16 nodes at a time."""
+                 USE_L2: tl.constexpr, first, stride):
+    """Emit the normalized keys of row b, head h (the verify's factor-record output) for the blocks of 16
+    nodes ``first, first + stride, ...``: the V-tile programs share the work, one block each."""
     rk = tl.arange(0, BKF)
-    for n0 in range(0, N, 16):
+    for n0 in range(first * 16, N, stride * 16):
         rr = n0 + tl.arange(0, 16)
         m = (rr < N)[:, None] & (rk < K)[None, :]
         off = ((b * N + rr[:, None]) * H + h) * K + rk[None, :]
@@ -166,9 +169,9 @@ def _recurrent_kernel(
     n_chains = 1
     if HYBRID:
         prow = tl.load(parents + b * N + rn, mask=rn < N, other=_PAD)
-        incl = _ancestor_matrix(prow, rn, LOG2BN)
-        is_start, head, depth = _heavy_light(prow, incl, rn, N)
-        n_chains = tl.sum(is_start.to(tl.int32), 0)
+        # chains = real nodes - nodes with a child (each has one heavy child): idle programs leave early
+        has_child = tl.max(((prow[:, None] == rn[None, :]) & (prow[:, None] >= 0)).to(tl.int32), 0)
+        n_chains = tl.sum((rn < N).to(tl.int32), 0) - tl.sum(has_child, 0)
     if c < n_chains:
         s0 = tl.load(state + tile_off, mask=tile_mask, other=0.0)
         if HAS_PENDING:
@@ -182,46 +185,51 @@ def _recurrent_kernel(
             else:
                 tl.store(state + tile_off, s0, mask=tile_mask)
         if VERIFY:
-            if (i_v == 0) & (hv % (HV // H) == 0) & (c == 0):
-                _store_k_hat(k, k_hat, b, h, N, H, K, BKF, USE_L2)
+            if (hv % (HV // H) == 0) & (c == 0):
+                _store_k_hat(k, k_hat, b, h, N, H, K, BKF, USE_L2, i_v, tl.num_programs(0))
             if HYBRID:
+                # walk the root path of this chain's start (no outputs), then the chain itself
+                incl = _ancestor_matrix(prow, rn, LOG2BN)
+                is_start, head, depth = _heavy_light(prow, incl, rn, N)
                 rank = tl.cumsum(is_start.to(tl.int32), 0) - 1
                 start = tl.sum(tl.where(is_start & (rank == c), rn, 0), 0)
-                start_depth = tl.sum(tl.where(rn == start, depth, 0), 0)
-                on_path = tl.sum(tl.where(rn[:, None] == start, incl.to(tl.int32), 0), 0) > 0
-                in_chain = head == start
-                s = s0
-                for t in range(start_depth):  # the boundary state, from the path's records
-                    m = tl.sum(tl.where(on_path & (depth == t), rn, 0), 0)
-                    kk = _load_key(k, b, m, h, N, H, K, rk, mk, USE_L2)
-                    vv = _load_value(v, b, m, hv, N, HV, V, rv, mv)
-                    s = _step(s, kk, vv, _load_gate(g, b, m, hv, N, HV), _load_gate(beta, b, m, hv, N, HV))
-                for t in range(tl.sum(in_chain.to(tl.int32), 0)):
-                    j = tl.sum(tl.where(in_chain & (depth == start_depth + t), rn, 0), 0)
-                    qj = _load_key(q, b, j, h, N, H, K, rk, mk, USE_L2)
-                    kj = _load_key(k, b, j, h, N, H, K, rk, mk, USE_L2)
-                    vj = _load_value(v, b, j, hv, N, HV, V, rv, mv)
-                    gj = _load_gate(g, b, j, hv, N, HV)
-                    s, oj = _step_out(s, qj, kj, vj, gj, _load_gate(beta, b, j, hv, N, HV), scale)
-                    tl.store(o + ((b * N + j) * HV + hv) * V + rv, oj.to(o.dtype.element_ty), mask=mv)
+                emit_from = tl.sum(tl.where(rn == start, depth, 0), 0)
+                on_path = (tl.sum(tl.where(rn[:, None] == start, incl.to(tl.int32), 0), 0) > 0) | (head == start)
+                steps = emit_from + tl.sum((head == start).to(tl.int32), 0)
             else:
-                prow = tl.load(parents + b * N + rn, mask=rn < N, other=_PAD)
+                steps = N
                 park_base = parked + (i_bh.to(tl.int64) * N * K) * V + rk[:, None] * V + rv[None, :]
-                s = s0
-                for j in range(N):
-                    p = tl.load(parents + b * N + j)
+                prow = tl.load(parents + b * N + rn, mask=rn < N, other=_PAD)
+                p_next = tl.load(parents + b * N)
+            j_next = tl.full([], 0, tl.int32)
+            if HYBRID:
+                j_next = tl.sum(tl.where(on_path & (depth == 0), rn, 0), 0)
+            qn, kn, vn, gn, bn = _load_node(q, k, v, g, beta, b, j_next, h, hv, N, H, HV, K, V, rk, mk, rv, mv)
+            s = s0
+            for t in range(steps):
+                j = j_next
+                qj, kj, vj, gj, bj = qn, kn, vn, gn, bn
+                if HYBRID:
+                    j_next = tl.sum(tl.where(on_path & (depth == t + 1), rn, 0), 0)
+                else:
+                    j_next = t + 1
+                    p = p_next
+                    p_next = tl.load(parents + b * N + tl.minimum(j_next, N - 1))
+                qn, kn, vn, gn, bn = _load_node(q, k, v, g, beta, b, j_next, h, hv, N, H, HV, K, V, rk, mk, rv, mv)
+                if not HYBRID:
                     if p != j - 1:
                         if p < 0:  # a root (or padding): from the durable state
                             s = s0
                         else:
                             tl.debug_barrier()  # the parked tile was written by other threads
                             s = tl.load(park_base + p * K * V, mask=tile_mask, other=0.0)
-                    qj = _load_key(q, b, j, h, N, H, K, rk, mk, USE_L2)
-                    kj = _load_key(k, b, j, h, N, H, K, rk, mk, USE_L2)
-                    vj = _load_value(v, b, j, hv, N, HV, V, rv, mv)
-                    gj = _load_gate(g, b, j, hv, N, HV)
-                    s, oj = _step_out(s, qj, kj, vj, gj, _load_gate(beta, b, j, hv, N, HV), scale)
-                    tl.store(o + ((b * N + j) * HV + hv) * V + rv, oj.to(o.dtype.element_ty), mask=mv)
+                s, oj = _step_out(s, qj, kj, vj, gj, bj, scale, USE_L2)
+                o_ptr = o + ((b * N + j) * HV + hv) * V + rv
+                if HYBRID:
+                    if t >= emit_from:  # past the boundary: this chain's own nodes
+                        tl.store(o_ptr, oj.to(o.dtype.element_ty), mask=mv)
+                else:
+                    tl.store(o_ptr, oj.to(o.dtype.element_ty), mask=mv)
                     if SNAPSHOT:
                         tl.store(park_base + j * K * V, s, mask=tile_mask)
                     else:
@@ -257,8 +265,8 @@ def _parallel_kernel(
         s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
         tl.store(state_tile + full_off, s0, mask=full_mask)
         tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
-    if (i_v == 0) & (hv % (HV // H) == 0):
-        _store_k_hat(k, k_hat, b, h, N, H, K, BKF, USE_L2)
+    if hv % (HV // H) == 0:
+        _store_k_hat(k, k_hat, b, h, N, H, K, BKF, USE_L2, i_v, tl.num_programs(0))
 
     rt = tl.arange(0, BT)
     mt = rt < N
@@ -364,6 +372,8 @@ def tree_verify(
     k_hat = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
     block_v = min(config.block_v, _pow2_at_least(dv, 16))
+    if route == "parallel":
+        block_v = max(block_v, 16)  # tensor-core products need 16 columns
     grid_v = triton.cdiv(dv, block_v)
     shape = dict(H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
                  HAS_PENDING=has_pending, num_warps=config.num_warps)
