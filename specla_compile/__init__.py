@@ -4,4 +4,18 @@ from .lowering.capture import install as _install_capture
 
 _install_capture()
 
+from .runtime.config import SpecConfig  # noqa: E402
+from .runtime.drafters import EagleDrafter, ModelDrafter, NgramDrafter  # noqa: E402
+from .runtime.generator import GenerationStats, SpeculativeGenerator, SpeculativeOutput  # noqa: E402
+
+__all__ = [
+    "EagleDrafter",
+    "GenerationStats",
+    "ModelDrafter",
+    "NgramDrafter",
+    "SpecConfig",
+    "SpeculativeGenerator",
+    "SpeculativeOutput",
+]
+
 __version__ = "0.1.0"

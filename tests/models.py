@@ -8,7 +8,9 @@ FAMILIES = ("fla", "qwen3_5", "qwen3_next")
 VOCAB = 97
 
 
-def tiny_model(family: str, *, seed: int = 0, layers: int = 4, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def tiny_model(
+    family: str, *, seed: int = 0, layers: int = 4, vocab: int = VOCAB, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """A small random model of ``family`` in eval mode. Hybrid families get full attention on the last
     of every 2 layers; Qwen3-Next is also MoE."""
     import specla_compile  # noqa: F401  (routes fla's GPU-only kernels to references on CPU)
@@ -19,14 +21,14 @@ def tiny_model(family: str, *, seed: int = 0, layers: int = 4, dtype: torch.dtyp
 
         cfg = GatedDeltaNetConfig(
             hidden_size=64, num_hidden_layers=layers, num_heads=2, num_v_heads=4, head_dim=16, expand_v=1,
-            vocab_size=VOCAB, fuse_cross_entropy=False,
+            vocab_size=vocab, fuse_cross_entropy=False,
         )
         model = GatedDeltaNetForCausalLM(cfg)
     elif family == "qwen3_5":
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
         cfg = Qwen3_5TextConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+            vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
             layer_types=["linear_attention", "full_attention"] * (layers // 2),
@@ -36,7 +38,7 @@ def tiny_model(family: str, *, seed: int = 0, layers: int = 4, dtype: torch.dtyp
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         cfg = Qwen3NextConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
             shared_expert_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,

@@ -1,0 +1,123 @@
+"""What the runtime needs to know about a model cache (fla ``Cache``, transformers ``DynamicCache``).
+
+GDN states (recurrent and conv) are handled through the verify ops and never touched here beyond
+copies; full-attention K/V of hybrid models are appended by every verification and compacted here to
+the accepted nodes. One walker, :func:`cache_slots`, knows where each family keeps its tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..kernels.reference import gather_nodes
+
+
+@dataclass
+class Slot:
+    """One tensor of a cache: ``holder[key]`` (a dict or list) or ``getattr(holder, key)``."""
+
+    holder: Any
+    key: Any
+    kind: str  # "state" (recurrent or conv, batch-first) or "kv" (attention K/V [B, H, L, D])
+
+    def get(self) -> torch.Tensor:
+        return self.holder[self.key] if isinstance(self.holder, (dict, list)) else getattr(self.holder, self.key)
+
+    def set(self, value: torch.Tensor) -> None:
+        if isinstance(self.holder, (dict, list)):
+            self.holder[self.key] = value
+        else:
+            setattr(self.holder, self.key, value)
+
+
+def _sequence_slots(holder, kind: str) -> Iterator[Slot]:
+    keys = sorted(holder) if isinstance(holder, dict) else range(len(holder))
+    for key in keys:
+        if isinstance(holder[key], torch.Tensor):
+            yield Slot(holder, key, kind)
+
+
+def cache_slots(cache) -> list[Slot]:
+    """Every tensor of ``cache``. Raises ``TypeError`` for a cache layout this runtime does not know."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"unsupported cache type {type(cache).__name__}: expected an fla Cache or a transformers DynamicCache")
+    slots: list[Slot] = []
+    for layer in layers:
+        state = getattr(layer, "state", None)
+        if isinstance(state, dict):  # fla
+            for name in ("recurrent_state", "conv_state", "ffn_state"):
+                value = state.get(name)
+                if isinstance(value, torch.Tensor):
+                    slots.append(Slot(state, name, "state"))
+                elif isinstance(value, (tuple, list)):
+                    state[name] = list(value)
+                    slots += _sequence_slots(state[name], "state")
+            if state.get("attn_state") is not None:
+                raise NotImplementedError("fla models with attention layers are not supported by the runtime yet")
+            continue
+        for name in ("recurrent_states", "conv_states"):  # transformers linear-attention layers
+            holder = getattr(layer, name, None)
+            if holder:
+                slots += _sequence_slots(holder, "state")
+        for name in ("keys", "values"):
+            if isinstance(getattr(layer, name, None), torch.Tensor) and getattr(layer, name).numel():
+                slots.append(Slot(layer, name, "kv"))
+    return slots
+
+
+def snapshot(cache) -> list[torch.Tensor]:
+    """Copies of every cache tensor, for :func:`restore` after a failure."""
+    return [slot.get().clone() for slot in cache_slots(cache)]
+
+
+def restore(cache, saved: list[torch.Tensor]) -> None:
+    for slot, value in zip(cache_slots(cache), saved):
+        if slot.get().shape == value.shape:
+            slot.get().copy_(value)  # in place: compiled graphs may hold the tensor's address
+        else:
+            slot.set(value)
+
+
+def stack_rows(caches: list, lengths: list[int]):
+    """One batched cache from single-row caches; attention K/V of shorter rows are left-padded with
+    zeros (the runtime masks them). ``lengths`` are the rows' token counts."""
+    merged = copy.copy(caches[0])
+    merged.layers = copy.deepcopy(caches[0].layers)
+    longest = max(lengths)
+    per_row = [cache_slots(c) for c in caches]
+    for i, slot in enumerate(cache_slots(merged)):
+        rows = [slots[i].get() for slots in per_row]
+        if slot.kind == "kv":
+            rows = [torch.nn.functional.pad(r, (0, 0, longest - r.shape[-2], 0)) for r in rows]
+        slot.set(torch.cat(rows, dim=0))
+    set_seen_tokens(merged, longest)
+    return merged
+
+
+def compact_attention(cache, past: int, path: torch.Tensor, width: int) -> None:
+    """After a verification appended N draft nodes to every attention layer: keep positions ``:past``
+    and then, per row, the nodes ``path[b, :width]`` (the caller masks entries past a row's count)."""
+    for slot in cache_slots(cache):
+        if slot.kind != "kv":
+            continue
+        kv = slot.get()
+        drafted = kv[..., past:, :].transpose(1, 2)  # [B, N, H, D]: nodes second, as gather_nodes wants
+        kept = gather_nodes(drafted, path[:, :width]).transpose(1, 2)
+        slot.set(torch.cat([kv[..., :past, :], kept], dim=-2))
+
+
+def set_seen_tokens(cache, count: int) -> None:
+    """Keep fla's token counters in line with what the cache holds (drafts are not 'seen')."""
+    for owner in (cache, *getattr(cache, "layers", ())):
+        if hasattr(owner, "_seen_tokens"):
+            owner._seen_tokens = count
+
+
+def has_attention(cache) -> bool:
+    return any(slot.kind == "kv" for slot in cache_slots(cache))

@@ -1,0 +1,388 @@
+"""``SpeculativeGenerator``: the draft -> verify -> accept loop over a ``specla``-compiled GDN model.
+
+One iteration: the drafter proposes a tree per active row (node 0 = the pending token), the compiled
+model verifies all trees in one pass (:class:`~specla_compile.lowering.session.VerifySession`; the
+previous iteration's accepted records are committed inside that pass), acceptance picks a path per
+row, the accepted path's factor records become pending, attention K/V (hybrid models) are compacted
+to the accepted nodes. At the end the pending records are flushed, so the cache equals the cache of
+plain decoding of the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ..lowering.session import VerifySession
+from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
+from .cache_layout import compact_attention, has_attention, restore, set_seen_tokens, snapshot, stack_rows
+from .config import SpecConfig
+from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
+from .topology import PAD, ancestor_mask, bucket_size, depth
+
+
+@dataclass
+class GenerationStats:
+    """What one ``generate`` call did. Per-row lists hold one entry per (iteration, active row)."""
+
+    iterations: int = 0
+    prefill_passes: int = 0
+    new_tokens: int = 0
+    accepted_drafts: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    commit_seconds: float = 0.0
+
+    @property
+    def target_passes(self) -> int:
+        return self.prefill_passes + self.iterations
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        """New tokens per target forward pass (plain decoding: 1 per row and pass)."""
+        return self.new_tokens / max(self.target_passes, 1)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens accepted per iteration and row (the target's own token not counted)."""
+        return sum(self.accepted_drafts) / max(len(self.accepted_drafts), 1)
+
+    @property
+    def first_token_match_rate(self) -> float:
+        """Share of (iteration, row) whose first drafted token was accepted."""
+        return sum(a > 0 for a in self.accepted_drafts) / max(len(self.accepted_drafts), 1)
+
+    def summary(self) -> dict[str, float]:
+        sizes = self.tree_sizes or [0]
+        return {
+            "iterations": self.iterations,
+            "target_passes": self.target_passes,
+            "new_tokens": self.new_tokens,
+            "tokens_per_target_pass": round(self.tokens_per_target_pass, 3),
+            "mean_accepted": round(self.mean_accepted, 3),
+            "first_token_match_rate": round(self.first_token_match_rate, 3),
+            "mean_tree_size": round(sum(sizes) / len(sizes), 2),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "commit_seconds": round(self.commit_seconds, 4),
+        }
+
+
+@dataclass
+class SpeculativeOutput:
+    """``sequences [B, T + new]`` (prompt as given, then new tokens, ``pad_token_id`` after a row ends),
+    ``stats``, and the model cache holding prompt and new tokens except each row's last."""
+
+    sequences: torch.Tensor
+    stats: GenerationStats
+    past_key_values: object
+
+
+def _as_token_list(eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compile_for_verification(model: torch.nn.Module, options: dict | None = None) -> torch.nn.Module:
+    """``torch.compile(model, backend="specla", options=options)``, once per model and options: every
+    separate compile would start Dynamo's graph cache (and its recompile limit) anew."""
+    per_model = _COMPILED.setdefault(model, {})
+    key = json.dumps(options or {}, sort_keys=True)
+    if key not in per_model:
+        per_model[key] = torch.compile(model, backend="specla", options=options)
+    return per_model[key]
+
+
+class SpeculativeGenerator:
+    """Speculative decoding of a GDN model with a drafter.
+
+    ``model``: an eager fla / transformers causal LM (compiled here with ``backend="specla"`` and
+    ``compile_options``) or one already compiled with that backend.
+    """
+
+    def __init__(self, model: torch.nn.Module, drafter: Drafter, config: SpecConfig | None = None, *, compile_options: dict | None = None):
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            self.compiled, self.model = model, model._orig_mod
+        else:
+            self.model = model
+            self.compiled = compile_for_verification(model, compile_options)
+        self.drafter = drafter
+        self.config = config or SpecConfig()
+        self.vocab_size = output_vocab_size(self.model)
+        drafter.check_vocab(self.vocab_size)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        streamer=None,
+        *,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        past_key_values=None,
+    ) -> SpeculativeOutput:
+        """Generate up to ``max_new_tokens`` per row; the same tokens as plain decoding when greedy, the
+        same distribution when sampling (transformers' argument conventions). ``attention_mask`` marks
+        each row's real tokens (left or right padding). ``past_key_values`` continues from a cache that
+        an earlier call returned (rows then all have the same new length)."""
+        rows = self._check_inputs(input_ids, max_new_tokens, attention_mask, streamer, past_key_values)
+        if do_sample:
+            warp_probs(torch.zeros(1, 1), temperature, top_k, top_p)  # validates the warper arguments
+        saved = snapshot(past_key_values) if past_key_values is not None else None
+        try:
+            return _Run(self, rows, max_new_tokens, do_sample, (temperature, top_k, top_p), eos_token_id, streamer, generator).run(
+                input_ids, pad_token_id, past_key_values
+            )
+        except BaseException:
+            if saved is not None:
+                restore(past_key_values, saved)
+            raise
+
+    def _check_inputs(self, input_ids, max_new_tokens, attention_mask, streamer, past_key_values) -> list[torch.Tensor]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError("input_ids must be an integer tensor of shape [batch, length]")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty: every row needs at least one token")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if (input_ids < 0).any() or (input_ids >= self.vocab_size).any():
+            raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {self.vocab_size})")
+        if streamer is not None and input_ids.shape[0] != 1:
+            raise ValueError("streaming supports batch size 1 only (as in transformers)")
+        if attention_mask is None:
+            return list(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+        if past_key_values is not None and not attention_mask.bool().all():
+            raise ValueError("continuing from past_key_values needs rows of equal length (no padding)")
+        rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
+        if any(r.numel() == 0 for r in rows):
+            raise ValueError("a row of input_ids has no real token (its attention_mask is all zeros)")
+        return rows
+
+
+class _Run:
+    """The state of one ``generate`` call."""
+
+    def __init__(self, owner: SpeculativeGenerator, rows, max_new_tokens, do_sample, warp, eos_token_id, streamer, generator):
+        self.owner, self.compiled, self.drafter, self.config = owner, owner.compiled, owner.drafter, owner.config
+        self.rows = [r.long() for r in rows]
+        self.device = self.rows[0].device
+        self.batch = len(rows)
+        self.max_new_tokens = max_new_tokens
+        self.do_sample, self.warp, self.generator = do_sample, warp, generator
+        self.eos = _as_token_list(eos_token_id)
+        self.streamer = streamer
+        self.stats = GenerationStats()
+        self.session = VerifySession()
+        self.nodes = bucket_size(self.config.max_nodes, self.config.bucket)
+        self.new_tokens: list[list[int]] = [[] for _ in rows]
+        self.finished = [False] * self.batch
+
+    @contextmanager
+    def _timed(self, what: str):
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - start)
+
+    # --- prefill ---------------------------------------------------------------------------------
+
+    def _model_kwargs(self) -> dict:
+        return {"use_cache": True, "output_hidden_states": self.drafter.needs_features}
+
+    def _prefill(self, past_key_values):
+        """Process the prompts with the eager model (a plain call of the compiled one is the same
+        computation, but every prompt length would be a new graph); returns the first new token of every
+        row. Rows run one at a time (exact lengths, no padding inside GDN states) and are stacked into
+        one batched cache."""
+        outs = []
+        if past_key_values is not None:
+            if self.batch > 1 and has_attention(past_key_values):
+                raise NotImplementedError("continuing a batched hybrid-model cache is not supported; continue rows one by one")
+            before = _committed_length(past_key_values)
+            out = self.owner.model(input_ids=torch.stack(self.rows), past_key_values=past_key_values, **self._model_kwargs())
+            self.stats.prefill_passes = 1
+            self.cache = out.past_key_values
+            self.committed = torch.tensor([before + r.numel() for r in self.rows], device=self.device)
+            outs = [(out.logits[b, -1], out.hidden_states[-1][b] if self.drafter.needs_features else None) for b in range(self.batch)]
+        else:
+            caches = []
+            for row in self.rows:
+                out = self.owner.model(input_ids=row[None], **self._model_kwargs())
+                caches.append(out.past_key_values)
+                outs.append((out.logits[0, -1], out.hidden_states[-1][0] if self.drafter.needs_features else None))
+            self.stats.prefill_passes = self.batch
+            lengths = [r.numel() for r in self.rows]
+            self.cache = caches[0] if self.batch == 1 else stack_rows(caches, lengths)
+            self.committed = torch.tensor(lengths, device=self.device)
+        self.attention = has_attention(self.cache)
+        if self.attention:
+            longest = int(self.committed.max())
+            self.kv_valid = torch.arange(longest, device=self.device)[None] >= (longest - self.committed)[:, None]
+        logits = torch.stack([o[0] for o in outs])
+        first = self._sample(logits)
+        features = [o[1] for o in outs] if self.drafter.needs_features else None
+        self.drafter.begin([r.clone() for r in self.rows], features)
+        return first
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.do_sample:
+            return logits.argmax(-1)
+        probs = warp_probs(logits, *self.warp)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    # --- one iteration -------------------------------------------------------------------------
+
+    def _draft(self, active: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Draft trees of the active rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
+        request = DraftRequest(active, [torch.cat([self.rows[b], self.pending_of(b)]) for b in active])
+        draft: Draft = self.drafter.propose(request, self.config)
+        n = draft.tokens.shape[1]
+        if n > self.nodes:
+            raise ValueError(f"{type(self.drafter).__name__} proposed {n} nodes, more than the configured {self.nodes}")
+        tokens = self.pending[:, None].repeat(1, self.nodes)
+        parents = torch.full((self.batch, self.nodes), PAD, dtype=torch.long, device=self.device)
+        parents[:, 0] = -1
+        index = torch.tensor(active, device=self.device)
+        tokens[index, :n] = draft.tokens.to(self.device)
+        parents[index, :n] = draft.parents.to(self.device)
+        probs = None
+        if draft.probs is not None:
+            probs = torch.zeros(self.batch, self.nodes, draft.probs.shape[-1], device=self.device)
+            probs[index, :n] = draft.probs.to(self.device, torch.float32)
+        return tokens, parents, probs
+
+    def pending_of(self, b: int) -> torch.Tensor:
+        return self.pending[b : b + 1]
+
+    def _verify(self, tokens: torch.Tensor, parents: torch.Tensor):
+        kwargs = self._model_kwargs()
+        tree_mask = None
+        if self.attention:
+            tree = ancestor_mask(parents, inclusive=True)
+            past = self.kv_valid[:, None, None, :].expand(-1, 1, self.nodes, -1)
+            tree_mask = torch.cat([past, tree[:, None]], dim=-1)
+            kwargs["position_ids"] = self.committed[:, None] + depth(parents)
+        with self.session.verify(parents, tree_mask):
+            out = self.compiled(input_ids=tokens, past_key_values=self.cache, **kwargs)
+        if not self.session.records:
+            raise ValueError(
+                "the verification pass went through no GDN layer: the model has none, was compiled with another "
+                "backend than 'specla', or Dynamo hit its recompile limit and ran the model eagerly"
+            )
+        return out
+
+    def _accept(self, tokens, parents, probs, logits) -> Acceptance:
+        if not self.do_sample:
+            return greedy_accept(tokens, parents, logits)
+        return sample_accept(tokens, parents, warp_probs(logits, *self.warp), probs, self.generator)
+
+    def _emit(self, acceptance: Acceptance, tokens: torch.Tensor) -> list[list[int]]:
+        """New tokens per row: the accepted drafts then the target's token, cut at EOS and at the budget."""
+        path_tokens = acceptance.accepted_tokens(tokens)
+        next_tokens = acceptance.next_token.tolist()
+        emitted = []
+        for b in range(self.batch):
+            if self.finished[b]:
+                emitted.append([])
+                continue
+            row = path_tokens[b][1:].tolist() + [next_tokens[b]]
+            row = row[: self.max_new_tokens - len(self.new_tokens[b])]
+            for i, t in enumerate(row):
+                if t in self.eos:
+                    row = row[: i + 1]
+                    break
+            self.stats.accepted_drafts.append(int(acceptance.num_accepted[b]) - 1)
+            emitted.append(row)
+        return emitted
+
+    def _record(self, emitted: list[list[int]]) -> None:
+        for b, row in enumerate(emitted):
+            if not row:
+                continue
+            self.new_tokens[b] += row
+            self.stats.new_tokens += len(row)
+            if row[-1] in self.eos or len(self.new_tokens[b]) >= self.max_new_tokens:
+                self.finished[b] = True
+        if self.streamer is not None and emitted[0]:
+            self.streamer.put(torch.tensor(emitted[0]))
+
+    def _commit(self, acceptance: Acceptance, tokens: torch.Tensor, emitted: list[list[int]], hidden) -> None:
+        """Keep the first ``len(emitted[b])`` accepted nodes of every row: the old pending token and the
+        accepted drafts before the new pending token."""
+        counts = torch.tensor([len(e) for e in emitted], device=self.device)
+        self.session.accept(acceptance.path, counts)
+        width = int(counts.max())
+        if self.attention:
+            past = self.kv_valid.shape[1]
+            compact_attention(self.cache, past, acceptance.path, width)
+            new_valid = torch.arange(width, device=self.device)[None] < counts[:, None]
+            self.kv_valid = torch.cat([self.kv_valid, new_valid], dim=1)
+        committed_paths = [acceptance.path[b, : len(e)] for b, e in enumerate(emitted)]
+        active = [b for b, e in enumerate(emitted) if e]
+        features = [hidden[b, committed_paths[b]] for b in active] if hidden is not None else None
+        self.drafter.commit(active, [tokens[b, committed_paths[b]] for b in active], features)
+        for b in active:
+            self.rows[b] = torch.cat([self.rows[b], tokens[b, committed_paths[b]]])
+        self.committed += counts
+        set_seen_tokens(self.cache, int(self.committed.max()))
+        last = torch.tensor([e[-1] if e else 0 for e in emitted], device=self.device)
+        self.pending = torch.where(counts > 0, last, self.pending)
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self, input_ids: torch.Tensor, pad_token_id: int | None, past_key_values) -> SpeculativeOutput:
+        with self._timed("verify_seconds"):
+            first = self._prefill(past_key_values)
+        self.pending = first
+        if self.streamer is not None:
+            self.streamer.put(input_ids[0].cpu())
+        self._record([[t] for t in first.tolist()])
+        while not all(self.finished):
+            active = [b for b in range(self.batch) if not self.finished[b]]
+            with self._timed("draft_seconds"):
+                tokens, parents, probs = self._draft(active)
+            with self._timed("verify_seconds"):
+                out = self._verify(tokens, parents)
+            with self._timed("commit_seconds"):
+                acceptance = self._accept(tokens, parents, probs, out.logits)
+                emitted = self._emit(acceptance, tokens)
+                hidden = out.hidden_states[-1] if self.drafter.needs_features else None
+                self._commit(acceptance, tokens, emitted, hidden)
+                self._record(emitted)
+            self.stats.iterations += 1
+            self.stats.tree_sizes += [int((parents[b] != PAD).sum()) for b in active]
+        with self._timed("commit_seconds"):
+            self.session.flush()
+        if self.streamer is not None:
+            self.streamer.end()
+        pad = pad_token_id if pad_token_id is not None else (self.eos[0] if self.eos else 0)
+        longest = max(len(t) for t in self.new_tokens)
+        new = torch.full((self.batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
+        for b, toks in enumerate(self.new_tokens):
+            new[b, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
+        return SpeculativeOutput(torch.cat([input_ids, new], dim=1), self.stats, self.cache)
+
+
+def _committed_length(cache) -> int:
+    getter = getattr(cache, "get_seq_length", None)
+    return int(getter()) if getter is not None else 0

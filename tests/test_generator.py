@@ -1,0 +1,212 @@
+"""SpeculativeGenerator end to end on tiny random models of the three families (CPU, fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from cache_utils import cache_tensors, max_cache_diff
+from models import FAMILIES, VOCAB, tiny_model
+from scipy.stats import chi2_contingency
+
+from specla_compile import SpecConfig, SpeculativeGenerator
+from specla_compile.runtime import acceptance as acceptance_module
+from specla_compile.runtime.baseline import autoregressive_generate
+from specla_compile.runtime.cache_layout import cache_slots
+from specla_compile.runtime.drafters import ModelDrafter, NgramDrafter
+from specla_compile.runtime.drafting import Draft, Drafter, DraftRequest
+from specla_compile.runtime.tree_builder import draft_from_paths
+
+COMPILE = {"inner": "aot_eager"}
+SETTINGS = [
+    SpecConfig(mode="chain", depth=3, bucket=4),
+    SpecConfig(mode="chain", depth=6, bucket=8),
+    SpecConfig(mode="tree", depth=3, top_k=2, budget=7, bucket=8),
+]
+
+
+class OracleDrafter(Drafter):
+    """Drafts the target's own greedy continuation (known in advance) with random mistakes and random
+    extra branches, so accepted lengths vary from 0 to the whole draft."""
+
+    def __init__(self, continuations: list[list[int]], error_rate: float = 0.3, seed: int = 0):
+        self.continuations, self.error_rate = continuations, error_rate
+        self.rng = random.Random(seed)
+
+    def begin(self, sequences, features=None):
+        self.prompt_lengths = [s.numel() for s in sequences]
+
+    def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
+        rows = []
+        for b, seq in zip(request.rows, request.sequences):
+            emitted = seq.numel() - self.prompt_lengths[b]  # new tokens so far, the pending one included
+            truth = self.continuations[b][emitted : emitted + config.depth]
+            nodes, parent = [], 0
+            for token in truth:
+                if self.rng.random() < self.error_rate:
+                    token = self.rng.randrange(VOCAB)
+                nodes.append((token, parent))
+                parent = len(nodes)
+                if config.mode == "tree" and len(nodes) < config.budget and self.rng.random() < 0.5:
+                    nodes.append((self.rng.randrange(VOCAB), parent - 1))  # a sibling of the node just added
+            rows.append(nodes[: config.budget if config.mode == "tree" else config.depth])
+        return draft_from_paths(torch.stack([s[-1] for s in request.sequences]), rows)
+
+
+def plain(model, prompt: torch.Tensor, max_new_tokens: int, eos=None):
+    return autoregressive_generate(model, prompt[None], max_new_tokens, eos_token_id=eos)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_is_token_identical_to_plain_decoding(family):
+    model = tiny_model(family)
+    gen = torch.Generator().manual_seed(0)
+    for trial, config in enumerate(SETTINGS * 2):
+        prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen)
+        max_new = int(torch.randint(1, 15, (1,), generator=gen))
+        expected, expected_cache = plain(model, prompt, max_new)
+        reference = expected[0, prompt.numel() :].tolist()
+        spec = SpeculativeGenerator(model, OracleDrafter([reference + [0] * 16], seed=trial), config, compile_options=COMPILE)
+        out = spec.generate(prompt[None], max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected.tolist(), f"{config}, prompt {prompt.tolist()}"
+        assert out.stats.new_tokens == max_new
+        if max_new > 1:
+            assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
+        assert out.stats.target_passes <= max_new  # never more passes than plain decoding
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_inside_a_draft_and_ragged_batch(family):
+    model = tiny_model(family)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (1, 5, 3)]
+    refs = [plain(model, p, 12)[0][0, p.numel() :].tolist() for p in prompts]
+    eos = refs[1][4]  # a token row 1 emits mid-stream (and maybe other rows too)
+    expected = [plain(model, p, 12, eos)[0][0, p.numel() :].tolist() for p in prompts]
+    width = max(p.numel() for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for b, p in enumerate(prompts):  # left padding, as for transformers' generate
+        input_ids[b, width - p.numel() :], mask[b, width - p.numel() :] = p, 1
+    spec = SpeculativeGenerator(model, OracleDrafter([r + [0] * 16 for r in refs], error_rate=0.2), SETTINGS[1], compile_options=COMPILE)
+    out = spec.generate(input_ids, max_new_tokens=12, eos_token_id=eos, attention_mask=mask, pad_token_id=VOCAB + 1)
+    for b, exp in enumerate(expected):
+        row = out.sequences[b, width:].tolist()
+        assert row[: len(exp)] == exp and all(t == VOCAB + 1 for t in row[len(exp) :])
+    assert torch.equal(out.sequences[:, :width], input_ids)
+    # every row's GDN states equal that row's own plain decoding (attention K/V are stored padded)
+    ours = [s.get() for s in cache_slots(out.past_key_values) if s.kind == "state"]
+    for b, p in enumerate(prompts):
+        theirs = [s.get() for s in cache_slots(plain(model, p, len(expected[b]), eos)[1]) if s.kind == "state"]
+        assert len(ours) == len(theirs) > 0
+        assert max((mine[b] - ref[0]).abs().max().item() for mine, ref in zip(ours, theirs)) <= 1e-5
+
+
+def test_batch_rows_accept_different_lengths_and_finished_rows_stop_drafting():
+    model = tiny_model("qwen3_5")
+    prompts = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2))
+    refs = [plain(model, p, 10)[0][0, 4:].tolist() for p in prompts]
+
+    class Counting(OracleDrafter):
+        drafted_rows: list[list[int]] = []
+
+        def propose(self, request, config):
+            self.drafted_rows.append(list(request.rows))
+            return super().propose(request, config)
+
+    drafter = Counting([refs[0] + [0] * 16, [0] * 30], error_rate=0.0)  # row 0 always right, row 1 always wrong
+    out = SpeculativeGenerator(model, drafter, SETTINGS[0], compile_options=COMPILE).generate(prompts, max_new_tokens=10)
+    for b in range(2):
+        assert out.sequences[b, 4:].tolist() == refs[b]
+    assert all(rows == [1] for rows in drafter.drafted_rows[-3:])  # row 0 finished early, row 1 still drafting
+
+
+def test_model_drafter_on_itself_accepts_everything():
+    model = tiny_model("fla")
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    config = SpecConfig(mode="chain", depth=4, bucket=8)
+    out = SpeculativeGenerator(model, ModelDrafter(model), config, compile_options=COMPILE).generate(prompt, max_new_tokens=11)
+    assert out.sequences.tolist() == plain(model, prompt[0], 11)[0].tolist()
+    assert out.stats.mean_accepted == 4 - 0 and out.stats.first_token_match_rate == 1.0
+    assert out.stats.target_passes == 1 + 2  # prefill, then 2 iterations of 5 tokens each
+
+
+def test_continue_from_returned_cache():
+    model = tiny_model("qwen3_next")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    expected, _ = plain(model, prompt[0], 12)
+    spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[2], compile_options=COMPILE)
+    first = spec.generate(prompt, max_new_tokens=6)
+    # the cache holds all but the last emitted token: feed that one to continue
+    second = spec.generate(first.sequences[:, -1:], max_new_tokens=6, past_key_values=first.past_key_values)
+    assert torch.cat([first.sequences, second.sequences[:, 1:]], 1).tolist() == expected.tolist()
+
+
+def _histogram(samples: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Counts of (position, token) over generated tokens ``samples [S, L]``."""
+    positions = torch.arange(samples.shape[1]).expand_as(samples)
+    return torch.bincount((positions * vocab + samples).flatten(), minlength=samples.shape[1] * vocab)
+
+
+def _sampling_p_value(draft_model_seed: int) -> float:
+    vocab, rows, new, calls = 12, 250, 4, 10  # 10,000 sampled tokens each way
+    model = tiny_model("fla", vocab=vocab, layers=2)
+    drafter = ModelDrafter(tiny_model("fla", vocab=vocab, layers=2, seed=draft_model_seed))
+    spec = SpeculativeGenerator(model, drafter, SpecConfig(mode="tree", depth=2, top_k=2, budget=4, bucket=8), compile_options=COMPILE)
+    prompt = torch.randint(0, vocab, (1, 3), generator=torch.Generator().manual_seed(5)).repeat(rows, 1)
+    torch.manual_seed(6)
+    ours, theirs = [], []
+    for call in range(calls):
+        gen = torch.Generator().manual_seed(100 + call)
+        ours.append(spec.generate(prompt, max_new_tokens=new, do_sample=True, temperature=1.3, top_k=8, generator=gen).sequences[:, 3:])
+        theirs.append(autoregressive_generate(model, prompt, new, do_sample=True, temperature=1.3, top_k=8, generator=gen)[0][:, 3:])
+    table = torch.stack([_histogram(torch.cat(ours), vocab), _histogram(torch.cat(theirs), vocab)])
+    table = table[:, table.sum(0) > 0]
+    return chi2_contingency(table.numpy()).pvalue
+
+
+def test_sampling_matches_plain_sampling_and_a_broken_rule_fails(monkeypatch):
+    assert _sampling_p_value(draft_model_seed=1) > 0.01
+
+    def accept_every_first_child(tokens, parents, target_probs, draft_probs=None, generator=None):
+        fake_logits = torch.full_like(target_probs, -1.0)
+        fake_logits.scatter_(-1, torch.roll(tokens, -1, dims=1)[..., None], 1.0)  # "target" agrees with node j+1
+        return acceptance_module.greedy_accept(tokens, parents, fake_logits)
+
+    import specla_compile.runtime.generator as generator_module
+
+    monkeypatch.setattr(generator_module, "sample_accept", accept_every_first_child)
+    assert _sampling_p_value(draft_model_seed=1) < 0.01
+
+
+class ExplodingDrafter(NgramDrafter):
+    def propose(self, request, config):
+        raise RuntimeError("drafter failed")
+
+
+def test_errors_and_cache_unchanged_after_a_failure():
+    model = tiny_model("qwen3_5")
+    spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[0], compile_options=COMPILE)
+    with pytest.raises(ValueError, match="empty"):
+        spec.generate(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        spec.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeGenerator(model, ModelDrafter(tiny_model("fla", vocab=VOCAB + 3)), compile_options=COMPILE)
+    first = spec.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=4)
+    before = [t.clone() for t in cache_tensors(first.past_key_values)]
+    broken = SpeculativeGenerator(model, ExplodingDrafter(), SETTINGS[0], compile_options=COMPILE)
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        broken.generate(first.sequences[:, -1:], max_new_tokens=5, past_key_values=first.past_key_values)
+    after = cache_tensors(first.past_key_values)
+    assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_model_without_gdn_layer_is_a_clear_error():
+    from tiny_lm import tiny_lm
+
+    model = tiny_lm("llama", vocab=VOCAB)
+    spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[0], compile_options=COMPILE)
+    with pytest.raises(ValueError, match="no GDN layer"):
+        spec.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=5)
