@@ -4,6 +4,7 @@ from .lowering.capture import install as _install_capture
 
 _install_capture()
 
+from . import backend  # noqa: E402,F401  (registers backend="specla" by name)
 from .runtime.config import SpecConfig  # noqa: E402
 from .runtime.drafters import EagleDrafter, ModelDrafter, NgramDrafter  # noqa: E402
 from .runtime.generator import GenerationStats, SpeculativeGenerator, SpeculativeOutput  # noqa: E402

@@ -133,3 +133,15 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
         log.info("specla: graph with no GDN layer, compiled normally with %s", options.get("inner", "inductor"))
         return compile_inner(gm, example_inputs)
     return SpeculativeGraph(gm, example_inputs, compile_inner)
+
+
+def _register_by_name() -> None:
+    """Make ``backend="specla"`` work from a source checkout too (no installed entry point); when the
+    entry point exists, Dynamo registers the backend from it and this stays out of its way."""
+    from torch._dynamo.backends import registry
+
+    if "specla" not in registry._COMPILER_FNS and registry._BACKENDS.get("specla") is None:
+        registry.register_backend(specla_backend, name="specla")
+
+
+_register_by_name()

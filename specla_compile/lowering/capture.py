@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import ops  # noqa: F401  (registers the torch.ops.specla namespace)
+from ..kernels.reference import causal_conv_reference, gdn_chain_reference
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,12 @@ class RecurrenceCall:
 
 RecurrenceAdapter = Callable[..., RecurrenceCall]
 """Called with an entry point's own ``(*args, **kwargs)``; returns the canonical call."""
+
+
+def _differentiable_eager() -> bool:
+    """Eager autograd (training on CPU): call the differentiable references, not the custom ops,
+    which define no backward."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def use_specla_path(x: torch.Tensor) -> bool:
@@ -72,7 +79,10 @@ def run_recurrence(call: RecurrenceCall) -> tuple[torch.Tensor, torch.Tensor | N
     elif call.state_v_first:
         state = state.transpose(-1, -2)
     scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
-    o, final = torch.ops.specla.gdn_recurrence(q, call.k, v, call.g, call.beta, state, scale, call.use_qk_l2norm)
+    if _differentiable_eager():
+        o, final = gdn_chain_reference(q, call.k, v, call.g, call.beta, state, scale=scale, use_qk_l2norm=call.use_qk_l2norm)
+    else:
+        o, final = torch.ops.specla.gdn_recurrence(q, call.k, v, call.g, call.beta, state, scale, call.use_qk_l2norm)
     if call.state_v_first:
         final = final.transpose(-1, -2)
     return o, (final if call.output_final_state else None)
@@ -143,15 +153,26 @@ def _silu_flag(activation: str | None) -> bool:
     return activation is not None
 
 
+def fla_causal_conv1d(
+    x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None, cu_seqlens=None, **kwargs
+):
+    """fla's ``causal_conv1d`` (``x [B, T, D]``, ``weight [D, W]``, state ``[B, D, W]``)."""
+    _reject("fla's causal_conv1d", residual=residual, cu_seqlens=cu_seqlens)
+    if initial_state is None:
+        initial_state = x.new_zeros(x.shape[0], x.shape[2], weight.shape[-1])
+    silu = _silu_flag(activation)
+    if _differentiable_eager():
+        y, new_state = causal_conv_reference(x, initial_state, weight, bias, silu=silu)
+    else:
+        y, new_state = torch.ops.specla.short_conv(x, initial_state, weight, bias, silu)
+    return y, (new_state if output_final_state else None)
+
+
 def fla_short_conv_forward(self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None, **kwargs):
-    """fla ``ShortConvolution.forward`` (``x [B, T, D]``, cache ``[B, D, W]``)."""
-    _reject("fla's ShortConvolution", residual=residual, cu_seqlens=cu_seqlens)
+    """fla ``ShortConvolution.forward`` (cache ``[B, D, W]``)."""
     if mask is not None:
         x = x * mask.unsqueeze(-1)
-    if cache is None:
-        cache = x.new_zeros(x.shape[0], x.shape[2], self.weight.shape[-1])
-    y, new_cache = torch.ops.specla.short_conv(x, cache, self.weight[:, 0], self.bias, _silu_flag(self.activation))
-    return y, (new_cache if output_final_state else None)
+    return fla_causal_conv1d(x, self.weight[:, 0], self.bias, residual, cache, output_final_state, self.activation, cu_seqlens)
 
 
 def transformers_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
@@ -216,8 +237,7 @@ def _plain_wrapper(replacement: Callable) -> Callable[[Callable], Callable]:
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
-            probe = _first_tensor(args[1:], kwargs) if not isinstance(args[0], torch.Tensor) else args[0]
-            if use_specla_path(probe):
+            if use_specla_path(_first_tensor(args, kwargs)):  # (methods: self is skipped, not a tensor)
                 return replacement(*args, **kwargs)
             return original(*args, **kwargs)
 
@@ -237,6 +257,7 @@ KNOWN_ENTRY_POINTS: list[EntryPoint] = [
     EntryPoint("fla.layers.gated_deltanet", "chunk_gated_delta_rule", _recurrence(fla_recurrence_adapter)),
     EntryPoint("fla.layers.gated_deltanet", "fused_recurrent_gated_delta_rule", _recurrence(fla_recurrence_adapter)),
     EntryPoint("fla.modules:ShortConvolution", "forward", _plain_wrapper(fla_short_conv_forward)),
+    EntryPoint("fla.layers.gated_deltanet", "causal_conv1d", _plain_wrapper(fla_causal_conv1d)),
     EntryPoint("fla.modules:FusedRMSNormGated", "forward", _plain_wrapper(fla_rms_norm_gated_forward)),
     EntryPoint("fla.modules:RMSNorm", "forward", _plain_wrapper(fla_rms_norm_forward)),
     EntryPoint("fla.modules.mlp:SwiGLULinear", "forward", _plain_wrapper(fla_swiglu_linear_forward)),

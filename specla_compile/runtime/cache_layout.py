@@ -17,19 +17,35 @@ import torch
 from ..kernels.reference import gather_nodes
 
 
+class _TupleField:
+    """Item access to ``owner[name]``, a tuple, replacing the tuple on writes (its type stays a tuple:
+    compiled graphs guard on it)."""
+
+    def __init__(self, owner: dict, name: str):
+        self.owner, self.name = owner, name
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.owner[self.name][i]
+
+    def __setitem__(self, i: int, value: torch.Tensor) -> None:
+        items = list(self.owner[self.name])
+        items[i] = value
+        self.owner[self.name] = type(self.owner[self.name])(items)
+
+
 @dataclass
 class Slot:
-    """One tensor of a cache: ``holder[key]`` (a dict or list) or ``getattr(holder, key)``."""
+    """One tensor of a cache: ``holder[key]`` (dict, list, tuple field) or ``getattr(holder, key)``."""
 
     holder: Any
     key: Any
     kind: str  # "state" (recurrent or conv, batch-first) or "kv" (attention K/V [B, H, L, D])
 
     def get(self) -> torch.Tensor:
-        return self.holder[self.key] if isinstance(self.holder, (dict, list)) else getattr(self.holder, self.key)
+        return self.holder[self.key] if isinstance(self.holder, (dict, list, _TupleField)) else getattr(self.holder, self.key)
 
     def set(self, value: torch.Tensor) -> None:
-        if isinstance(self.holder, (dict, list)):
+        if isinstance(self.holder, (dict, list, _TupleField)):
             self.holder[self.key] = value
         else:
             setattr(self.holder, self.key, value)
@@ -40,6 +56,13 @@ def _sequence_slots(holder, kind: str) -> Iterator[Slot]:
     for key in keys:
         if isinstance(holder[key], torch.Tensor):
             yield Slot(holder, key, kind)
+
+
+def _tuple_slots(owner: dict, name: str, kind: str) -> Iterator[Slot]:
+    field = _TupleField(owner, name)
+    for i, value in enumerate(owner[name]):
+        if isinstance(value, torch.Tensor):
+            yield Slot(field, i, kind)
 
 
 def cache_slots(cache) -> list[Slot]:
@@ -56,8 +79,7 @@ def cache_slots(cache) -> list[Slot]:
                 if isinstance(value, torch.Tensor):
                     slots.append(Slot(state, name, "state"))
                 elif isinstance(value, (tuple, list)):
-                    state[name] = list(value)
-                    slots += _sequence_slots(state[name], "state")
+                    slots += _tuple_slots(state, name, "state")
             if state.get("attn_state") is not None:
                 raise NotImplementedError("fla models with attention layers are not supported by the runtime yet")
             continue
