@@ -8,7 +8,8 @@ eager model) and, when the graph has GDN layers reading a cache, its verificatio
 graph otherwise; the draft topology is data, so new trees of the same size reuse both programs.
 
 Options: ``inner`` — ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``; ``verify_kernel`` —
-``"auto"`` (default) or a kernel name the CUDA dispatch knows. ``mode`` is passed to inductor.
+``"auto"`` (default: the CUDA dispatch's cost model) or ``"serial"``, ``"parallel"``, ``"hybrid"``
+to force that Triton route. ``mode`` is passed to inductor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .kernels import dispatch
 from .lowering.capture import install
 from .lowering.graph_analysis import find_gdn_layers, is_sdpa
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
@@ -72,7 +74,8 @@ class SpeculativeGraph:
     """What the backend returns for one captured graph: runs the plain program, or the verification
     twin while a :class:`VerifySession` is verifying."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable):
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto"):
+        self.verify_kernel = verify_kernel
         self.plain = compile_inner(gm, example_inputs)
         self.program: VerifyProgram | None = None
         self.verify_fn: Callable | None = None
@@ -114,7 +117,11 @@ class SpeculativeGraph:
             session.layers[key] = LayerBinding(state, [args[i] for i in layer.conv_state_inputs])
             shapes = [(r.feature_shape, r.dtype) for r in layer.records]
             extras += session.take_pending(key, batch, nodes, shapes, device)
-        outputs = self.verify_fn(*args, *extras)
+        if self.verify_kernel == "auto":
+            outputs = self.verify_fn(*args, *extras)
+        else:
+            with dispatch.use_route(self.verify_kernel):
+                outputs = self.verify_fn(*args, *extras)
         records = outputs[program.num_model_outputs :]
         for key, layer in zip(keys, program.layers):
             session.records[key], records = list(records[: len(layer.records)]), records[len(layer.records) :]
@@ -129,10 +136,13 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     if unknown:
         raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
     compile_inner = _inner_compiler(options.get("inner", "inductor"), mode)
+    verify_kernel = options.get("verify_kernel", "auto")
+    if verify_kernel != "auto" and verify_kernel not in dispatch.ROUTES:
+        raise ValueError(f"specla option 'verify_kernel' must be 'auto' or one of {dispatch.ROUTES}, got {verify_kernel!r}")
     if not find_gdn_layers(gm.graph):
         log.info("specla: graph with no GDN layer, compiled normally with %s", options.get("inner", "inductor"))
         return compile_inner(gm, example_inputs)
-    return SpeculativeGraph(gm, example_inputs, compile_inner)
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel)
 
 
 def _register_by_name() -> None:

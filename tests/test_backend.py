@@ -157,7 +157,9 @@ def test_chain_verify_matches_token_by_token_decoding(family, inner):
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=gen)
     chain = torch.randint(0, VOCAB, (BATCH, NODES), generator=gen)
-    compiled = torch.compile(model, backend="specla", options={"inner": inner})
+    # forcing a route reaches the CUDA dispatch only; on CPU it must leave the results unchanged
+    options = {"inner": inner} if inner == "aot_eager" else {"inner": inner, "verify_kernel": "serial"}
+    compiled = torch.compile(model, backend="specla", options=options)
     with torch.no_grad():
         eager = model(prompt, use_cache=True)
         steps = []
@@ -244,6 +246,8 @@ def test_options_are_checked():
         specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "speed": "max"})
     with pytest.raises(ValueError, match="'inner'"):
         specla_backend(gm, [torch.randn(1, 2)], options={"inner": "tvm"})
+    with pytest.raises(ValueError, match="'verify_kernel'"):
+        specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "verify_kernel": "fastest"})
 
 
 def test_backend_is_registered_without_importing_the_package():

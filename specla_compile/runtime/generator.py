@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
 from .cache_layout import compact_attention, has_attention, restore, set_seen_tokens, snapshot, stack_rows
@@ -256,6 +257,7 @@ class _Run:
         """Draft trees of the active rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
         request = DraftRequest(active, [torch.cat([self.rows[b], self.pending_of(b)]) for b in active])
         draft: Draft = self.drafter.propose(request, self.config)
+        self.hint = TopologyHint.from_parents(draft.parents)  # lets the CUDA dispatch pick its kernel
         n = draft.tokens.shape[1]
         if n > self.nodes:
             raise ValueError(f"{type(self.drafter).__name__} proposed {n} nodes, more than the configured {self.nodes}")
@@ -282,7 +284,7 @@ class _Run:
             past = self.kv_valid[:, None, None, :].expand(-1, 1, self.nodes, -1)
             tree_mask = torch.cat([past, tree[:, None]], dim=-1)
             kwargs["position_ids"] = self.committed[:, None] + depth(parents)
-        with self.session.verify(parents, tree_mask):
+        with self.session.verify(parents, tree_mask), topology_hint(self.hint):
             out = self.compiled(input_ids=tokens, past_key_values=self.cache, **kwargs)
         if not self.session.records:
             raise ValueError(
