@@ -107,6 +107,11 @@ class SpeculativeGraph:
             if tree_mask is None:
                 raise ValueError("this model has full-attention layers: VerifySession.verify needs a tree_mask")
             extras.append(tree_mask)
+        elif tree_mask is not None:
+            raise NotImplementedError(
+                "a tree_mask was given but no scaled_dot_product_attention call takes it: load the model with "
+                "attn_implementation='sdpa' (other attention implementations cannot verify trees yet)"
+            )
         keys = []
         for layer in program.layers:
             state = args[layer.state_input]

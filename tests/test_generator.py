@@ -203,6 +203,14 @@ def test_errors_and_cache_unchanged_after_a_failure():
     assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+def test_hybrid_without_sdpa_attention_is_a_clear_error():
+    model = tiny_model("qwen3_5")
+    model.config._attn_implementation = "eager"
+    spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[0], compile_options=COMPILE)
+    with pytest.raises(NotImplementedError, match="sdpa"):
+        spec.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=5)
+
+
 def test_model_without_gdn_layer_is_a_clear_error():
     from tiny_lm import tiny_lm
 
