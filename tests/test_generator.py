@@ -218,3 +218,26 @@ def test_model_without_gdn_layer_is_a_clear_error():
     spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[0], compile_options=COMPILE)
     with pytest.raises(ValueError, match="no GDN layer"):
         spec.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=5)
+
+
+@pytest.mark.parametrize("family", ["fla", "qwen3_next"])
+def test_eagle_drafter_gets_features_from_the_verify_pass(family):
+    """An (untrained) EAGLE head drafts from the target's own features, taken from the verification
+    passes: the output still equals plain decoding, and every committed token arrives with a feature."""
+    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+
+    model = tiny_model(family)
+    torch.manual_seed(7)
+    drafter = EagleDrafter(EagleHead(EagleConfig.for_target(model)), model)
+    seen = []
+    real_commit = drafter.commit
+
+    def commit(rows, tokens, features=None):
+        seen.append((sum(t.numel() for t in tokens), sum(f.shape[0] for f in features)))
+        return real_commit(rows, tokens, features)
+
+    drafter.commit = commit
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    out = SpeculativeGenerator(model, drafter, SETTINGS[2], compile_options=COMPILE).generate(prompt, max_new_tokens=9)
+    assert out.sequences.tolist() == plain(model, prompt[0], 9)[0].tolist()
+    assert seen and all(tokens == features for tokens, features in seen)
