@@ -41,12 +41,13 @@ def is_hybrid(family: str) -> bool:
     return family != "fla"
 
 
-def draft_call_inputs(parents: torch.Tensor, past: int):
-    """Tree attention mask over ``past`` committed positions, and tree position ids."""
+def draft_call_inputs(parents: torch.Tensor, past: int, family: str):
+    """Tree attention mask over ``past`` committed positions (hybrid families only: a model without
+    attention layers refuses one), and tree position ids."""
     batch, n = parents.shape
     committed = torch.ones(batch, 1, n, past, dtype=torch.bool)
     mask = torch.cat([committed, ancestor_mask(parents, inclusive=True)[:, None]], dim=-1)
-    return mask, past + depth(parents)
+    return (mask if is_hybrid(family) else None), past + depth(parents)
 
 
 def capture_decode_graph(model) -> tuple[fx.GraphModule, object]:
@@ -168,7 +169,7 @@ def test_chain_verify_matches_token_by_token_decoding(family, inner):
             steps.append(eager.logits)
         cache = compiled(prompt, use_cache=True).past_key_values
         parents = torch.arange(-1, NODES - 1).expand(BATCH, NODES)
-        mask, positions = draft_call_inputs(parents, PROMPT)
+        mask, positions = draft_call_inputs(parents, PROMPT, family)
         session = VerifySession()
         with session.verify(parents, mask):
             verified = compiled(input_ids=chain, past_key_values=cache, use_cache=True, position_ids=positions)
@@ -194,7 +195,7 @@ def test_tree_nodes_match_their_own_paths_and_trees_do_not_recompile(family, mon
             parents = torch.tensor([tree, TREES[0]])
             tokens = torch.randint(0, VOCAB, (BATCH, NODES), generator=gen)
             cache = compiled(prompt, use_cache=True).past_key_values
-            mask, positions = draft_call_inputs(parents, PROMPT)
+            mask, positions = draft_call_inputs(parents, PROMPT, family)
             before = len(compiles)
             with VerifySession().verify(parents, mask):
                 logits = compiled(input_ids=tokens, past_key_values=cache, use_cache=True, position_ids=positions).logits
