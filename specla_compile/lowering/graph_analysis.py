@@ -136,10 +136,6 @@ def find_gdn_layers(graph: fx.Graph) -> list[GDNLayer]:
     return layers
 
 
-def durable_state_placeholders(layers: list[GDNLayer]) -> list[fx.Node]:
-    return [p for layer in layers for p in (layer.state, *(c.state for c in layer.convs)) if p is not None]
-
-
 def depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
     """Whether ``node``'s value is computed from any of ``sources`` (through data edges)."""
     seen, frontier = set(), [node]

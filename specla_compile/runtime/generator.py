@@ -255,7 +255,7 @@ class _Run:
 
     def _draft(self, active: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Draft trees of the active rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
-        request = DraftRequest(active, [torch.cat([self.rows[b], self.pending_of(b)]) for b in active])
+        request = DraftRequest(active, [torch.cat([self.rows[b], self.pending[b : b + 1]]) for b in active])
         draft: Draft = self.drafter.propose(request, self.config)
         self.hint = TopologyHint.from_parents(draft.parents)  # lets the CUDA dispatch pick its kernel
         n = draft.tokens.shape[1]
@@ -272,9 +272,6 @@ class _Run:
             probs = torch.zeros(self.batch, self.nodes, draft.probs.shape[-1], device=self.device)
             probs[index, :n] = draft.probs.to(self.device, torch.float32)
         return tokens, parents, probs
-
-    def pending_of(self, b: int) -> torch.Tensor:
-        return self.pending[b : b + 1]
 
     def _verify(self, tokens: torch.Tensor, parents: torch.Tensor):
         kwargs = self._model_kwargs()
