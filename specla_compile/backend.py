@@ -9,7 +9,9 @@ graph otherwise; the draft topology is data, so new trees of the same size reuse
 
 Options: ``inner`` — ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``; ``verify_kernel`` —
 ``"auto"`` (default: the CUDA dispatch's cost model) or ``"serial"``, ``"parallel"``, ``"hybrid"``
-to force that Triton route. ``mode`` is passed to inductor.
+to force that Triton route. ``mode`` is passed to inductor, except for its CUDA graphs: the
+:class:`~specla_compile.runtime.engine.StaticEngine` captures whole passes itself (on CUDA by default,
+``mode="reduce-overhead"`` included; ``SpecConfig(cuda_graphs=False)`` turns them off).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def _inner_compiler(inner: str, mode: str | None) -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     patches = torch._inductor.list_mode_options(mode) if mode else {}
+    # CUDA graphs are the engine's job (runtime/engine.py captures whole passes, acceptance included);
+    # inductor's own graphs would nest inside that capture
+    patches["triton.cudagraphs"] = False
     return lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=patches)
 
 

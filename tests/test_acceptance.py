@@ -8,8 +8,8 @@ from scipy.stats import chi2_contingency
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specla_compile.runtime import acceptance
-from specla_compile.runtime.acceptance import greedy_accept, sample_accept, warp_probs
-from specla_compile.runtime.topology import PAD
+from specla_compile.runtime.acceptance import greedy_accept, greedy_accept_device, sample_accept, warp_probs
+from specla_compile.runtime.topology import PAD, ancestor_mask
 
 
 def brute_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
@@ -174,3 +174,20 @@ def test_sampling_respects_padding_and_generator():
     b = sample_accept(tokens, parents, probs, generator=torch.Generator().manual_seed(5))
     assert torch.equal(a.path, b.path) and torch.equal(a.next_token, b.next_token)
     assert a.num_accepted[1] <= 2 and (a.path[1, 2:] == -1).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(parent_batches(max_rows=3, max_nodes=12), st.integers(0, 10**6))
+def test_device_greedy_acceptance_equals_the_walk(parents, seed):
+    """The loop-free acceptance the engine runs inside its CUDA graph picks the same path, count and
+    next token as the node-by-node walk, on random trees with duplicate sibling tokens and padding."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, n = parents.shape
+    tokens = torch.randint(0, 3, (batch, n), generator=gen)  # 3 tokens: siblings often share one
+    logits = torch.randn(batch, n, 3, generator=gen)
+    walk = greedy_accept(tokens, parents, logits)
+    device = greedy_accept_device(tokens, parents, logits, ancestor_mask(parents, inclusive=True))
+    assert torch.equal(walk.num_accepted, device.num_accepted)
+    assert torch.equal(walk.next_token, device.next_token)
+    for b, count in enumerate(walk.num_accepted.tolist()):
+        assert torch.equal(walk.path[b, :count], device.path[b, :count])

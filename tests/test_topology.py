@@ -7,6 +7,7 @@ from specla_compile.runtime.topology import (
     PAD,
     ROOT,
     ancestor_mask,
+    ancestor_mask_device,
     bucket_size,
     chain_decomposition,
     depth,
@@ -150,3 +151,9 @@ def test_chain_decomposition_examples():
     assert tree.ready_levels == [[0], [1, 2]]
     with pytest.raises(ValueError, match="one row"):
         chain_decomposition(torch.tensor([[-1, 0]]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(parent_batches(max_rows=3, max_nodes=20))
+def test_device_ancestor_mask_equals_the_node_by_node_one(parents):
+    assert torch.equal(ancestor_mask_device(parents), ancestor_mask(parents, inclusive=True))

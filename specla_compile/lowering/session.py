@@ -46,6 +46,7 @@ class VerifySession:
     records: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     layers: dict[int, LayerBinding] = field(default_factory=dict)
     draft: DraftInputs | None = None
+    static: bool = False
 
     @contextlib.contextmanager
     def verify(self, parents: torch.Tensor, tree_mask: torch.Tensor | None = None) -> Iterator[VerifySession]:
@@ -62,6 +63,10 @@ class VerifySession:
     def take_pending(self, key: int, batch: int, nodes: int, shapes: list[tuple[tuple[int, ...], torch.dtype]], device) -> list[torch.Tensor]:
         """Hand one layer's pending tensors, padded to ``nodes``, to the graph that commits them (zeros
         when nothing is pending)."""
+        if self.static:
+            if key not in self.pending:
+                self.pending[key] = [torch.zeros(batch, nodes, *shape, dtype=dtype, device=device) for shape, dtype in shapes]
+            return self.pending[key]
         pending = self.pending.pop(key, None)
         if pending is None:
             return [torch.zeros(batch, nodes, *shape, dtype=dtype, device=device) for shape, dtype in shapes]
@@ -71,20 +76,40 @@ class VerifySession:
         return [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in pending]
 
     def pending_count(self, batch: int, device) -> torch.Tensor:
+        if self.static and self.num_pending is None:
+            self.num_pending = torch.zeros(batch, dtype=torch.long, device=device)
         if self.num_pending is None:
             return torch.zeros(batch, dtype=torch.long, device=device)
         return self.num_pending
 
-    def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def accept(self, accepted: torch.Tensor, num_accepted: torch.Tensor, *, prefix: bool = False) -> None:
         """Keep the accepted path ``accepted [B, A]`` (node indices; entries past ``num_accepted[b]`` are
-        ignored) of every layer's fresh records as its pending records."""
+        ignored) of every layer's fresh records as its pending records. ``prefix``: every accepted path
+        is ``0, 1, ..., A-1`` (chains), so the records need no gather."""
         if not self.records:
             raise RuntimeError("accept() needs a verification pass first")
+        if self.static:  # in place, so that a captured pass sees them (no host checks: they would synchronise)
+            self._accept_in_place(accepted, prefix)
+            self.num_pending.copy_(num_accepted)
+            return
         if self.pending:
             raise RuntimeError("pending records of some layers were never committed by a verification pass")
         self.pending = {key: [gather_nodes(t, accepted) for t in records] for key, records in self.records.items()}
         self.num_pending = num_accepted.to(torch.long)
         self.records = {}
+
+    def _accept_in_place(self, accepted: torch.Tensor, prefix: bool) -> None:
+        """Static sessions: a prefix is one multi-tensor copy per dtype (a few launches for every layer);
+        a tree path is one gather per record, written straight into the pending buffer."""
+        pairs = [(buffer, fresh) for key, records in self.records.items() for buffer, fresh in zip(self.pending[key], records)]
+        if prefix:
+            for dtype in {buffer.dtype for buffer, _ in pairs}:
+                same = [(b, f) for b, f in pairs if b.dtype == dtype]
+                torch._foreach_copy_([b for b, _ in same], [f for _, f in same])
+            return
+        index = accepted.clamp(min=0)
+        for buffer, fresh in pairs:
+            torch.gather(fresh, 1, index.view(*index.shape, *[1] * (fresh.dim() - 2)).expand_as(fresh), out=buffer)
 
     def flush(self) -> None:
         """Commit every pending record into the model's cache now."""
@@ -93,6 +118,10 @@ class VerifySession:
             ops.gdn_commit_(layer.state, *pending[:4], self.num_pending)
             for conv_state, x in zip(layer.conv_states, pending[4:]):
                 ops.conv_state_commit_(conv_state, x, self.num_pending)
+        if self.static:
+            if self.num_pending is not None:
+                self.num_pending.zero_()
+            return
         self.pending = {}
         self.num_pending = None
 

@@ -186,3 +186,26 @@ def sample_accept(
             next_token[done] = torch.multinomial(p[done], 1, generator=generator)[:, 0]
         walking = moved
     return Acceptance(path, count, next_token)
+
+
+def greedy_accept_device(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, ancestors: torch.Tensor) -> Acceptance:
+    """:func:`greedy_accept` without loops or host synchronisation (it runs inside the engine's CUDA
+    graph): a node is on the accepted path when every node from node 0 down to it is the first child
+    of its parent whose token is the target's argmax there. ``ancestors [B, N, N]`` is the inclusive
+    ancestor mask; ``parents`` must already be valid (no checks here: they would synchronise)."""
+    batch, n = parents.shape
+    best = target_logits.argmax(-1)  # [B, N]
+    match = (parents >= 0) & (tokens == best.gather(1, parents.clamp(min=0)))
+    node = torch.arange(n, device=tokens.device)
+    earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & (node[None, None, :] < node[None, :, None])
+    first_match = match & ~(earlier_sibling & match[:, None, :]).any(-1)
+    first_match[:, 0] = True  # the pending token is always accepted
+    on_path = ~(ancestors & ~first_match[:, None, :]).any(-1)
+    depth = ancestors.sum(-1) - 1
+    count = on_path.sum(-1)
+    slot = torch.where(on_path, depth, n)  # off-path nodes land in a spare column, dropped below
+    path = torch.full((batch, n + 1), -1, dtype=torch.long, device=tokens.device)
+    path.scatter_(1, slot, node.expand(batch, n).clone())
+    path = path[:, :n]
+    last = path.gather(1, (count - 1)[:, None])
+    return Acceptance(path, count, best.gather(1, last)[:, 0])

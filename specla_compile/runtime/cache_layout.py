@@ -143,3 +143,66 @@ def set_seen_tokens(cache, count: int) -> None:
 
 def has_attention(cache) -> bool:
     return any(slot.kind == "kv" for slot in cache_slots(cache))
+
+
+def _is_attention_layer(layer) -> bool:
+    return isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.numel() > 0
+
+
+def _attention_width(layer) -> int:
+    """Columns of K/V a layer holds: all of a dynamic layer's, the written ones of a static layer's."""
+    length = getattr(layer, "cumulative_length", None)
+    return int(length) if length is not None and getattr(layer, "max_cache_len", None) else layer.keys.shape[-2]
+
+
+def static_twin(cache, config, capacity: int):
+    """A cache of the same layout whose tensors never move: GDN states are copies, attention layers
+    become transformers ``StaticLayer``s of ``capacity`` columns. Fill it with :func:`load_static`."""
+    if not has_attention(cache):
+        return copy.deepcopy(cache)
+    from transformers import StaticCache
+
+    twin = StaticCache(config=config, max_cache_len=capacity)
+    for i, layer in enumerate(cache.layers):
+        if _is_attention_layer(layer):
+            twin.layers[i].lazy_initialization(layer.keys, layer.values)
+        else:
+            twin.layers[i] = copy.deepcopy(layer)
+    return twin
+
+
+def load_static(twin, cache) -> int:
+    """Copy ``cache`` into its :func:`static_twin` in place; returns the attention width (0 without)."""
+    width = 0
+    for mine, theirs in zip(twin.layers, cache.layers):
+        if _is_attention_layer(mine):
+            width = _attention_width(theirs)
+            for name in ("keys", "values"):
+                getattr(mine, name)[..., :width, :].copy_(getattr(theirs, name)[..., :width, :])
+            mine.cumulative_length.fill_(width)
+    for mine, theirs in zip(cache_slots(twin), cache_slots(cache)):
+        if mine.kind == "state":
+            mine.get().copy_(theirs.get())
+    return width
+
+
+def store_static(twin, cache, width: int) -> None:
+    """Write a static twin's tensors back into ``cache`` (attention: its first ``width`` columns)."""
+    for mine, theirs in zip(twin.layers, cache.layers):
+        if _is_attention_layer(mine):
+            if getattr(theirs, "max_cache_len", None):  # a static cache given by the caller
+                theirs.keys.copy_(mine.keys)
+                theirs.values.copy_(mine.values)
+                theirs.cumulative_length.fill_(width)
+            else:
+                theirs.keys, theirs.values = mine.keys[..., :width, :].clone(), mine.values[..., :width, :].clone()
+    for mine, theirs in zip(cache_slots(twin), cache_slots(cache)):
+        if mine.kind == "state":
+            theirs.get().copy_(mine.get())
+
+
+def same_layout(a, b) -> bool:
+    """Whether two caches hold GDN states of the same shapes and dtypes, layer by layer."""
+    sa = [s.get() for s in cache_slots(a) if s.kind == "state"]
+    sb = [s.get() for s in cache_slots(b) if s.kind == "state"]
+    return len(sa) == len(sb) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(sa, sb))

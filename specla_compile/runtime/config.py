@@ -15,6 +15,10 @@ class SpecConfig:
     ``tau`` of the best node at the same depth, and truncates to ``budget`` nodes (every kept node
     keeps its ancestors). Trees are padded to a multiple of ``bucket`` nodes so that trees of similar
     size share one compiled graph.
+
+    ``engine="static"`` (default) runs every pass over static buffers (:mod:`.engine`), replaying CUDA
+    graphs on CUDA unless ``cuda_graphs=False``; ``engine="dynamic"`` calls the compiled model on the
+    model's own growing cache (no graphs).
     """
 
     mode: Literal["chain", "tree"] = "chain"
@@ -23,6 +27,8 @@ class SpecConfig:
     budget: int = 16
     tau: float = 4.0
     bucket: int = 8
+    engine: Literal["static", "dynamic"] = "static"
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
@@ -30,6 +36,8 @@ class SpecConfig:
         for name in ("depth", "top_k", "budget", "bucket"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine not in ("static", "dynamic"):
+            raise ValueError(f"engine must be 'static' or 'dynamic', got {self.engine!r}")
         if self.tau < 0:
             raise ValueError(f"tau must be >= 0, got {self.tau}")
 

@@ -24,6 +24,7 @@ from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
 from .cache_layout import compact_attention, has_attention, restore, set_seen_tokens, snapshot, stack_rows
 from .config import SpecConfig
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
+from .engine import StaticEngine
 from .topology import PAD, ancestor_mask, bucket_size, depth
 
 
@@ -36,6 +37,7 @@ class GenerationStats:
     new_tokens: int = 0
     accepted_drafts: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     commit_seconds: float = 0.0
@@ -69,6 +71,7 @@ class GenerationStats:
             "mean_accepted": round(self.mean_accepted, 3),
             "first_token_match_rate": round(self.first_token_match_rate, 3),
             "mean_tree_size": round(sum(sizes) / len(sizes), 2),
+            "prefill_seconds": round(self.prefill_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "commit_seconds": round(self.commit_seconds, 4),
@@ -121,6 +124,23 @@ class SpeculativeGenerator:
         self.config = config or SpecConfig()
         self.vocab_size = output_vocab_size(self.model)
         drafter.check_vocab(self.vocab_size)
+        self._engines: dict[bool, StaticEngine] = {}
+
+    def engine(self, device: torch.device, features: bool) -> StaticEngine | None:
+        """The static engine of this generator (None when ``SpecConfig.engine`` is "dynamic"); CUDA graphs
+        on CUDA unless ``SpecConfig.cuda_graphs`` is False."""
+        if self.config.engine != "static":
+            return None
+        if features not in self._engines:
+            graphs = device.type == "cuda" and self.config.cuda_graphs is not False
+            self._engines[features] = StaticEngine(self.compiled, self.model.config, graphs=graphs, features=features)
+        return self._engines[features]
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> SpeculativeOutput:
+        """Plain decoding, one token per target pass, through the same engine (static buffers, CUDA
+        graphs, kernels) as :meth:`generate`: the honest baseline of every speedup. Same arguments."""
+        return self.generate(input_ids, max_new_tokens, _plain=True, **kwargs)
 
     @torch.no_grad()
     def generate(
@@ -138,6 +158,7 @@ class SpeculativeGenerator:
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
         past_key_values=None,
+        _plain: bool = False,
     ) -> SpeculativeOutput:
         """Generate up to ``max_new_tokens`` per row; the same tokens as plain decoding when greedy, the
         same distribution when sampling (transformers' argument conventions). ``attention_mask`` marks
@@ -148,9 +169,12 @@ class SpeculativeGenerator:
             warp_probs(torch.zeros(1, 1), temperature, top_k, top_p)  # validates the warper arguments
         saved = snapshot(past_key_values) if past_key_values is not None else None
         try:
-            return _Run(self, rows, max_new_tokens, do_sample, (temperature, top_k, top_p), eos_token_id, streamer, generator).run(
-                input_ids, pad_token_id, past_key_values
+            drafter = _PlainDrafter() if _plain else self.drafter
+            engine = self.engine(input_ids.device, drafter.needs_features)
+            run = (_StaticRun if engine is not None else _Run)(
+                self, drafter, rows, max_new_tokens, do_sample, (temperature, top_k, top_p), eos_token_id, streamer, generator
             )
+            return run.run(input_ids, pad_token_id, past_key_values)
         except BaseException:
             if saved is not None:
                 restore(past_key_values, saved)
@@ -182,8 +206,8 @@ class SpeculativeGenerator:
 class _Run:
     """The state of one ``generate`` call."""
 
-    def __init__(self, owner: SpeculativeGenerator, rows, max_new_tokens, do_sample, warp, eos_token_id, streamer, generator):
-        self.owner, self.compiled, self.drafter, self.config = owner, owner.compiled, owner.drafter, owner.config
+    def __init__(self, owner: SpeculativeGenerator, drafter: Drafter, rows, max_new_tokens, do_sample, warp, eos_token_id, streamer, generator):
+        self.owner, self.compiled, self.drafter, self.config = owner, owner.compiled, drafter, owner.config
         self.rows = [r.long() for r in rows]
         self.device = self.rows[0].device
         self.batch = len(rows)
@@ -193,7 +217,7 @@ class _Run:
         self.streamer = streamer
         self.stats = GenerationStats()
         self.session = VerifySession()
-        self.nodes = bucket_size(self.config.max_nodes, self.config.bucket)
+        self.nodes = 1 if isinstance(drafter, _PlainDrafter) else bucket_size(self.config.max_nodes, self.config.bucket)
         self.new_tokens: list[list[int]] = [[] for _ in rows]
         self.finished = [False] * self.batch
 
@@ -336,42 +360,58 @@ class _Run:
             compact_attention(self.cache, past, acceptance.path, width)
             new_valid = torch.arange(width, device=self.device)[None] < counts[:, None]
             self.kv_valid = torch.cat([self.kv_valid, new_valid], dim=1)
-        committed_paths = [acceptance.path[b, : len(e)] for b, e in enumerate(emitted)]
-        active = [b for b, e in enumerate(emitted) if e]
-        features = [hidden[b, committed_paths[b]] for b in active] if hidden is not None else None
-        self.drafter.commit(active, [tokens[b, committed_paths[b]] for b in active], features)
-        for b in active:
-            self.rows[b] = torch.cat([self.rows[b], tokens[b, committed_paths[b]]])
         self.committed += counts
         set_seen_tokens(self.cache, int(self.committed.max()))
+        self._advance(acceptance, tokens, emitted, hidden)
+
+    def _advance(self, acceptance: Acceptance, tokens: torch.Tensor, emitted: list[list[int]], hidden) -> None:
+        """Host side of a commit: the drafter, the token history and the pending tokens."""
+        committed_paths = [acceptance.path[b, : len(e)] for b, e in enumerate(emitted)]
+        active = [b for b, e in enumerate(emitted) if e]
+        features = [hidden[b, committed_paths[b].to(hidden.device)] for b in active] if hidden is not None else None
+        tokens = tokens.to(acceptance.path.device)
+        self.drafter.commit(active, [tokens[b, committed_paths[b]].to(self.device) for b in active], features)
+        for b in active:
+            self.rows[b] = torch.cat([self.rows[b], tokens[b, committed_paths[b]].to(self.device)])
         last = torch.tensor([e[-1] if e else 0 for e in emitted], device=self.device)
-        self.pending = torch.where(counts > 0, last, self.pending)
+        self.pending = torch.where(torch.tensor([bool(e) for e in emitted], device=self.device), last, self.pending)
+
+    def _pass(self, tokens: torch.Tensor, parents: torch.Tensor, probs) -> tuple[Acceptance, torch.Tensor | None]:
+        """One target pass and its acceptance: ``(acceptance, last hidden state or None)``."""
+        out = self._verify(tokens, parents)
+        acceptance = self._accept(tokens, parents, probs, out.logits)
+        return acceptance, (out.hidden_states[-1] if self.drafter.needs_features else None)
+
+    def _start(self) -> None:
+        """After the prefill, before the first pass."""
+
+    def _finish(self) -> None:
+        self.session.flush()
 
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self, input_ids: torch.Tensor, pad_token_id: int | None, past_key_values) -> SpeculativeOutput:
-        with self._timed("verify_seconds"):
+        with self._timed("prefill_seconds"):
             first = self._prefill(past_key_values)
         self.pending = first
         if self.streamer is not None:
             self.streamer.put(input_ids[0].cpu())
         self._record([[t] for t in first.tolist()])
+        self._start()
         while not all(self.finished):
             active = [b for b in range(self.batch) if not self.finished[b]]
             with self._timed("draft_seconds"):
                 tokens, parents, probs = self._draft(active)
             with self._timed("verify_seconds"):
-                out = self._verify(tokens, parents)
+                acceptance, hidden = self._pass(tokens, parents, probs)
             with self._timed("commit_seconds"):
-                acceptance = self._accept(tokens, parents, probs, out.logits)
                 emitted = self._emit(acceptance, tokens)
-                hidden = out.hidden_states[-1] if self.drafter.needs_features else None
-                self._commit(acceptance, tokens, emitted, hidden)
                 self._record(emitted)
+                self._commit(acceptance, tokens, emitted, hidden)
             self.stats.iterations += 1
             self.stats.tree_sizes += [int((parents[b] != PAD).sum()) for b in active]
         with self._timed("commit_seconds"):
-            self.session.flush()
+            self._finish()
         if self.streamer is not None:
             self.streamer.end()
         pad = pad_token_id if pad_token_id is not None else (self.eos[0] if self.eos else 0)
@@ -380,6 +420,58 @@ class _Run:
         for b, toks in enumerate(self.new_tokens):
             new[b, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
         return SpeculativeOutput(torch.cat([input_ids, new], dim=1), self.stats, self.cache)
+
+
+class _StaticRun(_Run):
+    """A ``generate`` call through the :class:`~.engine.StaticEngine`: the cache is copied into static
+    buffers after the prefill, every pass is a replay, greedy acceptance and the commit run on the device
+    inside it, and the host reads the accepted path once per pass."""
+
+    def _start(self) -> None:
+        self.engine = self.owner.engine(self.device, self.drafter.needs_features)
+        longest = int(self.committed.max())
+        capacity = _round_up(longest + self.max_new_tokens + self.nodes + 1, 256) if self.attention else 0
+        self.engine.start(self.cache, self.committed, self.kv_valid if self.attention else None, capacity)
+        self.engine_finished = [False] * self.batch
+        # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
+        self.device = torch.device("cpu")
+        self.rows = [r.cpu() for r in self.rows]
+        self.pending = self.pending.cpu()
+
+    def _pass(self, tokens, parents, probs):
+        if not self.do_sample:
+            result, acceptance = self.engine.verify(tokens, parents, accept=True)
+            return acceptance, result.hidden
+        result, _ = self.engine.verify(tokens, parents, accept=False)
+        device = result.logits.device
+        probs = probs.to(device) if probs is not None else None
+        acceptance = sample_accept(tokens.to(device), parents.to(device), warp_probs(result.logits, *self.warp), probs, self.generator)
+        live = torch.tensor([not f for f in self.finished])
+        counts = acceptance.num_accepted.cpu() * live
+        self.engine.commit(acceptance.path, counts)
+        return Acceptance(acceptance.path.cpu(), counts, acceptance.next_token.cpu()), result.hidden
+
+    def _commit(self, acceptance: Acceptance, tokens, emitted, hidden) -> None:
+        kept = [len(e) for e in emitted]
+        if kept != acceptance.num_accepted.tolist() or self.finished != self.engine_finished:
+            self.engine.trim(acceptance.num_accepted, kept, self.finished)
+            self.engine_finished = list(self.finished)
+        self._advance(acceptance, tokens, emitted, hidden)
+
+    def _finish(self) -> None:
+        self.cache = self.engine.finish()
+
+
+class _PlainDrafter(Drafter):
+    """Drafts nothing: every pass verifies the pending token alone (plain decoding)."""
+
+    def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
+        tokens = torch.stack([seq[-1:] for seq in request.sequences])
+        return Draft(tokens, torch.full_like(tokens, -1))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _committed_length(cache) -> int:

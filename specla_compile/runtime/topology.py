@@ -208,3 +208,15 @@ def chain_decomposition(parents_row: torch.Tensor) -> ChainDecomposition:
         boundary.append(parent)
         level.append(0 if parent == ROOT else level[chain_of[parent]] + 1)
     return ChainDecomposition(tuple(chains), tuple(boundary), tuple(level))
+
+
+def ancestor_mask_device(parents: torch.Tensor) -> torch.Tensor:
+    """Inclusive ancestor mask ``[B, N, N]`` by repeated squaring of (I + parent edges): log2(N) batched
+    products and no host synchronisation, so it can run inside a captured CUDA graph."""
+    batch, n = parents.shape
+    node = torch.arange(n, device=parents.device)
+    reach = (parents[:, :, None] == node[None, None, :]) | (node[:, None] == node[None, :])
+    reach = reach.float()
+    for _ in range(max(n - 1, 1).bit_length()):
+        reach = (reach @ reach).clamp(max=1.0)
+    return reach > 0

@@ -1,0 +1,483 @@
+"""End-to-end speed of the static, CUDA-graphed engine on an H200 (random weights, controlled acceptance).
+
+Every speedup is a ratio measured in the same process against plain decoding through the same engine
+(``SpeculativeGenerator.decode``: same static buffers, CUDA graphs and kernels, one token per pass),
+next to the eager model's own token-by-token loop. Acceptance is controlled as in the SpecLA paper's
+Figure 12: the drafter proposes the target's own greedy continuation (known from the plain run) and
+replaces each token by a wrong one with probability 1 - p. Trees are chains with wrong siblings: at
+every depth the chain token comes first and ``top_k - 1`` sibling leaves follow; when the chain token
+is wrong, each sibling holds the true token with probability p in turn (a drafter's second choices).
+
+    python benchmarks/e2e_gpu.py --out $OUT                      # every section (H200, about 10 minutes)
+    python benchmarks/e2e_gpu.py --sections fla_b1 --layers 4    # a quick look
+    python benchmarks/e2e_gpu.py --plot benchmarks/results/e2e_gpu.json   # markdown + PNG from a JSON
+
+Decode figures exclude the prompt's prefill (the same eager call for every route); ``e2e`` figures
+include it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+FLA_1P3B = dict(hidden_size=2048, num_hidden_layers=24, num_heads=8, head_dim=256, expand_v=1, vocab_size=32000)
+QWEN3_5_SMALL = dict(  # a Qwen3.5 0.8B-class text config: 3 GDN layers to 1 full-attention layer
+    vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
+)
+P_VALUES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+CHAIN_LENGTHS = (2, 4, 8, 12)
+TREES = ((2, 16), (4, 16), (2, 32), (4, 32))  # (top_k, nodes)
+SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start")
+
+
+def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.nn.Module:
+    import specla_compile  # noqa: F401  (routes the GDN entry points)
+
+    torch.manual_seed(0)
+    if family == "fla":
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+        shape = {**FLA_1P3B, "num_hidden_layers": layers or FLA_1P3B["num_hidden_layers"]}
+        model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(**shape, fuse_cross_entropy=False))
+    else:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        n = layers or QWEN3_5_SMALL["num_hidden_layers"]
+        config = Qwen3_5TextConfig(**{**QWEN3_5_SMALL, "num_hidden_layers": n},
+                                   layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (n // 4))
+        model = Qwen3_5ForCausalLM(config)
+    peaked_logits(model)
+    return model.cuda().to(dtype).eval()
+
+
+def peaked_logits(model: torch.nn.Module, seed: int = 1) -> None:
+    """Random weights give near-tied logits (top-2 margins of 0.01-0.1 against bf16 rounding errors of
+    about 0.1), so bf16 rounding, not the model, would pick every token. Make the output peaked, as a
+    trained model's is: larger input embeddings and an output head whose row for token sigma(t) is
+    token t's embedding (sigma a fixed permutation), so each token strongly predicts the next one
+    while every layer still runs and shapes the logits."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    perm = torch.randperm(embedding.shape[0], generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        embedding.mul_(8.0)
+        head.copy_(embedding[perm] * 20.0 / embedding.norm(dim=-1, keepdim=True)[perm])
+
+
+# --- controlled drafts -----------------------------------------------------------------------------
+
+
+class OracleDrafter:
+    """Drafts the known greedy continuation of every row, each token wrong with probability 1 - p
+    (see the module docstring for trees). Implements the Drafter protocol."""
+
+    vocab_size = None
+    needs_features = False
+
+    def __init__(self, truth: list[list[int]], p: float, depth: int, top_k: int = 1, vocab: int = 32000, seed: int = 0):
+        self.truth, self.p, self.depth, self.top_k, self.vocab = truth, p, depth, top_k, vocab
+        self.rng = random.Random(seed)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        self.vocab = vocab_size
+
+    def begin(self, sequences, features=None):
+        self.prompt_lengths = [s.numel() for s in sequences]
+
+    def commit(self, rows, tokens, features=None):
+        pass
+
+    def _wrong(self, token: int) -> int:
+        return (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+
+    def propose(self, request, config):
+        rows = []
+        for b, seq in zip(request.rows, request.sequences):
+            done = seq.numel() - self.prompt_lengths[b]  # tokens emitted so far, the pending one included
+            truth = self.truth[b][done : done + self.depth] + [0] * self.depth
+            nodes = [int(seq[-1])]
+            for d in range(self.depth):
+                right = self.rng.random() < self.p
+                nodes.append(truth[d] if right else self._wrong(truth[d]))
+                for _ in range(self.top_k - 1):  # siblings: the drafter's next choices at this depth
+                    hit = not right and self.rng.random() < self.p
+                    right = right or hit
+                    nodes.append(truth[d] if hit else self._wrong(truth[d]))
+            rows.append(nodes)
+        return _pack(rows, self.depth, self.top_k)
+
+
+def _pack(rows: list[list[int]], depth: int, top_k: int):
+    """Tokens of sibling-augmented chains -> Draft: node 0, then per depth the chain node (parent: the
+    previous chain node) and its ``top_k - 1`` siblings (same parent, leaves)."""
+    from specla_compile.runtime.drafting import Draft
+
+    parents = [-1]
+    chain = 0
+    for _ in range(depth):
+        first = len(parents)
+        parents += [chain] * top_k
+        chain = first
+    return Draft(torch.tensor(rows), torch.tensor([parents] * len(rows)))
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def decode_seconds(out, wall: float) -> float:
+    return wall - out.stats.prefill_seconds
+
+
+def run_route(gen, prompts, new_tokens: int, drafter=None, config=None, plain: bool = False, truths=None) -> dict:
+    """Greedy runs of every prompt row-batch; returns time, tokens, acceptance and the sequences. The
+    benchmark swaps the generator's drafter and config between routes, so that every route shares one
+    compiled model and one engine."""
+    if drafter is not None:
+        gen.drafter, gen.config = drafter, config
+    decode, e2e, tokens, passes, accepted, sequences = 0.0, 0.0, 0, 0, [], []
+    for i, prompt in enumerate(prompts):
+        if drafter is not None:
+            drafter.truth = truths[i]
+        out, wall = timed(lambda: gen.decode(prompt, new_tokens) if plain else gen.generate(prompt, new_tokens))
+        decode += decode_seconds(out, wall)
+        e2e += wall
+        tokens += out.stats.new_tokens
+        passes += out.stats.iterations
+        accepted += out.stats.accepted_drafts
+        sequences.append(out.sequences)
+    return {
+        "decode_s": decode, "e2e_s": e2e, "new_tokens": tokens, "passes": passes,
+        "ms_per_token": 1000 * decode / tokens, "tokens_per_s": tokens / decode,
+        "tokens_per_pass": tokens / max(passes, 1), "mean_accepted": sum(accepted) / max(len(accepted), 1),
+        "sequences": sequences,
+    }
+
+
+def pass_ms(gen, nodes: int, repeats: int = 50) -> float:
+    """Median replay time of one captured pass of ``nodes`` nodes (CUDA events)."""
+    engine = next(iter(gen._engines.values()))
+    graph = engine.buckets[(nodes, True)].graph
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def eager_ms_per_token(model, prompt, tokens: int = 16) -> float:
+    from specla_compile.runtime.baseline import autoregressive_generate
+
+    autoregressive_generate(model, prompt, 2)
+    _, wall = timed(lambda: autoregressive_generate(model, prompt, tokens + 1))
+    _, prefill = timed(lambda: autoregressive_generate(model, prompt, 1))
+    return 1000 * (wall - prefill) / tokens
+
+
+def prompts_for(model, batch: int, count: int, length: int = 64, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return [torch.randint(0, vocab, (batch, length), generator=gen).cuda() for _ in range(count)]
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# --- sections -------------------------------------------------------------------------------------
+
+
+def make_generator(model, drafter=None, config=None):
+    from specla_compile import SpecConfig, SpeculativeGenerator
+
+    return SpeculativeGenerator(model, drafter or OracleDrafter([[0]], 1.0, 1), config or SpecConfig(bucket=16))
+
+
+def chain_config(depth: int):
+    from specla_compile import SpecConfig
+
+    return SpecConfig(mode="chain", depth=depth, bucket=16)
+
+
+def tree_config(top_k: int, nodes: int):
+    from specla_compile import SpecConfig
+
+    depth = (nodes - 1) // top_k
+    return SpecConfig(mode="tree", depth=depth, top_k=top_k, budget=depth * top_k, bucket=16), depth
+
+
+def truth_of(plain: dict, prompts) -> list[list[list[int]]]:
+    """Per prompt, per row: the plain run's new tokens (the oracle's continuation)."""
+    return [[row[prompt.shape[1]:].tolist() for row in seq] for seq, prompt in zip(plain["sequences"], prompts)]
+
+
+def fla_b1(args, results: dict) -> None:
+    model = build("fla", torch.bfloat16, args.layers)
+    prompts = prompts_for(model, 1, args.prompts)
+    section = results.setdefault("fla_b1", {"weights_gb": weight_bytes(model) / 1e9})
+    gen = make_generator(model)
+    started = time.perf_counter()
+    gen.decode(prompts[0], 4)  # compiles and captures the 1-node pass
+    section["cold_plain_s"] = time.perf_counter() - started
+    plain = run_route(gen, prompts, args.new_tokens, plain=True)
+    truths = truth_of(plain, prompts)
+    section["plain"] = {k: v for k, v in plain.items() if k != "sequences"}
+    print(f"plain graphed: {plain['ms_per_token']:.3f} ms/token", flush=True)
+    section["eager_ms_per_token"] = eager_ms_per_token(model, prompts[0])
+    print(f"eager: {section['eager_ms_per_token']:.2f} ms/token", flush=True)
+    started = time.perf_counter()
+    for bucket in (16, 32):  # compile + capture, timed for the cold-start figure
+        gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, bucket - 1), chain_config(bucket - 1)
+        gen.generate(prompts[0], 2)
+    section["cold_buckets_s"] = time.perf_counter() - started
+    section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16, 32)}
+    print("pass ms", section["pass_ms"], flush=True)
+    exact = []
+    heat = section.setdefault("chain", {})
+    for depth in CHAIN_LENGTHS:
+        for p in P_VALUES:
+            r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, depth), chain_config(depth), truths=truths)
+            exact.append(all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"])))
+            r["speedup"] = plain["decode_s"] / r["decode_s"]
+            heat[f"L{depth}_p{p}"] = r
+            print(f"chain L={depth} p={p}: {r['speedup']:.2f}x, {r['tokens_per_pass']:.2f} tok/pass", flush=True)
+    trees = section.setdefault("tree", {})
+    for top_k, nodes in TREES:
+        config, depth = tree_config(top_k, nodes)
+        for p in P_VALUES:
+            r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, depth, top_k), config, truths=truths)
+            exact.append(all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"])))
+            r["speedup"] = plain["decode_s"] / r["decode_s"]
+            trees[f"k{top_k}_n{nodes}_p{p}"] = r
+            print(f"tree k={top_k} n={nodes} p={p}: {r['speedup']:.2f}x", flush=True)
+    section["bf16_identical_runs"] = f"{sum(exact)}/{len(exact)}"
+    section["compile_seconds"] = {str(k): v for k, v in next(iter(gen._engines.values())).compile_seconds.items()}
+
+
+def fla_batch(args, results: dict) -> None:
+    model = build("fla", torch.bfloat16, args.layers)
+    section = results.setdefault("fla_batch", {})
+    for batch in (4, 16):
+        prompts = prompts_for(model, batch, 2, seed=batch)
+        gen = make_generator(model)
+        gen.decode(prompts[0], 2)
+        plain = run_route(gen, prompts, args.new_tokens, plain=True)
+        truths = truth_of(plain, prompts)
+        spec = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, 0.8, 8), chain_config(8), truths=truths)
+        same = all(torch.equal(a, b) for a, b in zip(spec.pop("sequences"), plain.pop("sequences")))
+        section[f"B{batch}"] = {"plain": plain, "p0.8_L8": spec, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"], "identical": same}
+        print(f"B={batch}: plain {plain['tokens_per_s']:.0f} tok/s, p=0.8 L=8 {spec['tokens_per_s']:.0f} tok/s", flush=True)
+
+
+def qwen(args, results: dict) -> None:
+    model = build("qwen", torch.bfloat16, args.qwen_layers)
+    prompts = prompts_for(model, 1, args.prompts)
+    section = results.setdefault("qwen", {"weights_gb": weight_bytes(model) / 1e9})
+    gen = make_generator(model)
+    gen.decode(prompts[0], 2)
+    plain = run_route(gen, prompts, args.new_tokens, plain=True)
+    truths = truth_of(plain, prompts)
+    section["plain"] = {k: v for k, v in plain.items() if k != "sequences"}
+    section["eager_ms_per_token"] = eager_ms_per_token(model, prompts[0])
+    gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, 8), chain_config(8)
+    gen.generate(prompts[0], 2)  # compiles and captures the 16-node pass outside the timed runs
+    for p in (1.0, 0.8):
+        r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, 8), chain_config(8), truths=truths)
+        r["identical"] = all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"]))
+        r["speedup"] = plain["decode_s"] / r["decode_s"]
+        section[f"p{p}_L8"] = r
+        print(f"qwen p={p} L=8: {r['speedup']:.2f}x", flush=True)
+
+
+def exact_fp32(args, results: dict) -> None:
+    """fp32 greedy output of chains and trees against graphed plain decoding (reduced depth)."""
+    section = results.setdefault("exact_fp32", {})
+    for family, layers in (("fla", 4), ("qwen", 4)):
+        model = build(family, torch.float32, layers)
+        prompts = prompts_for(model, 1, 16)
+        gen = make_generator(model)
+        plain = run_route(gen, prompts, 128, plain=True)
+        truths = truth_of(plain, prompts)
+        for name, drafter, config in (
+            ("chain_L8_p0.8", OracleDrafter(None, 0.8, 8), chain_config(8)),
+            ("tree_k2_n16_p0.8", OracleDrafter(None, 0.8, 7, 2), tree_config(2, 16)[0]),
+        ):
+            r = run_route(gen, prompts, 128, drafter, config, truths=truths)
+            same = sum(torch.equal(a, b) for a, b in zip(r["sequences"], plain["sequences"]))
+            section[f"{family}_{name}"] = f"{same}/{len(prompts)}"
+            print(f"fp32 {family} {name}: {same}/{len(prompts)} identical", flush=True)
+
+
+def warm_start(args, results: dict) -> None:
+    """A second process on a warm inductor cache: time to the first generated token through the
+    1-node pass and two draft buckets."""
+    if args.child:
+        model = build("fla", torch.bfloat16, args.layers)
+        prompt = prompts_for(model, 1, 1)[0]
+        gen = make_generator(model)
+        started = time.perf_counter()
+        gen.decode(prompt, 2)
+        for bucket in (16, 32):
+            gen.drafter, gen.config = OracleDrafter([[0] * 64], 1.0, bucket - 1), chain_config(bucket - 1)
+            gen.generate(prompt, 2)
+        print(json.dumps({"warm_start_s": time.perf_counter() - started}))
+        return
+    command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)]
+    started = time.perf_counter()
+    out = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    line = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    results["warm_start"] = {"process_s": time.perf_counter() - started, **(json.loads(line[-1]) if line else {"error": out.stderr[-2000:]})}
+    print("warm start", results["warm_start"], flush=True)
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def targets(results: dict) -> list[dict]:
+    out = []
+
+    def add(name, measured, goal, met):
+        out.append({"name": name, "measured": measured, "goal": goal, "met": bool(met)})
+
+    b1 = results.get("fla_b1", {})
+    if "plain" in b1:
+        add("plain graphed decoding, ms/token", round(b1["plain"]["ms_per_token"], 3), "<= 1.0", b1["plain"]["ms_per_token"] <= 1.0)
+    if "pass_ms" in b1:
+        base = b1["pass_ms"]["1"]
+        add("verify pass over plain step, chain of 9 (16-node bucket)", round(b1["pass_ms"]["16"] / base, 3), "<= 1.25", b1["pass_ms"]["16"] / base <= 1.25)
+        add("verify pass over plain step, tree of 16", round(b1["pass_ms"]["16"] / base, 3), "<= 1.4", b1["pass_ms"]["16"] / base <= 1.4)
+        add("verify pass over plain step, tree of 32", round(b1["pass_ms"]["32"] / base, 3), "<= 1.8", b1["pass_ms"]["32"] / base <= 1.8)
+    chain = b1.get("chain", {})
+    if chain:
+        add("oracle chain L=12 p=1.0 speedup", round(chain["L12_p1.0"]["speedup"], 2), ">= 6", chain["L12_p1.0"]["speedup"] >= 6)
+        add("p=0.8 L=8 speedup", round(chain["L8_p0.8"]["speedup"], 2), ">= 2.5", chain["L8_p0.8"]["speedup"] >= 2.5)
+        best = max(chain[f"L{d}_p0.6"]["speedup"] for d in CHAIN_LENGTHS)
+        add("p=0.6 best L speedup", round(best, 2), ">= 1.6", best >= 1.6)
+    batch = results.get("fla_batch", {}).get("B16")
+    if batch:
+        add("p=0.8 L=8 B=16 tokens/s over plain", round(batch["speedup"], 2), ">= 2", batch["speedup"] >= 2)
+    q = results.get("qwen", {})
+    if "p1.0_L8" in q:
+        add("Qwen3.5 oracle L=8 speedup", round(q["p1.0_L8"]["speedup"], 2), ">= 4", q["p1.0_L8"]["speedup"] >= 4)
+        add("Qwen3.5 p=0.8 L=8 speedup", round(q["p0.8_L8"]["speedup"], 2), ">= 2", q["p0.8_L8"]["speedup"] >= 2)
+    exact = results.get("exact_fp32", {})
+    if exact:
+        ok = all(v.split("/")[0] == v.split("/")[1] for v in exact.values())
+        add("fp32 greedy identical to graphed plain decoding (4-layer models)", exact, "100%", ok)
+    if "cold_plain_s" in b1 and "cold_buckets_s" in b1:
+        cold = b1["cold_plain_s"] + b1["cold_buckets_s"]
+        add("cold start, AR step + 2 buckets, s", round(cold, 1), "<= 90", cold <= 90)
+    warm = results.get("warm_start", {})
+    if "warm_start_s" in warm:
+        add("second process, warm cache, AR step + 2 buckets, s", round(warm["warm_start_s"], 1), "<= 20", warm["warm_start_s"] <= 20)
+    return out
+
+
+def write_report(results: dict, out_dir: str) -> None:
+    results["targets"] = targets(results)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "e2e_gpu.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    lines = ["# End-to-end speed, static CUDA-graphed engine", "", f"device: {results.get('device')}, torch {results.get('torch')}",
+             f"command: `{results.get('command')}`", "", "| target | measured | goal | met |", "| --- | --- | --- | --- |"]
+    lines += [f"| {t['name']} | {t['measured']} | {t['goal']} | {'yes' if t['met'] else 'no'} |" for t in results["targets"]]
+    b1 = results.get("fla_b1", {})
+    if b1.get("chain"):
+        lines += ["", "Chain speedup over graphed plain decoding (B=1, 128 new tokens, decode phase):", "",
+                  "| L \\ p | " + " | ".join(str(p) for p in P_VALUES) + " |", "| --- |" + " --- |" * len(P_VALUES)]
+        for d in CHAIN_LENGTHS:
+            lines.append(f"| {d} | " + " | ".join(f"{b1['chain'][f'L{d}_p{p}']['speedup']:.2f}" for p in P_VALUES) + " |")
+    if b1.get("tree"):
+        lines += ["", "Tree speedup (top_k, nodes):", "", "| tree \\ p | " + " | ".join(str(p) for p in P_VALUES) + " |",
+                  "| --- |" + " --- |" * len(P_VALUES)]
+        for k, n in TREES:
+            lines.append(f"| k={k}, {n} nodes | " + " | ".join(f"{b1['tree'][f'k{k}_n{n}_p{p}']['speedup']:.2f}" for p in P_VALUES) + " |")
+    with open(os.path.join(out_dir, "e2e_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot(results, os.path.join(out_dir, "e2e_gpu.png"))
+    print("\n".join(lines))
+
+
+def plot(results: dict, path: str) -> None:
+    chain = results.get("fla_b1", {}).get("chain")
+    if not chain:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [[chain[f"L{d}_p{p}"]["speedup"] for p in P_VALUES] for d in CHAIN_LENGTHS]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=max(max(r) for r in grid), aspect="auto")
+    ax.set_xticks(range(len(P_VALUES)), [str(p) for p in P_VALUES])
+    ax.set_yticks(range(len(CHAIN_LENGTHS)), [str(d) for d in CHAIN_LENGTHS])
+    ax.set_xlabel("acceptance p (each draft token right with probability p)")
+    ax.set_ylabel("chain length L")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(image, label="speedup over graphed plain decoding")
+    ax.set_title("GDN-1.3B shape, H200, bf16, B=1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--layers", type=int, default=None, help="fla model depth (default: 24, the 1.3B shape)")
+    parser.add_argument("--qwen-layers", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            write_report(json.load(f), args.out)
+        return
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(["python", *sys.argv])}
+    for name in args.sections:
+        try:
+            globals()[name](args, results)
+        except Exception:  # keep the other sections' figures
+            results.setdefault("errors", {})[name] = traceback.format_exc()
+            print(traceback.format_exc(), flush=True)
+        if not args.child:
+            write_report(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""The static decode engine: every target pass replays one captured step over static buffers.
+
+As in gpt-fast, the durable cache lives in tensors allocated once (per batch size) and updated in place,
+and the draft of every pass is written into static buffers (``tokens``, ``parents``). One step per bucket
+size N runs the compiled model's verification twin on them and, when greedy, accepts on the device,
+gathers the accepted factor records into the static pending buffers (committed inside the next pass),
+compacts attention K/V and advances the committed lengths. On CUDA that step is captured as a CUDA graph
+at its first use and replayed afterwards; a smaller tree replays its bucket's graph with inert padding.
+The host synchronises once per pass, to read the accepted path. Plain decoding through the same engine
+is the bucket N = 1 (:meth:`StaticEngine.decode`).
+
+A pass with no active row commits nothing (count 0), which makes the warm-up and capture runs of a new
+bucket side-effect free once the pending records are flushed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.dispatch import TopologyHint, topology_hint
+from ..lowering.session import VerifySession
+from .acceptance import Acceptance, greedy_accept_device
+from .cache_layout import load_static, same_layout, set_seen_tokens, static_twin, store_static
+from .topology import PAD, ancestor_mask_device
+
+log = logging.getLogger("specla_compile")
+
+
+@dataclass
+class StepResult:
+    """What a pass leaves on the device: ``logits [B, N, V]``, the last hidden state (or None)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+class _Bucket:
+    """Static inputs and outputs of the passes of one node count, and their captured graph."""
+
+    def __init__(self, batch: int, nodes: int, chain: bool, device: torch.device):
+        self.nodes = nodes
+        self.chain = chain  # every draft of this bucket is a chain: accepted paths are prefixes
+        self.session = VerifySession(static=True)
+        self.draft = torch.zeros(2, batch, nodes, dtype=torch.long, device=device)  # tokens, parents
+        self.draft[1] = PAD
+        self.draft[1, :, 0] = -1
+        self.summary = torch.zeros(batch, nodes + 2, dtype=torch.long, device=device)  # path, count, next token
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.result: StepResult | None = None
+        self.hint: TopologyHint | None = None
+        self.prepared = False
+
+
+class StaticEngine:
+    """Static buffers and captured passes of one compiled model.
+
+    ``compiled``: the ``specla``-compiled model, ``config`` its config; ``graphs``: capture CUDA graphs (CUDA only);
+    ``features``: the passes also return the last hidden state (for drafters that read features).
+    """
+
+    def __init__(self, compiled: torch.nn.Module, config, *, graphs: bool, features: bool = False):
+        self.compiled = compiled
+        self.config = config  # the model's, to build a static cache of its layout
+        self.graphs = graphs
+        self.features = features
+        self.cache = None
+        self.capacity = 0
+        self.last: _Bucket | None = None
+        self.buckets: dict[tuple[int, bool], _Bucket] = {}
+        self.compile_seconds: dict[str, float] = {}
+
+    # --- the cache ---------------------------------------------------------------------------------
+
+    def start(self, cache, committed: torch.Tensor, kv_valid: torch.Tensor | None, capacity: int = 0) -> None:
+        """Take over a prefilled ``cache``: copy it into the static cache, which is allocated at the first
+        call and again when the batch, the state shapes or the attention ``capacity`` (columns) change;
+        every graph is then captured anew. ``committed [B]``: tokens per row; ``kv_valid [B, W]``: which
+        attention columns hold real tokens (hybrid models)."""
+        if kv_valid is not None and kv_valid.shape[1] > capacity:
+            raise ValueError(f"the prompt needs {kv_valid.shape[1]} attention columns, more than the capacity {capacity}")
+        fresh = (
+            self.cache is None
+            or self.committed.shape != committed.shape
+            or not same_layout(self.cache, cache)
+            or (kv_valid is not None and self.capacity != capacity)
+        )
+        if fresh:
+            self.cache = static_twin(cache, self.config, capacity)
+            self.capacity = capacity
+            self.buckets = {}
+            self.committed = torch.zeros_like(committed)
+            self.active = torch.ones(committed.shape[0], dtype=torch.bool, device=committed.device)
+            self.kv_valid = None if kv_valid is None else torch.zeros(committed.shape[0], capacity, dtype=torch.bool, device=committed.device)
+        self.user_cache = cache
+        self.last = None
+        self.columns = load_static(self.cache, cache)
+        self.committed.copy_(committed)
+        self.active.fill_(True)
+        if self.kv_valid is not None:
+            self.kv_valid.zero_()
+            self.kv_valid[:, : kv_valid.shape[1]] = kv_valid
+
+    def finish(self):
+        """Commit every pending record, write the static cache back into the cache given to :meth:`start`
+        and return that cache."""
+        for bucket in self.buckets.values():
+            bucket.session.flush()
+        store_static(self.cache, self.user_cache, self.columns)
+        set_seen_tokens(self.user_cache, int(self.committed.max()))
+        return self.user_cache
+
+    # --- one pass ----------------------------------------------------------------------------------
+
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, *, accept: bool) -> tuple[StepResult, Acceptance | None]:
+        """Run one pass over the draft ``tokens, parents [B, N]`` (host or device tensors). With ``accept``,
+        greedy acceptance and the commit of the accepted paths run in the same step and their result is
+        returned on the host (the pass's one synchronisation); otherwise call :meth:`commit` next."""
+        nodes = tokens.shape[1]
+        if self.kv_valid is not None and self.columns + nodes > self.capacity:
+            raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
+        bucket = self._bucket(nodes, parents)
+        if self.last is not None and self.last is not bucket:
+            self.last.session.flush()  # another bucket's graph commits only its own pending records
+        self.last = bucket
+        bucket.draft.copy_(torch.stack([tokens, parents]), non_blocking=True)
+        if not bucket.prepared:
+            self._prepare(bucket, accept)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            bucket.result = self._step(bucket, accept)
+        if not accept:
+            return bucket.result, None
+        summary = bucket.summary.cpu()  # the one synchronisation of the pass
+        acceptance = Acceptance(summary[:, :nodes], summary[:, nodes], summary[:, nodes + 1])
+        self.columns += int(acceptance.num_accepted.max())
+        return bucket.result, acceptance
+
+    def commit(self, path: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep each row's first ``counts[b]`` nodes of ``path [B, N]`` (after a pass without ``accept``)."""
+        counts = torch.where(self.active, counts.to(self.committed.device), 0)
+        self._commit(self.last, path.to(self.committed.device), counts)
+        self.columns += int(counts.max())
+
+    def trim(self, accepted: torch.Tensor, kept: list[int], finished: list[bool]) -> None:
+        """The host cut some rows' tokens (EOS, token budget) after the last pass committed ``accepted [B]``
+        nodes: keep ``kept[b]`` of them instead (they are still pending, so nothing was applied yet), and
+        commit nothing more for ``finished`` rows."""
+        device = self.committed.device
+        kept_t = torch.tensor(kept, device=device)
+        for bucket in self.buckets.values():
+            if bucket.session.num_pending is not None:
+                bucket.session.num_pending.copy_(torch.minimum(bucket.session.num_pending, kept_t))
+        self.committed -= accepted.to(device) - kept_t
+        self.active.copy_(~torch.tensor(finished, device=device))
+        if self.kv_valid is not None:
+            start = self.columns - int(accepted.max())
+            self.kv_valid[:, start:] = False
+            self.kv_valid[:, start : start + max(kept)] = torch.arange(max(kept), device=device)[None] < kept_t[:, None]
+            self.columns = start + max(kept)
+            self._set_attention_length(self.columns)
+
+    # --- inside the step -------------------------------------------------------------------------
+
+    def _bucket(self, nodes: int, parents: torch.Tensor) -> _Bucket:
+        """The bucket of a draft: its node count, and whether it is a chain (checked on the host copy)."""
+        parents = parents.cpu()
+        chain = bool(((parents == torch.arange(nodes) - 1) | (parents == PAD)).all())
+        key = (nodes, chain)
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(self.committed.shape[0], nodes, chain, self.committed.device)
+            self.buckets[key].hint = TopologyHint.from_parents(parents)  # the route is fixed per captured graph
+        return self.buckets[key]
+
+    def _forward(self, bucket: _Bucket) -> StepResult:
+        tokens, parents = bucket.draft[0], bucket.draft[1]
+        ancestors = ancestor_mask_device(parents)
+        kwargs = {"use_cache": True, "output_hidden_states": self.features}
+        tree_mask = None
+        if self.kv_valid is not None:
+            depth = ancestors.sum(-1) - 1
+            kwargs["position_ids"] = self.committed[:, None] + depth
+            tree_mask = self._tree_mask(ancestors)
+        set_seen_tokens(self.cache, 0)  # fla's token counter: a constant keeps Dynamo's guards on it stable
+        with bucket.session.verify(parents, tree_mask), topology_hint(bucket.hint):
+            out = self.compiled(input_ids=tokens, past_key_values=self.cache, **kwargs)
+        if not bucket.session.records:
+            raise ValueError(
+                "the verification pass went through no GDN layer: the model has none, was compiled with another "
+                "backend than 'specla', or Dynamo hit its recompile limit and ran the model eagerly"
+            )
+        bucket.ancestors = ancestors
+        return StepResult(out.logits, out.hidden_states[-1] if self.features else None)
+
+    def _step(self, bucket: _Bucket, accept: bool) -> StepResult:
+        result = self._forward(bucket)
+        if accept:
+            tokens, parents = bucket.draft[0], bucket.draft[1]
+            acceptance = greedy_accept_device(tokens, parents, result.logits, bucket.ancestors)
+            counts = torch.where(self.active, acceptance.num_accepted, 0)
+            self._commit(bucket, acceptance.path, counts)
+            n = bucket.nodes
+            bucket.summary[:, :n].copy_(acceptance.path)
+            bucket.summary[:, n].copy_(counts)
+            bucket.summary[:, n + 1].copy_(acceptance.next_token)
+        return result
+
+    def _commit(self, bucket: _Bucket, path: torch.Tensor, counts: torch.Tensor) -> None:
+        bucket.session.accept(path, counts, prefix=bucket.chain)
+        self.committed += counts
+        if self.kv_valid is not None:
+            self._compact_attention(bucket.nodes, path, counts)
+
+    def _tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, N, L]``: the valid committed columns, then the node's ancestors (and itself) at the
+        columns the pass writes its nodes to."""
+        nodes = ancestors.shape[1]
+        start = self._attention_length()
+        relative = torch.arange(self.kv_valid.shape[1], device=ancestors.device) - start  # column - first draft column
+        in_draft = (relative >= 0) & (relative < nodes)
+        tree = ancestors.gather(2, relative.clamp(0, nodes - 1).expand(*ancestors.shape[:2], -1)) & in_draft
+        return (self.kv_valid[:, None, :] | tree)[:, None]
+
+    def _attention_layers(self) -> list:
+        return [layer for layer in self.cache.layers if getattr(layer, "cumulative_length", None) is not None and getattr(layer, "is_initialized", False)]
+
+    def _attention_length(self) -> torch.Tensor:
+        return self._attention_layers()[0].cumulative_length
+
+    def _set_attention_length(self, length: int | torch.Tensor) -> None:
+        for layer in self._attention_layers():
+            layer.cumulative_length.fill_(length) if isinstance(length, int) else layer.cumulative_length.copy_(length)
+
+    def _compact_attention(self, nodes: int, path: torch.Tensor, counts: torch.Tensor) -> None:
+        """The pass wrote its N nodes' K/V at the N columns after the committed ones: move each row's
+        accepted path there, mark the columns of the shorter rows invalid, and advance the length by the
+        longest row's count."""
+        end = self._attention_length()  # the model's update already advanced it by N
+        start = end - nodes
+        columns = start + torch.arange(nodes, device=path.device)
+        source = start + path.clamp(min=0)  # [B, N]
+        for layer in self._attention_layers():
+            for kv in (layer.keys, layer.values):
+                gathered = kv.gather(2, source[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3]))
+                kv.index_copy_(2, columns, gathered)
+        valid = torch.arange(nodes, device=path.device)[None] < counts[:, None]
+        self.kv_valid.index_copy_(1, columns, valid)
+        self._set_attention_length(start + counts.max())
+
+    # --- capture -----------------------------------------------------------------------------------
+
+    def _prepare(self, bucket: _Bucket, accept: bool) -> None:
+        """First pass of a bucket: compile it (Dynamo, inductor) and, with graphs, capture it. The runs
+        before the real one commit nothing (no row active, pending records flushed first)."""
+        for other in self.buckets.values():
+            other.session.flush()
+        bucket.prepared = True
+        if not self.graphs:
+            return
+        started = time.perf_counter()
+        name = f"{bucket.nodes}{'-chain' if bucket.chain else '-tree'}"
+        log.warning("specla: compiling and capturing the %s pass (once per bucket)", name)
+        active = self.active.clone()
+        self.active.fill_(False)
+        columns = self.columns
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(bucket, accept)
+        torch.cuda.current_stream().wait_stream(stream)
+        bucket.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bucket.graph):
+            bucket.result = self._step(bucket, accept)
+        self.active.copy_(active)
+        if self.kv_valid is not None:
+            self._set_attention_length(columns)
+        torch.cuda.synchronize()
+        self.compile_seconds[name] = time.perf_counter() - started
+
+

@@ -1,0 +1,98 @@
+"""The static engine (static buffers, device-side acceptance and commit) against the dynamic path and
+plain decoding, on the three families (CPU, fp32; CUDA graphs are exercised by the GPU tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_utils import max_cache_diff
+from models import FAMILIES, VOCAB, tiny_model
+from test_generator import COMPILE, OracleDrafter, plain
+
+from specla_compile import SpecConfig, SpeculativeGenerator
+from specla_compile.runtime.cache_layout import cache_slots
+
+CONFIGS = {
+    "chain": SpecConfig(mode="chain", depth=5, bucket=8),
+    "tree": SpecConfig(mode="tree", depth=3, top_k=2, budget=7, bucket=8),
+}
+
+
+def _ragged_batch(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (4, 1, 6)]
+    width = max(p.numel() for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - p.numel() :], mask[b, width - p.numel() :] = p, 1
+    return prompts, input_ids, mask
+
+
+def _states(cache) -> list[torch.Tensor]:
+    return [s.get() for s in cache_slots(cache) if s.kind == "state"]
+
+
+@pytest.mark.parametrize("mode", CONFIGS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_engine_gives_the_dynamic_paths_tokens_and_cache(family, mode):
+    model = tiny_model(family)
+    prompts, input_ids, mask = _ragged_batch(seed=11)
+    refs = [plain(model, p, 14)[0][0, p.numel() :].tolist() for p in prompts]
+    eos = refs[0][5]  # row 0 stops inside a draft; other rows may meet it too
+    runs = {}
+    for engine in ("static", "dynamic"):
+        config = SpecConfig(**{**CONFIGS[mode].__dict__, "engine": engine})
+        drafter = OracleDrafter([r + [0] * 16 for r in refs], error_rate=0.25, seed=3)
+        gen = SpeculativeGenerator(model, drafter, config, compile_options=COMPILE)
+        runs[engine] = gen.generate(input_ids, max_new_tokens=14, eos_token_id=eos, attention_mask=mask, pad_token_id=VOCAB + 1)
+    static, dynamic = runs["static"], runs["dynamic"]
+    assert static.sequences.tolist() == dynamic.sequences.tolist()
+    assert static.stats.iterations == dynamic.stats.iterations
+    assert max((a - b).abs().max().item() for a, b in zip(_states(static.past_key_values), _states(dynamic.past_key_values))) <= 1e-5
+    width = input_ids.shape[1]
+    for b, p in enumerate(prompts):  # and both equal each row's own plain decoding with EOS
+        expected = plain(model, p, 14, eos)[0][0, p.numel() :].tolist()
+        assert static.sequences[b, width : width + len(expected)].tolist() == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_decoding_through_the_engine_equals_eager_decoding(family):
+    model = tiny_model(family)
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(12))
+    expected, expected_cache = plain(model, prompt[0], 9)
+    gen = SpeculativeGenerator(model, OracleDrafter([[0] * 16]), CONFIGS["chain"], compile_options=COMPILE)
+    out = gen.decode(prompt, max_new_tokens=9)
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.stats.iterations == 8 and out.stats.mean_accepted == 0  # one token per pass
+    assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
+    engine = gen.engine(prompt.device, features=False)
+    assert list(engine.buckets) == [(1, True)]
+
+
+def test_chain_and_tree_drafts_of_one_size_use_separate_buckets_and_stay_exact():
+    """A tree drafter whose drafts are sometimes chains: chain drafts take the chain bucket (prefix
+    acceptance, no gather), trees the tree bucket; switching flushes the other bucket's pending records."""
+    model = tiny_model("fla")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(13))
+    expected, expected_cache = plain(model, prompt[0], 24)
+    truth = expected[0, 5:].tolist()
+    gen = SpeculativeGenerator(model, OracleDrafter([truth + [0] * 16], error_rate=0.3, seed=5), CONFIGS["tree"], compile_options=COMPILE)
+    out = gen.generate(prompt, max_new_tokens=24)
+    assert out.sequences.tolist() == expected.tolist()
+    assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
+    assert set(gen.engine(prompt.device, features=False).buckets) == {(8, True), (8, False)}
+
+
+def test_engine_reuses_its_static_buffers_across_calls_and_leaves_callers_caches_alone():
+    model = tiny_model("qwen3_5")
+    gen = SpeculativeGenerator(model, OracleDrafter([[0] * 40], error_rate=1.0), CONFIGS["chain"], compile_options=COMPILE)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(14))
+    first = gen.generate(prompt, max_new_tokens=5)
+    engine = gen.engine(prompt.device, features=False)
+    static = [s.get().data_ptr() for s in cache_slots(engine.cache)]
+    kept = [t.clone() for t in _states(first.past_key_values)]
+    second = gen.generate(prompt, max_new_tokens=5)
+    assert [s.get().data_ptr() for s in cache_slots(engine.cache)] == static  # same buffers, no re-allocation
+    assert all(torch.equal(a, b) for a, b in zip(kept, _states(first.past_key_values)))  # first result untouched
+    assert second.sequences.tolist() == first.sequences.tolist()
