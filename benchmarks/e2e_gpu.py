@@ -39,7 +39,7 @@ QWEN3_5_SMALL = dict(  # a Qwen3.5 0.8B-class text config: 3 GDN layers to 1 ful
 P_VALUES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CHAIN_LENGTHS = (2, 4, 8, 12)
 TREES = ((2, 16), (4, 16), (2, 32), (4, 32))  # (top_k, nodes)
-SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start")
+SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick")
 
 
 def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.nn.Module:
@@ -63,17 +63,22 @@ def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.n
 
 
 def peaked_logits(model: torch.nn.Module, seed: int = 1) -> None:
-    """Random weights give near-tied logits (top-2 margins of 0.01-0.1 against bf16 rounding errors of
-    about 0.1), so bf16 rounding, not the model, would pick every token. Make the output peaked, as a
-    trained model's is: larger input embeddings and an output head whose row for token sigma(t) is
-    token t's embedding (sigma a fixed permutation), so each token strongly predicts the next one
-    while every layer still runs and shapes the logits."""
+    """Random weights give near-tied logits: at the 1.3B shape bf16 and fp32 logits differ by up to 4
+    where the top-2 margin is about 2.7 (CPU, 64 positions: 56/64 argmax agree), so rounding, not the
+    model, picks many tokens, and the plain and the speculative runs part ways at the first such flip;
+    after that the oracle's continuation no longer fits either history. Make the output peaked, as a
+    trained model's is: larger input embeddings, layer outputs (o_proj, down_proj) scaled by 0.1, and an
+    output head whose row for token sigma(t) is token t's embedding (sigma a fixed permutation). Every
+    layer still runs (the cost is unchanged) and still shapes the logits."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     perm = torch.randperm(embedding.shape[0], generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         embedding.mul_(8.0)
         head.copy_(embedding[perm] * 20.0 / embedding.norm(dim=-1, keepdim=True)[perm])
+        for name, module in model.named_modules():
+            if name.endswith(("o_proj", "down_proj")) and isinstance(module, torch.nn.Linear):
+                module.weight.mul_(0.1)
 
 
 # --- controlled drafts -----------------------------------------------------------------------------
@@ -282,6 +287,37 @@ def fla_b1(args, results: dict) -> None:
     section["compile_seconds"] = {str(k): v for k, v in next(iter(gen._engines.values())).compile_seconds.items()}
 
 
+def fla_quick(args, results: dict) -> None:
+    """The headline routes of ``fla_b1`` in about three minutes (two buckets, no trees of 32 nodes),
+    writing the JSON after every route: for a short lease."""
+    model = build("fla", torch.bfloat16, args.layers)
+    prompts = prompts_for(model, 1, args.prompts)
+    section = results.setdefault("fla_b1", {"weights_gb": weight_bytes(model) / 1e9, "quick": True})
+    gen = make_generator(model)
+    started = time.perf_counter()
+    gen.decode(prompts[0], 2)
+    section["cold_plain_s"] = time.perf_counter() - started
+    plain = run_route(gen, prompts, args.new_tokens, plain=True)
+    truths = truth_of(plain, prompts)
+    section["plain"] = {k: v for k, v in plain.items() if k != "sequences"}
+    print(f"plain graphed: {plain['ms_per_token']:.3f} ms/token", flush=True)
+    write_report(results, args.out)
+    started = time.perf_counter()
+    gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, 12), chain_config(12)
+    gen.generate(prompts[0], 2)
+    section["cold_buckets_s"] = time.perf_counter() - started
+    section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16)}
+    print("pass ms", section["pass_ms"], flush=True)
+    heat = section.setdefault("chain", {})
+    for depth, p in ((12, 1.0), (8, 0.8), (8, 1.0), (4, 0.6), (8, 0.6), (2, 0.6), (12, 0.6), (4, 0.8), (12, 0.8)):
+        r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, depth), chain_config(depth), truths=truths)
+        r["identical"] = all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"]))
+        r["speedup"] = plain["decode_s"] / r["decode_s"]
+        heat[f"L{depth}_p{p}"] = r
+        print(f"chain L={depth} p={p}: {r['speedup']:.2f}x, {r['tokens_per_pass']:.2f} tok/pass, identical {r['identical']}", flush=True)
+        write_report(results, args.out)
+
+
 def fla_batch(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     section = results.setdefault("fla_batch", {})
@@ -370,24 +406,26 @@ def targets(results: dict) -> list[dict]:
     b1 = results.get("fla_b1", {})
     if "plain" in b1:
         add("plain graphed decoding, ms/token", round(b1["plain"]["ms_per_token"], 3), "<= 1.0", b1["plain"]["ms_per_token"] <= 1.0)
-    if "pass_ms" in b1:
-        base = b1["pass_ms"]["1"]
-        add("verify pass over plain step, chain of 9 (16-node bucket)", round(b1["pass_ms"]["16"] / base, 3), "<= 1.25", b1["pass_ms"]["16"] / base <= 1.25)
-        add("verify pass over plain step, tree of 16", round(b1["pass_ms"]["16"] / base, 3), "<= 1.4", b1["pass_ms"]["16"] / base <= 1.4)
-        add("verify pass over plain step, tree of 32", round(b1["pass_ms"]["32"] / base, 3), "<= 1.8", b1["pass_ms"]["32"] / base <= 1.8)
+    passes = b1.get("pass_ms", {})
+    for nodes, what, goal in (("16", "chain of 9 (16-node bucket)", 1.25), ("16", "tree of 16", 1.4), ("32", "tree of 32", 1.8)):
+        if "1" in passes and nodes in passes:
+            ratio = passes[nodes] / passes["1"]
+            add(f"verify pass over plain step, {what}", round(ratio, 3), f"<= {goal}", ratio <= goal)
     chain = b1.get("chain", {})
-    if chain:
+    if "L12_p1.0" in chain:
         add("oracle chain L=12 p=1.0 speedup", round(chain["L12_p1.0"]["speedup"], 2), ">= 6", chain["L12_p1.0"]["speedup"] >= 6)
+    if "L8_p0.8" in chain:
         add("p=0.8 L=8 speedup", round(chain["L8_p0.8"]["speedup"], 2), ">= 2.5", chain["L8_p0.8"]["speedup"] >= 2.5)
-        best = max(chain[f"L{d}_p0.6"]["speedup"] for d in CHAIN_LENGTHS)
+    if any(f"L{d}_p0.6" in chain for d in CHAIN_LENGTHS):
+        best = max(chain[f"L{d}_p0.6"]["speedup"] for d in CHAIN_LENGTHS if f"L{d}_p0.6" in chain)
         add("p=0.6 best L speedup", round(best, 2), ">= 1.6", best >= 1.6)
     batch = results.get("fla_batch", {}).get("B16")
     if batch:
         add("p=0.8 L=8 B=16 tokens/s over plain", round(batch["speedup"], 2), ">= 2", batch["speedup"] >= 2)
     q = results.get("qwen", {})
-    if "p1.0_L8" in q:
-        add("Qwen3.5 oracle L=8 speedup", round(q["p1.0_L8"]["speedup"], 2), ">= 4", q["p1.0_L8"]["speedup"] >= 4)
-        add("Qwen3.5 p=0.8 L=8 speedup", round(q["p0.8_L8"]["speedup"], 2), ">= 2", q["p0.8_L8"]["speedup"] >= 2)
+    for key, name, goal in (("p1.0_L8", "Qwen3.5 oracle L=8 speedup", 4), ("p0.8_L8", "Qwen3.5 p=0.8 L=8 speedup", 2)):
+        if key in q:
+            add(name, round(q[key]["speedup"], 2), f">= {goal}", q[key]["speedup"] >= goal)
     exact = results.get("exact_fp32", {})
     if exact:
         ok = all(v.split("/")[0] == v.split("/")[1] for v in exact.values())
@@ -398,7 +436,26 @@ def targets(results: dict) -> list[dict]:
     warm = results.get("warm_start", {})
     if "warm_start_s" in warm:
         add("second process, warm cache, AR step + 2 buckets, s", round(warm["warm_start_s"], 1), "<= 20", warm["warm_start_s"] <= 20)
+    measured = {t["name"] for t in out}
+    out += [{"name": name, "measured": None, "goal": goal, "met": False} for name, goal in ALL_TARGETS if name not in measured]
     return out
+
+
+ALL_TARGETS = (  # every target of the benchmark, so that the ones a run did not reach are listed as such
+    ("plain graphed decoding, ms/token", "<= 1.0"),
+    ("verify pass over plain step, chain of 9 (16-node bucket)", "<= 1.25"),
+    ("verify pass over plain step, tree of 16", "<= 1.4"),
+    ("verify pass over plain step, tree of 32", "<= 1.8"),
+    ("oracle chain L=12 p=1.0 speedup", ">= 6"),
+    ("p=0.8 L=8 speedup", ">= 2.5"),
+    ("p=0.6 best L speedup", ">= 1.6"),
+    ("p=0.8 L=8 B=16 tokens/s over plain", ">= 2"),
+    ("Qwen3.5 oracle L=8 speedup", ">= 4"),
+    ("Qwen3.5 p=0.8 L=8 speedup", ">= 2"),
+    ("fp32 greedy identical to graphed plain decoding (4-layer models)", "100%"),
+    ("cold start, AR step + 2 buckets, s", "<= 90"),
+    ("second process, warm cache, AR step + 2 buckets, s", "<= 20"),
+)
 
 
 def write_report(results: dict, out_dir: str) -> None:
@@ -408,13 +465,22 @@ def write_report(results: dict, out_dir: str) -> None:
         json.dump(results, f, indent=1, default=str)
     lines = ["# End-to-end speed, static CUDA-graphed engine", "", f"device: {results.get('device')}, torch {results.get('torch')}",
              f"command: `{results.get('command')}`", "", "| target | measured | goal | met |", "| --- | --- | --- | --- |"]
-    lines += [f"| {t['name']} | {t['measured']} | {t['goal']} | {'yes' if t['met'] else 'no'} |" for t in results["targets"]]
+    lines += [f"| {t['name']} | {'not measured' if t['measured'] is None else t['measured']} | {t['goal']} | {'yes' if t['met'] else 'no'} |"
+              for t in results["targets"]]
+    if "setup" in results:
+        lines += ["", f"Setup: {results['setup']}."]
+    for key, value in results.get("fla_b1", {}).items():
+        if key in ("eager_ms_per_token", "pass_ms", "host_ms_per_pass", "compile_seconds"):
+            lines.append(f"- `{key}`: {value}")
+    if "invalid" in results:
+        lines += ["", f"Not reported: {results['invalid']['what']}. Why: {results['invalid']['why']}."]
     b1 = results.get("fla_b1", {})
     if b1.get("chain"):
         lines += ["", "Chain speedup over graphed plain decoding (B=1, 128 new tokens, decode phase):", "",
                   "| L \\ p | " + " | ".join(str(p) for p in P_VALUES) + " |", "| --- |" + " --- |" * len(P_VALUES)]
         for d in CHAIN_LENGTHS:
-            lines.append(f"| {d} | " + " | ".join(f"{b1['chain'][f'L{d}_p{p}']['speedup']:.2f}" for p in P_VALUES) + " |")
+            cells = [b1["chain"].get(f"L{d}_p{p}") for p in P_VALUES]
+            lines.append(f"| {d} | " + " | ".join(f"{c['speedup']:.2f}" if c else "-" for c in cells) + " |")
     if b1.get("tree"):
         lines += ["", "Tree speedup (top_k, nodes):", "", "| tree \\ p | " + " | ".join(str(p) for p in P_VALUES) + " |",
                   "| --- |" + " --- |" * len(P_VALUES)]
@@ -427,26 +493,45 @@ def write_report(results: dict, out_dir: str) -> None:
 
 
 def plot(results: dict, path: str) -> None:
-    chain = results.get("fla_b1", {}).get("chain")
-    if not chain:
+    """The chain heatmap (speedup over graphed plain decoding, as the paper's Figure 12) when measured,
+    and the cost of one pass by node count next to the weight-streaming floor."""
+    b1 = results.get("fla_b1", {})
+    chain, passes = b1.get("chain"), b1.get("pass_ms")
+    if not chain and not passes:
         return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = [[chain[f"L{d}_p{p}"]["speedup"] for p in P_VALUES] for d in CHAIN_LENGTHS]
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=max(max(r) for r in grid), aspect="auto")
-    ax.set_xticks(range(len(P_VALUES)), [str(p) for p in P_VALUES])
-    ax.set_yticks(range(len(CHAIN_LENGTHS)), [str(d) for d in CHAIN_LENGTHS])
-    ax.set_xlabel("acceptance p (each draft token right with probability p)")
-    ax.set_ylabel("chain length L")
-    for i, row in enumerate(grid):
-        for j, v in enumerate(row):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
-    fig.colorbar(image, label="speedup over graphed plain decoding")
-    ax.set_title("GDN-1.3B shape, H200, bf16, B=1")
+    fig, axes = plt.subplots(1, 2 if chain and passes else 1, figsize=(11 if chain and passes else 6, 3.4), squeeze=False)
+    axes = list(axes[0])
+    if chain:
+        ax = axes.pop(0)
+        grid = [[chain[f"L{d}_p{p}"]["speedup"] if f"L{d}_p{p}" in chain else float("nan") for p in P_VALUES] for d in CHAIN_LENGTHS]
+        top = max((v for row in grid for v in row if v == v), default=1.0)
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=max(top, 1.0), aspect="auto")
+        ax.set_xticks(range(len(P_VALUES)), [str(p) for p in P_VALUES])
+        ax.set_yticks(range(len(CHAIN_LENGTHS)), [str(d) for d in CHAIN_LENGTHS])
+        ax.set_xlabel("acceptance p (each draft token right with probability p)")
+        ax.set_ylabel("chain length L")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}" if v == v else "-", ha="center", va="center", fontsize=8)
+        fig.colorbar(image, ax=ax, label="speedup over graphed plain decoding")
+        ax.set_title("GDN-1.3B shape, H200, bf16, B=1")
+    if passes:
+        ax = axes.pop(0)
+        nodes = sorted(passes, key=int)
+        ax.bar(nodes, [passes[n] for n in nodes], color="tab:blue", label="one captured pass (GPU)")
+        floor = b1.get("weights_gb", 2.93) / 4.2
+        ax.axhline(floor, color="tab:green", ls="--", label=f"weight-streaming floor {floor:.2f} ms")
+        if "plain" in b1:
+            ax.axhline(b1["plain"]["ms_per_token"], color="tab:red", ls=":", label="plain decoding per token (pass + host)")
+        ax.set_xlabel("nodes verified in the pass")
+        ax.set_ylabel("ms")
+        ax.set_title("Cost of one pass, GDN-1.3B shape, H200, bf16")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

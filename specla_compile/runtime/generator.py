@@ -281,18 +281,23 @@ class _Run:
         """Draft trees of the active rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
         request = DraftRequest(active, [torch.cat([self.rows[b], self.pending[b : b + 1]]) for b in active])
         draft: Draft = self.drafter.propose(request, self.config)
-        self.hint = TopologyHint.from_parents(draft.parents)  # lets the CUDA dispatch pick its kernel
         n = draft.tokens.shape[1]
         if n > self.nodes:
             raise ValueError(f"{type(self.drafter).__name__} proposed {n} nodes, more than the configured {self.nodes}")
-        tokens = self.pending[:, None].repeat(1, self.nodes)
-        parents = torch.full((self.batch, self.nodes), PAD, dtype=torch.long, device=self.device)
-        parents[:, 0] = -1
-        index = torch.tensor(active, device=self.device)
-        tokens[index, :n] = draft.tokens.to(self.device)
-        parents[index, :n] = draft.parents.to(self.device)
+        tail = (0, self.nodes - n)
+        if len(active) == self.batch:  # every row drafted: pad the draft (padding tokens are never read)
+            tokens = torch.nn.functional.pad(draft.tokens.to(self.device), tail)
+            parents = torch.nn.functional.pad(draft.parents.to(self.device), tail, value=PAD)
+        else:
+            tokens = self.pending[:, None].repeat(1, self.nodes)
+            parents = torch.full((self.batch, self.nodes), PAD, dtype=torch.long, device=self.device)
+            parents[:, 0] = -1
+            index = torch.tensor(active, device=self.device)
+            tokens[index, :n] = draft.tokens.to(self.device)
+            parents[index, :n] = draft.parents.to(self.device)
         probs = None
         if draft.probs is not None:
+            index = torch.tensor(active, device=self.device)
             probs = torch.zeros(self.batch, self.nodes, draft.probs.shape[-1], device=self.device)
             probs[index, :n] = draft.probs.to(self.device, torch.float32)
         return tokens, parents, probs
@@ -305,7 +310,7 @@ class _Run:
             past = self.kv_valid[:, None, None, :].expand(-1, 1, self.nodes, -1)
             tree_mask = torch.cat([past, tree[:, None]], dim=-1)
             kwargs["position_ids"] = self.committed[:, None] + depth(parents)
-        with self.session.verify(parents, tree_mask), topology_hint(self.hint):
+        with self.session.verify(parents, tree_mask), topology_hint(TopologyHint.from_parents(parents)):
             out = self.compiled(input_ids=tokens, past_key_values=self.cache, **kwargs)
         if not self.session.records:
             raise ValueError(
@@ -321,20 +326,20 @@ class _Run:
 
     def _emit(self, acceptance: Acceptance, tokens: torch.Tensor) -> list[list[int]]:
         """New tokens per row: the accepted drafts then the target's token, cut at EOS and at the budget."""
-        path_tokens = acceptance.accepted_tokens(tokens)
-        next_tokens = acceptance.next_token.tolist()
+        paths, counts = acceptance.path.tolist(), acceptance.num_accepted.tolist()
+        drafted, next_tokens = tokens.tolist(), acceptance.next_token.tolist()
         emitted = []
         for b in range(self.batch):
             if self.finished[b]:
                 emitted.append([])
                 continue
-            row = path_tokens[b][1:].tolist() + [next_tokens[b]]
+            row = [drafted[b][j] for j in paths[b][1 : counts[b]]] + [next_tokens[b]]
             row = row[: self.max_new_tokens - len(self.new_tokens[b])]
             for i, t in enumerate(row):
                 if t in self.eos:
                     row = row[: i + 1]
                     break
-            self.stats.accepted_drafts.append(int(acceptance.num_accepted[b]) - 1)
+            self.stats.accepted_drafts.append(counts[b] - 1)
             emitted.append(row)
         return emitted
 
@@ -366,15 +371,17 @@ class _Run:
 
     def _advance(self, acceptance: Acceptance, tokens: torch.Tensor, emitted: list[list[int]], hidden) -> None:
         """Host side of a commit: the drafter, the token history and the pending tokens."""
-        committed_paths = [acceptance.path[b, : len(e)] for b, e in enumerate(emitted)]
         active = [b for b, e in enumerate(emitted) if e]
-        features = [hidden[b, committed_paths[b].to(hidden.device)] for b in active] if hidden is not None else None
-        tokens = tokens.to(acceptance.path.device)
-        self.drafter.commit(active, [tokens[b, committed_paths[b]].to(self.device) for b in active], features)
-        for b in active:
-            self.rows[b] = torch.cat([self.rows[b], tokens[b, committed_paths[b]].to(self.device)])
-        last = torch.tensor([e[-1] if e else 0 for e in emitted], device=self.device)
-        self.pending = torch.where(torch.tensor([bool(e) for e in emitted], device=self.device), last, self.pending)
+        # the committed tokens are the old pending token and the accepted drafts: emitted minus its last
+        committed = [torch.tensor([int(self.pending[b])] + emitted[b][:-1], device=self.device) for b in active]
+        features = None
+        if hidden is not None:
+            paths = acceptance.path.to(hidden.device)
+            features = [hidden[b, paths[b, : len(emitted[b])]] for b in active]
+        self.drafter.commit(active, committed, features)
+        for b, new in zip(active, committed):
+            self.rows[b] = torch.cat([self.rows[b], new])
+        self.pending = torch.tensor([e[-1] if e else int(p) for e, p in zip(emitted, self.pending.tolist())], device=self.device)
 
     def _pass(self, tokens: torch.Tensor, parents: torch.Tensor, probs) -> tuple[Acceptance, torch.Tensor | None]:
         """One target pass and its acceptance: ``(acceptance, last hidden state or None)``."""
@@ -409,7 +416,8 @@ class _Run:
                 self._record(emitted)
                 self._commit(acceptance, tokens, emitted, hidden)
             self.stats.iterations += 1
-            self.stats.tree_sizes += [int((parents[b] != PAD).sum()) for b in active]
+            sizes = (parents != PAD).sum(-1).tolist()
+            self.stats.tree_sizes += [sizes[b] for b in active]
         with self._timed("commit_seconds"):
             self._finish()
         if self.streamer is not None:
