@@ -3,11 +3,11 @@ import torch
 from hypothesis import given, settings
 from helpers import parent_batches, parent_rows
 
+from specla_compile.tree import ancestor_mask_device
 from specla_compile.runtime.topology import (
     PAD,
     ROOT,
     ancestor_mask,
-    ancestor_mask_device,
     bucket_size,
     chain_decomposition,
     depth,

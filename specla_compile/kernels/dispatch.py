@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.topology import PAD, depth
+from ..tree import PAD, depth
 
 ROUTES = ("serial", "parallel", "hybrid")
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime.topology import ancestor_mask
+from ..tree import ancestor_mask, gather_nodes
 
 L2NORM_EPS = 1e-6  # fla's and transformers' l2norm epsilon
 
@@ -29,12 +29,6 @@ class FactorRecords(NamedTuple):
     def select(self, index: torch.Tensor) -> FactorRecords:
         """Gather nodes ``index [B, A]`` of every row (the accepted path)."""
         return FactorRecords(*(gather_nodes(t, index) for t in self))
-
-
-def gather_nodes(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t[b, index[b, i]]`` for ``t [B, N, ...]`` and ``index [B, A]`` (-1 entries read node 0)."""
-    idx = index.clamp(min=0).reshape(*index.shape, *([1] * (t.dim() - 2))).expand(*index.shape, *t.shape[2:])
-    return t.gather(1, idx)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:

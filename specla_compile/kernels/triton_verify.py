@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime.topology import PAD
+from ..tree import PAD
 from .dispatch import ROUTES, KernelConfig
 from .reference import L2NORM_EPS
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import ops
-from ..kernels.reference import gather_nodes
+from ..tree import gather_nodes
 
 
 @dataclass

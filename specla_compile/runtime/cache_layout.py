@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.reference import gather_nodes
+from ..tree import gather_nodes
 
 
 class _TupleField:

@@ -26,7 +26,7 @@ from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept_device
 from .cache_layout import load_static, same_layout, set_seen_tokens, static_twin, store_static
-from .topology import PAD, ancestor_mask_device
+from ..tree import PAD, ancestor_mask_device
 
 log = logging.getLogger("specla_compile")
 

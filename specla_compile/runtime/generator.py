@@ -237,13 +237,13 @@ class _Run:
     def _prefill(self, past_key_values):
         """Process the prompts with the eager model (a plain call of the compiled one is the same
         computation, but every prompt length would be a new graph); returns the first new token of every
-        row. Rows run one at a time (exact lengths, no padding inside GDN states) and are stacked into
-        one batched cache."""
+        row. Rows of equal length run as one batch; ragged rows run one at a time (exact lengths, no
+        padding inside GDN states) and are stacked into one batched cache."""
         outs = []
-        if past_key_values is not None:
-            if self.batch > 1 and has_attention(past_key_values):
+        if past_key_values is not None or len({r.numel() for r in self.rows}) == 1:
+            if past_key_values is not None and self.batch > 1 and has_attention(past_key_values):
                 raise NotImplementedError("continuing a batched hybrid-model cache is not supported; continue rows one by one")
-            before = _committed_length(past_key_values)
+            before = _committed_length(past_key_values) if past_key_values is not None else 0
             out = self.owner.model(input_ids=torch.stack(self.rows), past_key_values=past_key_values, **self._model_kwargs())
             self.stats.prefill_passes = 1
             self.cache = out.past_key_values
