@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--weight-decay", type=float, default=0.1)
     o.add_argument("--grad-clip", type=float, default=1.0)
     o.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this much training time")
+    o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this many steps in this run")
     r = p.add_argument_group("runtime")
     r.add_argument("--gdn-backend", choices=("auto", "fla", "torch"), default="auto")
     r.add_argument("--gdn-chunk", type=int, default=64, help="chunk size of the torch backend")
@@ -100,8 +101,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
-    if args.max_minutes is not None and args.max_minutes <= 0:
-        raise ValueError(f"--max-minutes must be positive, got {args.max_minutes}")
+    for name in ("max_minutes", "stop_after"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     C.check_corpus_arguments(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -367,7 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                                f"{v['bits_per_byte']:.3f} bits/byte" for s, v in last_eval.items()))
             if done % args.save_every == 0:
                 save_checkpoint(args, model, optimizer, schedule, done, elapsed)
-            if args.max_minutes is not None and elapsed > 60 * args.max_minutes and done < args.steps:
+            out_of_time = args.max_minutes is not None and elapsed > 60 * args.max_minutes
+            out_of_steps = args.stop_after is not None and done - state["step"] >= args.stop_after
+            if (out_of_time or out_of_steps) and done < args.steps:
                 stopped_early = True
                 break
         if last_eval is None:
