@@ -173,19 +173,6 @@ def prepare_data(args: argparse.Namespace, resume: bool):
     return tokenizer, streams
 
 
-def heldout_blocks(streams: dict, seq_len: int, max_blocks: int) -> dict[str, torch.Tensor]:
-    """The first ``max_blocks`` held-out blocks of ``seq_len + 1`` tokens of each source (fixed, so
-    evaluations compare)."""
-    out = {}
-    for source, splits in streams.items():
-        ids = splits["heldout"]
-        if len(ids) > seq_len + 1:
-            out[source] = C.make_blocks(ids, seq_len + 1)[:max_blocks]
-    if not out:
-        raise ValueError(f"no held-out source has a block of --seq-len {seq_len} + 1 tokens; raise --heldout-fraction")
-    return out
-
-
 def unigram_baseline(train_ids: np.ndarray, heldout: dict[str, torch.Tensor], token_bytes: np.ndarray) -> dict:
     """Entropy of the training token distribution (nats/token, bits/byte of training text) and the
     add-one-smoothed unigram model's loss on the same held-out targets as the model's."""
@@ -317,9 +304,9 @@ def main(argv: list[str] | None = None) -> dict:
     resume = not args.no_resume and os.path.isfile(os.path.join(args.out, STATE_NAME))
     tokenizer, streams = prepare_data(args, resume)
     token_bytes = token_byte_lengths(tokenizer)
-    train_ids = np.concatenate([s["train"] for s in streams.values()])
-    blocks = C.make_blocks(train_ids, args.seq_len + 1)
-    heldout = heldout_blocks(streams, args.seq_len, args.eval_blocks)
+    train_ids = C.training_stream(streams)
+    blocks = C.make_blocks(train_ids, args.seq_len + 1)  # inputs and their next tokens
+    heldout = C.heldout_blocks(streams, args.seq_len + 1, args.eval_blocks)
     unigram = unigram_baseline(train_ids, heldout, token_bytes)
 
     if resume:

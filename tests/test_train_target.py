@@ -273,3 +273,36 @@ def test_default_model_has_the_paper_layer_shape(script, corpus_dir, tmp_path):
     assert (layer.num_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size) == (8, 8, 256, 256, 4)
     counts = script.parameter_counts(model)
     assert counts["total"] - counts["non_embedding"] == 2 * args.vocab_size * args.hidden_size  # untied embeddings
+
+
+def test_eagle_head_trains_on_the_target_corpus_and_reports_heldout_agreement(trained, corpus_dir, tmp_path):
+    spec = importlib.util.spec_from_file_location("train_eagle", ROOT / "examples" / "train_eagle.py")
+    eagle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eagle)
+    target_dir, out = trained[0] / "straight", tmp_path / "eagle"
+    argv = ["--target", str(target_dir), "--out", str(out), "--sharegpt", str(corpus_dir / "sharegpt.json"),
+            "--code-dirs", str(corpus_dir / "code"), "--heldout-fraction", "0.1", "--seq-len", "32",
+            "--batch-size", "4", "--steps", "16", "--lr", "5e-3", "--eval-every", "8", "--eval-blocks", "2",
+            "--device", "cpu"]
+    history = eagle.main(argv)
+    assert [r["step"] for r in history] == list(range(1, 17))
+    assert not (out / C.STREAMS_DIR).exists()  # the target's cached streams of the same corpus were reused
+    report = json.loads((out / eagle.REPORT_NAME).read_text())
+    evals = [json.loads(line) for line in (out / eagle.LOG_NAME).read_text().splitlines() if "heldout" in line]
+    assert [e["step"] for e in evals] == [8, 16] and report["heldout_top1"] == evals[-1]["heldout"]
+    assert set(report["heldout_top1"]) == {"sharegpt", "code", "all"}
+
+    # the reported agreement is the trained head's, and training raised it above a fresh head's
+    from transformers import AutoModelForCausalLM
+
+    from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead
+
+    args = eagle.parse_args(argv)
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    streams = C.load_streams(target_dir, C.corpus_signature(args))
+    blocks = C.heldout_blocks(streams, 32, 2)
+    trained_head = eagle.heldout_agreement(EagleHead.from_pretrained(out, dtype=torch.float32), target, blocks, args)
+    assert trained_head["all"]["top1"] == pytest.approx(report["heldout_top1"]["all"]["top1"], abs=1e-6)
+    torch.manual_seed(0)
+    fresh = eagle.heldout_agreement(EagleHead(EagleConfig.for_target(target)), target, blocks, args)
+    assert trained_head["all"]["top1"] > fresh["all"]["top1"]

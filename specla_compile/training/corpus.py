@@ -292,3 +292,18 @@ def load_streams(folder: str | os.PathLike, signature: dict) -> dict[str, dict[s
         return None
     return {s: {split: np.load(Path(folder, STREAMS_DIR, f"{s}_{split}.npy"), mmap_mode="r") for split in SPLITS}
             for s in saved["sources"]}
+
+
+def training_stream(streams: dict[str, dict[str, np.ndarray]]) -> np.ndarray:
+    """Every source's training split as one stream (blocks then mix the sources by their sizes)."""
+    return np.concatenate([np.asarray(splits["train"]) for splits in streams.values()])
+
+
+def heldout_blocks(streams: dict[str, dict[str, np.ndarray]], block_len: int, max_blocks: int) -> dict[str, torch.Tensor]:
+    """The first ``max_blocks`` held-out blocks of ``block_len`` tokens of each source that has one
+    (always the same blocks, so evaluations compare across steps and runs)."""
+    out = {s: make_blocks(splits["heldout"], block_len)[:max_blocks]
+           for s, splits in streams.items() if len(splits["heldout"]) >= block_len}
+    if not out:
+        raise ValueError(f"no held-out source has a block of {block_len} tokens; raise --heldout-fraction")
+    return out
