@@ -144,9 +144,6 @@ def prepare_data(args: argparse.Namespace, resume: bool):
             raise ValueError(f"--out {args.out} holds a checkpoint of another corpus; pass --no-resume or the same corpus options")
         return AutoTokenizer.from_pretrained(args.out), streams
     corpus = C.read_corpus(args)
-    for source, (train, heldout) in corpus.items():
-        print(f"{source}: {len(train)} training documents ({sum(len(d.text) for d in train) / 1e6:.1f} MB), "
-              f"{len(heldout)} held out")
 
     def sample():  # the tokenizer sees only training text, sources interleaved, up to --tokenizer-mb
         budget = args.tokenizer_mb * 1e6

@@ -47,6 +47,8 @@ def corpus_dir(tmp_path_factory):
     ]
     text = json.dumps(records, indent=1)
     (root / "sharegpt.json").write_text(text[: len(text) - 40])  # truncated inside the last record
+    (root / "prompts.jsonl").write_text(json.dumps({"turns": [records[5]["conversations"][0]["value"].upper() + "?"]}) + "\n"
+                                        + json.dumps({"prompt": "too short"}) + "\n")
     code = root / "code"
     for i in range(40):
         sub = code / f"pkg{i % 3}"
@@ -62,7 +64,8 @@ def train_args(corpus_dir: Path, out: Path, steps: int, *extra: str) -> list[str
         "--out", str(out), "--sharegpt", str(corpus_dir / "sharegpt.json"), "--code-dirs", str(corpus_dir / "code"),
         "--heldout-fraction", "0.1", "--vocab-size", "300", "--hidden-size", "32", "--num-layers", "1",
         "--num-heads", "2", "--head-dim", "16", "--seq-len", "32", "--batch-size", "4", "--steps", str(steps),
-        "--lr", "1e-2", "--warmup", "2", "--eval-every", "1000", "--eval-blocks", "2", "--gdn-chunk", "8", *extra,
+        "--lr", "1e-2", "--warmup", "2", "--eval-every", "1000", "--eval-blocks", "2", "--gdn-chunk", "8",
+        "--exclude-prompts", str(corpus_dir / "prompts.jsonl"), *extra,
     ]
 
 
@@ -91,6 +94,19 @@ def test_heldout_split_is_deterministic_disjoint_and_keeps_groups_together(corpu
     assert not {d.text for d in train} & {d.text for d in heldout}
     share = np.mean([C.is_heldout(f"g{i}", 0.2) for i in range(4000)])
     assert 0.17 < share < 0.23
+
+
+def test_training_documents_containing_a_benchmark_prompt_are_dropped(script, corpus_dir, tmp_path):
+    prompts = C.read_prompts([corpus_dir / "prompts.jsonl"])
+    docs = [C.Document("Intro. " + prompts[0].lower().replace(" ", " , ") + " and more", "a"),
+            C.Document(" ".join(prompts[0].split()[:-1]), "b"),  # only a part of the prompt
+            C.Document("it is too short, really", "c")]
+    kept, dropped = C.decontaminate(docs, prompts)
+    assert dropped == 1 and kept == docs[1:]
+    args = script.parse_args(train_args(corpus_dir, tmp_path, 1, "--heldout-fraction", "0.01"))
+    train, heldout = C.read_corpus(args)["sharegpt"]
+    contaminated = C.read_sharegpt(corpus_dir / "sharegpt.json")[5]
+    assert contaminated not in train and len(train) + len(heldout) == 239 - 1 + (contaminated in heldout)
 
 
 def test_tokenizer_round_trips_and_counts_bytes(tmp_path):
@@ -283,7 +299,7 @@ def test_eagle_head_trains_on_the_target_corpus_and_reports_heldout_agreement(tr
     argv = ["--target", str(target_dir), "--out", str(out), "--sharegpt", str(corpus_dir / "sharegpt.json"),
             "--code-dirs", str(corpus_dir / "code"), "--heldout-fraction", "0.1", "--seq-len", "32",
             "--batch-size", "4", "--steps", "16", "--lr", "5e-3", "--eval-every", "8", "--eval-blocks", "2",
-            "--device", "cpu"]
+            "--device", "cpu", "--exclude-prompts", str(corpus_dir / "prompts.jsonl")]
     history = eagle.main(argv)
     assert [r["step"] for r in history] == list(range(1, 17))
     assert not (out / C.STREAMS_DIR).exists()  # the target's cached streams of the same corpus were reused

