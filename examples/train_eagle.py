@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         streams = corpus_streams(args)
         blocks = make_blocks(C.training_stream(streams), args.seq_len)
         heldout = C.heldout_blocks(streams, args.seq_len, args.eval_blocks)
-        if int(blocks.max()) >= output_vocab_size(target):
-            raise ValueError(f"the corpus has token id {int(blocks.max())}; the target's vocabulary has {output_vocab_size(target)}")
+        if (top := int(blocks.max())) >= (vocab := output_vocab_size(target)):
+            raise ValueError(f"the corpus has token id {top}; the target's vocabulary has {vocab}")
 
     state_file = os.path.join(args.out, STATE_NAME)
     if args.resume:
@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         report = {"steps": steps, "heldout_top1": agreement, "last_step": history[-1] if history else None,
                   "head": dataclasses.asdict(head.config)}
         Path(args.out, REPORT_NAME).write_text(json.dumps(report, indent=1, default=str))
-        print("held-out top-1 agreement with the target: " + ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items()))
+        summary = ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items())
+        print(f"held-out top-1 agreement with the target: {summary}")
     return history
 
 

@@ -50,7 +50,9 @@ LN2 = math.log(2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", required=True, help="output folder (resumes from the checkpoint there)")
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     C.add_corpus_arguments(p)
@@ -73,13 +75,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
     o.add_argument("--weight-decay", type=float, default=0.1)
     o.add_argument("--grad-clip", type=float, default=1.0)
-    o.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this much training time")
+    o.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop (and save) once this invocation has run this long, data preparation included",
+    )
     o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this many steps in this run")
+    o.add_argument("--prepare-only", action="store_true", help="train the tokenizer and tokenize the corpus, then exit")
     r = p.add_argument_group("runtime")
     r.add_argument("--gdn-backend", choices=("auto", "fla", "torch"), default="auto")
     r.add_argument("--gdn-chunk", type=int, default=64, help="chunk size of the torch backend")
-    r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the torch backend's recurrence with inductor (default: on CUDA)")
+    r.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the torch backend's recurrence with inductor (default: on CUDA)",
+    )
     r.add_argument("--eval-every", type=int, default=250)
     r.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source")
     r.add_argument("--save-every", type=int, default=500)
@@ -92,8 +104,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """One-line ``ValueError`` on bad input, before any slow work."""
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "conv_size", "seq_len",
-                 "batch_size", "steps", "eval_every", "eval_blocks", "save_every", "gdn_chunk"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "head_dim",
+        "conv_size",
+        "seq_len",
+        "batch_size",
+        "steps",
+        "eval_every",
+        "eval_blocks",
+        "save_every",
+        "gdn_chunk",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("lr", "tokenizer_mb", "grad_clip"):
@@ -121,11 +146,18 @@ def fla_backward_refusal() -> str | None:
     up front so the run does not fail after minutes of data preparation), or None."""
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 
-    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and importlib.util.find_spec("tilelang") is None:
+    if (
+        IS_NVIDIA_HOPPER
+        and TRITON_ABOVE_3_4_0
+        and not TRITON_ABOVE_3_7_1
+        and importlib.util.find_spec("tilelang") is None
+    ):
         import triton
 
-        return (f"fla refuses its gated chunk backward on Hopper with Triton {triton.__version__} (>= 3.4.0, < 3.7.1: "
-                "wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is installed")
+        return (
+            f"fla refuses its gated chunk backward on Hopper with Triton {triton.__version__} (>= 3.4.0, < 3.7.1: "
+            "wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is installed"
+        )
     return None
 
 
@@ -133,16 +165,21 @@ def fla_backward_refusal() -> str | None:
 
 
 def prepare_data(args: argparse.Namespace, resume: bool):
-    """Tokenizer and ``{source: {split: ids}}``: trained and tokenized now (and cached in --out), or
-    loaded from --out when resuming."""
+    """Tokenizer and ``{source: {split: ids}}``: loaded from --out when a run of the same corpus and
+    tokenizer options left them there, else trained and tokenized now (and saved in --out)."""
     from transformers import AutoTokenizer
 
-    signature = C.corpus_signature(args)
-    if resume:
-        streams = C.load_streams(args.out, signature)
-        if streams is None:
-            raise ValueError(f"--out {args.out} holds a checkpoint of another corpus; pass --no-resume or the same corpus options")
+    signature = {
+        **C.corpus_signature(args),
+        "tokenizer": {"vocab_size": args.vocab_size, "sample_mb": args.tokenizer_mb},
+    }
+    streams = C.load_streams(args.out, signature)
+    if streams is not None:
         return AutoTokenizer.from_pretrained(args.out), streams
+    if resume:
+        raise ValueError(
+            f"--out {args.out} holds a checkpoint of another corpus or tokenizer; pass --no-resume or the same options"
+        )
     corpus = C.read_corpus(args)
 
     def sample():  # the tokenizer sees only training text, sources interleaved, up to --tokenizer-mb
@@ -154,7 +191,7 @@ def prepare_data(args: argparse.Namespace, resume: bool):
             if budget <= 0:
                 return
         for train, _ in corpus.values():  # the longer source's remainder
-            for doc in train[min(len(t) for t, _ in corpus.values()):]:
+            for doc in train[min(len(t) for t, _ in corpus.values()) :]:
                 if budget <= 0:
                     return
                 budget -= len(doc.text)
@@ -182,8 +219,10 @@ def unigram_baseline(train_ids: np.ndarray, heldout: dict[str, torch.Tensor], to
     for source, blocks in heldout.items():
         targets = blocks[:, 1:].numpy()
         nats = float(-logp[targets].sum())
-        out[f"heldout_{source}"] = {"nats_per_token": nats / targets.size,
-                                    "bits_per_byte": nats / LN2 / int(token_bytes[targets].sum())}
+        out[f"heldout_{source}"] = {
+            "nats_per_token": nats / targets.size,
+            "bits_per_byte": nats / LN2 / int(token_bytes[targets].sum()),
+        }
     return out
 
 
@@ -194,10 +233,19 @@ def model_config(args: argparse.Namespace, tokenizer):
     from fla.models import GatedDeltaNetConfig
 
     return GatedDeltaNetConfig(
-        hidden_size=args.hidden_size, num_hidden_layers=args.num_layers, num_heads=args.num_heads,
-        num_v_heads=args.num_heads, head_dim=args.head_dim, expand_v=1.0, conv_size=args.conv_size,
-        intermediate_size=args.intermediate_size, vocab_size=len(tokenizer), max_position_embeddings=args.seq_len,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_v_heads=args.num_heads,
+        head_dim=args.head_dim,
+        expand_v=1.0,
+        conv_size=args.conv_size,
+        intermediate_size=args.intermediate_size,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=args.seq_len,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         fuse_cross_entropy=False,  # the loss is computed here; fla's fused loss is a GPU kernel
     )
 
@@ -214,7 +262,9 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace):
         (no_decay if p.ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=torch.device(args.device).type == "cuda")
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.warmup, args.steps, args.min_lr_ratio))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
+    )
     return optimizer, schedule
 
 
@@ -237,8 +287,13 @@ def lm_loss(model: torch.nn.Module, block: torch.Tensor, reduction: str = "mean"
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, heldout: dict[str, torch.Tensor], token_bytes: np.ndarray,
-             batch_size: int, device: torch.device) -> dict:
+def evaluate(
+    model: torch.nn.Module,
+    heldout: dict[str, torch.Tensor],
+    token_bytes: np.ndarray,
+    batch_size: int,
+    device: torch.device,
+) -> dict:
     """Held-out loss per source and over all: nats/token and bits/byte."""
     was_training = model.training
     model.eval()
@@ -252,19 +307,29 @@ def evaluate(model: torch.nn.Module, heldout: dict[str, torch.Tensor], token_byt
         tokens, nbytes = blocks[:, 1:].numel(), int(token_bytes[blocks[:, 1:].numpy()].sum())
         out[source] = {"nats_per_token": nats / tokens, "bits_per_byte": nats / LN2 / nbytes, "tokens": tokens}
         all_nats, all_tokens, all_bytes = all_nats + nats, all_tokens + tokens, all_bytes + nbytes
-    out["all"] = {"nats_per_token": all_nats / all_tokens, "bits_per_byte": all_nats / LN2 / all_bytes, "tokens": all_tokens}
+    out["all"] = {
+        "nats_per_token": all_nats / all_tokens,
+        "bits_per_byte": all_nats / LN2 / all_bytes,
+        "tokens": all_tokens,
+    }
     model.train(was_training)
     return out
 
 
 def save_checkpoint(args: argparse.Namespace, model, optimizer, schedule, step: int, elapsed: float) -> None:
     model.save_pretrained(args.out)
-    torch.save({"step": step, "elapsed": elapsed, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
-               os.path.join(args.out, STATE_NAME))
+    torch.save(
+        {"step": step, "elapsed": elapsed, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
+        os.path.join(args.out, STATE_NAME),
+    )
 
 
 def plot(log_path: Path, path: Path, unigram: dict) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the report JSON and the log hold the same numbers
+        print(f"matplotlib is not installed: no {path.name}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -275,8 +340,12 @@ def plot(log_path: Path, path: Path, unigram: dict) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.plot([r["tokens"] / 1e6 for r in train], [r["loss"] for r in train], lw=0.8, label="training loss")
     for source in evals[0]["heldout"] if evals else []:
-        ax.plot([r["tokens"] / 1e6 for r in evals], [r["heldout"][source]["nats_per_token"] for r in evals],
-                marker="o", label=f"held-out {source}")
+        ax.plot(
+            [r["tokens"] / 1e6 for r in evals],
+            [r["heldout"][source]["nats_per_token"] for r in evals],
+            marker="o",
+            label=f"held-out {source}",
+        )
     ax.axhline(unigram["entropy_nats_per_token"], color="gray", ls="--", label="unigram entropy (training)")
     ax.set(xlabel="tokens seen (M)", ylabel="nats / token", title="GDN target training")
     ax.legend()
@@ -289,6 +358,7 @@ def plot(log_path: Path, path: Path, unigram: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """Train (or continue); returns the report (also written to ``--out/report.json``)."""
+    launched = time.perf_counter()  # --max-minutes bounds the whole invocation, data preparation included
     try:
         args = parse_args(argv)
     except ValueError as e:  # bad input: one line, no traceback
@@ -305,6 +375,10 @@ def main(argv: list[str] | None = None) -> dict:
     blocks = C.make_blocks(train_ids, args.seq_len + 1)  # inputs and their next tokens
     heldout = C.heldout_blocks(streams, args.seq_len + 1, args.eval_blocks)
     unigram = unigram_baseline(train_ids, heldout, token_bytes)
+    corpus_tokens = {s: {split: len(ids) for split, ids in v.items()} for s, v in streams.items()}
+    print(f"corpus tokens: {corpus_tokens}; unigram entropy {unigram['entropy_nats_per_token']:.3f} nats/token")
+    if args.prepare_only:
+        return {"corpus": corpus_tokens, "unigram": unigram}
 
     if resume:
         model = GatedDeltaNetForCausalLM.from_pretrained(args.out, dtype=torch.float32)
@@ -320,18 +394,19 @@ def main(argv: list[str] | None = None) -> dict:
         schedule.load_state_dict(state["schedule"])
     params = parameter_counts(model)
     tokens_per_step = args.batch_size * args.seq_len
-    print(f"model: {params['total'] / 1e6:.1f}M parameters ({params['non_embedding'] / 1e6:.1f}M non-embedding); "
-          f"{len(blocks)} training blocks ({len(blocks) * args.seq_len / 1e6:.1f}M tokens); gdn backend {args.gdn_backend}"
-          f"{' (compiled)' if args.gdn_backend == 'torch' and args.compile else ''}; device {device}"
-          + (f"; resuming at step {state['step']}" if resume else ""))
+    print(
+        f"model: {params['total'] / 1e6:.1f}M parameters ({params['non_embedding'] / 1e6:.1f}M non-embedding); "
+        f"{len(blocks)} training blocks ({len(blocks) * args.seq_len / 1e6:.1f}M tokens); "
+        f"gdn backend {args.gdn_backend}{' (compiled)' if args.gdn_backend == 'torch' and args.compile else ''}; "
+        f"device {device}" + (f"; resuming at step {state['step']}" if resume else "")
+    )
 
     gdn = torch_chunk_gdn(args.gdn_chunk, args.compile) if args.gdn_backend == "torch" else contextlib.nullcontext()
-    done, elapsed, last_eval = state["step"], state["elapsed"], None
-    stopped_early = False
+    done, train_seconds, last_eval, stopped_early = state["step"], state["elapsed"], None, False
     with gdn, open(os.path.join(args.out, LOG_NAME), "a") as log:
         bar = tqdm(range(done, args.steps), initial=done, total=args.steps, desc="train target")
-        started = time.perf_counter() - elapsed
         for step in bar:  # the step alone fixes the batch (C.batch_indices), so resuming needs nothing else
+            tic = time.perf_counter()
             batch = blocks[C.batch_indices(len(blocks), step, args.batch_size, args.seed)].to(device, non_blocking=True)
             with autocast(device):
                 loss = lm_loss(model, batch)
@@ -340,44 +415,67 @@ def main(argv: list[str] | None = None) -> dict:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
             schedule.step()
-            done = step + 1
-            elapsed = time.perf_counter() - started
-            record = {"step": done, "tokens": done * tokens_per_step, "loss": loss.item(), "grad_norm": grad_norm.item(),
-                      "lr": schedule.get_last_lr()[0], "elapsed": elapsed}
-            log.write(json.dumps(record) + "\n")
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_step * (done - state['step']) / max(1e-9, elapsed - state['elapsed']):.0f}")
+            record = {
+                "step": step + 1,
+                "tokens": (step + 1) * tokens_per_step,
+                "loss": loss.item(),
+                "grad_norm": grad_norm.item(),
+                "lr": schedule.get_last_lr()[0],
+            }  # (.item() waits for the GPU)
+            done, train_seconds = step + 1, train_seconds + time.perf_counter() - tic
+            log.write(json.dumps({**record, "train_seconds": train_seconds}) + "\n")
+            rate = (done - state["step"]) * tokens_per_step / max(1e-9, train_seconds - state["elapsed"])
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:.0f}")
             if done % args.eval_every == 0 or done == args.steps:
                 last_eval = evaluate(model, heldout, token_bytes, args.batch_size, device)
                 log.write(json.dumps({"step": done, "tokens": done * tokens_per_step, "heldout": last_eval}) + "\n")
-                bar.write(f"step {done}: held-out " + ", ".join(f"{s} {v['nats_per_token']:.3f} nats/token "
-                                                               f"{v['bits_per_byte']:.3f} bits/byte" for s, v in last_eval.items()))
+                bar.write(f"step {done}: held-out " + describe(last_eval))
             if done % args.save_every == 0:
-                save_checkpoint(args, model, optimizer, schedule, done, elapsed)
-            out_of_time = args.max_minutes is not None and elapsed > 60 * args.max_minutes
+                save_checkpoint(args, model, optimizer, schedule, done, train_seconds)
+            out_of_time = args.max_minutes is not None and time.perf_counter() - launched > 60 * args.max_minutes
             out_of_steps = args.stop_after is not None and done - state["step"] >= args.stop_after
             if (out_of_time or out_of_steps) and done < args.steps:
                 stopped_early = True
                 break
-        if last_eval is None:
+        if last_eval is None or stopped_early:
             last_eval = evaluate(model, heldout, token_bytes, args.batch_size, device)
-    save_checkpoint(args, model, optimizer, schedule, done, elapsed)
+            log.write(json.dumps({"step": done, "tokens": done * tokens_per_step, "heldout": last_eval}) + "\n")
+    save_checkpoint(args, model, optimizer, schedule, done, train_seconds)
 
     report = {
-        "steps": done, "steps_planned": args.steps, "complete": done >= args.steps and not stopped_early,
-        "tokens_seen": done * tokens_per_step, "train_seconds": elapsed,
-        "tokens_per_second": (done - state["step"]) * tokens_per_step / max(1e-9, elapsed - state["elapsed"]),
-        "parameters": params, "heldout": last_eval, "unigram": unigram, "gdn_backend": args.gdn_backend,
-        "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else device),
-        "corpus": {s: {split: len(ids) for split, ids in v.items()} for s, v in streams.items()},
-        "turn_format": C.format_prompt("<user text>"), "config": model.config.to_dict(),
-        "args": {k: v for k, v in vars(args).items()},
+        "steps": done,
+        "steps_planned": args.steps,
+        "complete": done >= args.steps,
+        "tokens_seen": done * tokens_per_step,
+        "train_seconds": train_seconds,  # optimizer steps only: no data preparation, evaluation or saving
+        "tokens_per_second_this_run": (done - state["step"])
+        * tokens_per_step
+        / max(1e-9, train_seconds - state["elapsed"]),
+        "parameters": params,
+        "heldout": last_eval,
+        "unigram": unigram,
+        "gdn_backend": args.gdn_backend,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "corpus_tokens": corpus_tokens,
+        "prompt_format": C.format_prompt("<user text>"),
+        "config": model.config.to_dict(),
+        "args": vars(args),
     }
     Path(args.out, REPORT_NAME).write_text(json.dumps(report, indent=1, default=str))
     plot(Path(args.out, LOG_NAME), Path(args.out, PLOT_NAME), unigram)
-    summary = ", ".join(f"{s} {v['nats_per_token']:.3f} nats/token ({v['bits_per_byte']:.3f} bits/byte)" for s, v in last_eval.items())
-    print(f"{report['tokens_seen'] / 1e6:.1f}M tokens seen; held-out: {summary}; unigram entropy "
-          f"{unigram['entropy_nats_per_token']:.3f} nats/token ({unigram['entropy_bits_per_byte']:.3f} bits/byte)")
+    unfinished = "" if report["complete"] else f" of {args.steps} (run again to continue)"
+    print(
+        f"{report['tokens_seen'] / 1e6:.1f}M tokens seen in {done} steps{unfinished}; held-out: {describe(last_eval)}; "
+        f"unigram entropy {unigram['entropy_nats_per_token']:.3f} nats/token "
+        f"({unigram['entropy_bits_per_byte']:.3f} bits/byte)"
+    )
     return report
+
+
+def describe(heldout: dict) -> str:
+    return ", ".join(
+        f"{s} {v['nats_per_token']:.3f} nats/token ({v['bits_per_byte']:.3f} bits/byte)" for s, v in heldout.items()
+    )
 
 
 if __name__ == "__main__":

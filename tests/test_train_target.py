@@ -41,19 +41,30 @@ def corpus_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     rng = random.Random(0)
     records = [
-        {"id": f"conv{i // 2}_{i % 2}", "conversations": [
-            {"from": "human", "value": sentence(rng, 12)}, {"from": "gpt", "value": sentence(rng, 30)}]}
+        {
+            "id": f"conv{i // 2}_{i % 2}",
+            "conversations": [
+                {"from": "human", "value": sentence(rng, 12)},
+                {"from": "gpt", "value": sentence(rng, 30)},
+            ],
+        }
         for i in range(240)
     ]
     text = json.dumps(records, indent=1)
     (root / "sharegpt.json").write_text(text[: len(text) - 40])  # truncated inside the last record
-    (root / "prompts.jsonl").write_text(json.dumps({"turns": [records[5]["conversations"][0]["value"].upper() + "?"]}) + "\n"
-                                        + json.dumps({"prompt": "too short"}) + "\n")
+    (root / "prompts.jsonl").write_text(
+        json.dumps({"turns": [records[5]["conversations"][0]["value"].upper() + "?"]})
+        + "\n"
+        + json.dumps({"prompt": "too short"})
+        + "\n"
+    )
     code = root / "code"
     for i in range(40):
         sub = code / f"pkg{i % 3}"
         sub.mkdir(parents=True, exist_ok=True)
-        body = "\n".join(f"def f{j}(x):\n    return x * {rng.randint(0, 99)} + {j}\n" for j in range(rng.randint(3, 12)))
+        body = "\n".join(
+            f"def f{j}(x):\n    return x * {rng.randint(0, 99)} + {j}\n" for j in range(rng.randint(3, 12))
+        )
         (sub / f"mod{i}.py").write_text(body)
     (code / "pkg0" / "copy.py").write_text((code / "pkg0" / "mod0.py").read_text())  # a duplicate file
     return root
@@ -61,11 +72,43 @@ def corpus_dir(tmp_path_factory):
 
 def train_args(corpus_dir: Path, out: Path, steps: int, *extra: str) -> list[str]:
     return [
-        "--out", str(out), "--sharegpt", str(corpus_dir / "sharegpt.json"), "--code-dirs", str(corpus_dir / "code"),
-        "--heldout-fraction", "0.1", "--vocab-size", "300", "--hidden-size", "32", "--num-layers", "1",
-        "--num-heads", "2", "--head-dim", "16", "--seq-len", "32", "--batch-size", "4", "--steps", str(steps),
-        "--lr", "1e-2", "--warmup", "2", "--eval-every", "1000", "--eval-blocks", "2", "--gdn-chunk", "8",
-        "--exclude-prompts", str(corpus_dir / "prompts.jsonl"), *extra,
+        "--out",
+        str(out),
+        "--sharegpt",
+        str(corpus_dir / "sharegpt.json"),
+        "--code-dirs",
+        str(corpus_dir / "code"),
+        "--heldout-fraction",
+        "0.1",
+        "--vocab-size",
+        "300",
+        "--hidden-size",
+        "32",
+        "--num-layers",
+        "1",
+        "--num-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--steps",
+        str(steps),
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "2",
+        "--eval-every",
+        "1000",
+        "--eval-blocks",
+        "2",
+        "--gdn-chunk",
+        "8",
+        "--exclude-prompts",
+        str(corpus_dir / "prompts.jsonl"),
+        *extra,
     ]
 
 
@@ -98,9 +141,11 @@ def test_heldout_split_is_deterministic_disjoint_and_keeps_groups_together(corpu
 
 def test_training_documents_containing_a_benchmark_prompt_are_dropped(script, corpus_dir, tmp_path):
     prompts = C.read_prompts([corpus_dir / "prompts.jsonl"])
-    docs = [C.Document("Intro. " + prompts[0].lower().replace(" ", " , ") + " and more", "a"),
-            C.Document(" ".join(prompts[0].split()[:-1]), "b"),  # only a part of the prompt
-            C.Document("it is too short, really", "c")]
+    docs = [
+        C.Document("Intro. " + prompts[0].lower().replace(" ", " , ") + " and more", "a"),
+        C.Document(" ".join(prompts[0].split()[:-1]), "b"),  # only a part of the prompt
+        C.Document("it is too short, really", "c"),
+    ]
     kept, dropped = C.decontaminate(docs, prompts)
     assert dropped == 1 and kept == docs[1:]
     args = script.parse_args(train_args(corpus_dir, tmp_path, 1, "--heldout-fraction", "0.01"))
@@ -146,8 +191,14 @@ def test_unigram_baseline_matches_the_entropy_formula(script):
 def gdn_inputs(b, n, h, hv, dk, dv, seed, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
-    return (r(b, n, h, dk), r(b, n, h, dk), r(b, n, hv, dv), -torch.rand(b, n, hv, generator=g, dtype=dtype) * 2,
-            torch.rand(b, n, hv, generator=g, dtype=dtype), r(b, hv, dk, dv))
+    return (
+        r(b, n, h, dk),
+        r(b, n, h, dk),
+        r(b, n, hv, dv),
+        -torch.rand(b, n, hv, generator=g, dtype=dtype) * 2,
+        torch.rand(b, n, hv, generator=g, dtype=dtype),
+        r(b, hv, dk, dv),
+    )
 
 
 @pytest.mark.parametrize("n,chunk", [(1, 4), (13, 4), (16, 16), (37, 8), (50, 64)])
@@ -165,8 +216,10 @@ def test_chunked_gdn_gradients_match_reference(n, chunk):
     inputs = [t.requires_grad_() for t in gdn_inputs(1, n, 1, 2, 8, 4, seed=100 + n)]
     weights = torch.randn(1, n, 2, 4, dtype=torch.float64), torch.randn(1, 2, 8, 4, dtype=torch.float64)
     grads = []
-    for fn in (lambda *a: chunked_gdn(*a, use_qk_l2norm=True, chunk_size=chunk),
-               lambda *a: gdn_chain_reference(*a, use_qk_l2norm=True)):
+    for fn in (
+        lambda *a: chunked_gdn(*a, use_qk_l2norm=True, chunk_size=chunk),
+        lambda *a: gdn_chain_reference(*a, use_qk_l2norm=True),
+    ):
         o, final = fn(*inputs)
         grads.append(torch.autograd.grad((o * weights[0]).sum() + (final * weights[1]).sum(), inputs))
     for got, want in zip(*grads):
@@ -179,12 +232,19 @@ def test_chunked_gdn_gradcheck():
 
 
 def test_torch_backend_swaps_the_recurrence_inside_fla_layers_only_within_the_block():
-    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
     import fla.layers.gated_deltanet as layer_module
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
     torch.manual_seed(0)
-    config = GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=1.0,
-                                 vocab_size=50, fuse_cross_entropy=False)
+    config = GatedDeltaNetConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_heads=2,
+        head_dim=16,
+        expand_v=1.0,
+        vocab_size=50,
+        fuse_cross_entropy=False,
+    )
     model = GatedDeltaNetForCausalLM(config).train()
     ids = torch.randint(0, 50, (2, 21))
     before = layer_module.chunk_gated_delta_rule
@@ -286,7 +346,13 @@ def test_default_model_has_the_paper_layer_shape(script, corpus_dir, tmp_path):
     with torch.device("meta"):
         model = GatedDeltaNetForCausalLM(script.model_config(args, tokenizer))
     layer = model.model.layers[0].attn
-    assert (layer.num_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size) == (8, 8, 256, 256, 4)
+    assert (layer.num_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size) == (
+        8,
+        8,
+        256,
+        256,
+        4,
+    )
     counts = script.parameter_counts(model)
     assert counts["total"] - counts["non_embedding"] == 2 * args.vocab_size * args.hidden_size  # untied embeddings
 
@@ -296,10 +362,34 @@ def test_eagle_head_trains_on_the_target_corpus_and_reports_heldout_agreement(tr
     eagle = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(eagle)
     target_dir, out = trained[0] / "straight", tmp_path / "eagle"
-    argv = ["--target", str(target_dir), "--out", str(out), "--sharegpt", str(corpus_dir / "sharegpt.json"),
-            "--code-dirs", str(corpus_dir / "code"), "--heldout-fraction", "0.1", "--seq-len", "32",
-            "--batch-size", "4", "--steps", "16", "--lr", "5e-3", "--eval-every", "8", "--eval-blocks", "2",
-            "--device", "cpu", "--exclude-prompts", str(corpus_dir / "prompts.jsonl")]
+    argv = [
+        "--target",
+        str(target_dir),
+        "--out",
+        str(out),
+        "--sharegpt",
+        str(corpus_dir / "sharegpt.json"),
+        "--code-dirs",
+        str(corpus_dir / "code"),
+        "--heldout-fraction",
+        "0.1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--steps",
+        "16",
+        "--lr",
+        "5e-3",
+        "--eval-every",
+        "8",
+        "--eval-blocks",
+        "2",
+        "--device",
+        "cpu",
+        "--exclude-prompts",
+        str(corpus_dir / "prompts.jsonl"),
+    ]
     history = eagle.main(argv)
     assert [r["step"] for r in history] == list(range(1, 17))
     assert not (out / C.STREAMS_DIR).exists()  # the target's cached streams of the same corpus were reused
@@ -322,3 +412,17 @@ def test_eagle_head_trains_on_the_target_corpus_and_reports_heldout_agreement(tr
     torch.manual_seed(0)
     fresh = eagle.heldout_agreement(EagleHead(EagleConfig.for_target(target)), target, blocks, args)
     assert trained_head["all"]["top1"] > fresh["all"]["top1"]
+
+
+def test_prepared_data_is_reused_and_a_time_budget_stops_after_saving(script, corpus_dir, tmp_path):
+    out = tmp_path / "run"
+    prepared = script.main(train_args(corpus_dir, out, 5, "--prepare-only"))
+    assert not (out / script.STATE_NAME).exists() and (out / "tokenizer.json").is_file()
+    stamp = (out / C.STREAMS_DIR / "code_train.npy").stat().st_mtime_ns
+    report = script.main(train_args(corpus_dir, out, 5, "--max-minutes", "1e-6"))
+    assert (out / C.STREAMS_DIR / "code_train.npy").stat().st_mtime_ns == stamp  # not tokenized again
+    assert report["corpus_tokens"] == prepared["corpus"]
+    assert report["steps"] == 1 and not report["complete"]
+    assert torch.load(out / script.STATE_NAME, weights_only=False)["step"] == 1
+    with pytest.raises(ValueError, match="another corpus or tokenizer"):  # a checkpoint of other options
+        script.main(train_args(corpus_dir, out, 5, "--vocab-size", "290"))

