@@ -29,6 +29,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -404,7 +405,9 @@ def main(argv: list[str] | None = None) -> dict:
     gdn = torch_chunk_gdn(args.gdn_chunk, args.compile) if args.gdn_backend == "torch" else contextlib.nullcontext()
     done, train_seconds, last_eval, stopped_early = state["step"], state["elapsed"], None, False
     with gdn, open(os.path.join(args.out, LOG_NAME), "a") as log:
-        bar = tqdm(range(done, args.steps), initial=done, total=args.steps, desc="train target")
+        # (a captured log, as on the GPU machine, gets a line every 10 s rather than a flood of updates)
+        interval = 0.5 if sys.stderr.isatty() else 10.0
+        bar = tqdm(range(done, args.steps), initial=done, total=args.steps, desc="train target", mininterval=interval)
         for step in bar:  # the step alone fixes the batch (C.batch_indices), so resuming needs nothing else
             tic = time.perf_counter()
             batch = blocks[C.batch_indices(len(blocks), step, args.batch_size, args.seed)].to(device, non_blocking=True)
