@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
             done, train_seconds = step + 1, train_seconds + time.perf_counter() - tic
             log.write(json.dumps({**record, "train_seconds": train_seconds}) + "\n")
             rate = (done - state["step"]) * tokens_per_step / max(1e-9, train_seconds - state["elapsed"])
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:.0f}")
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:.0f}", refresh=False)
             if done % args.eval_every == 0 or done == args.steps:
                 last_eval = evaluate(model, heldout, token_bytes, args.batch_size, device)
                 log.write(json.dumps({"step": done, "tokens": done * tokens_per_step, "heldout": last_eval}) + "\n")

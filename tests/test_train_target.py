@@ -299,7 +299,8 @@ def test_training_lowers_the_loss_and_reports(trained, script):
     assert report["tokens_seen"] == 12 * 4 * 32 and report["complete"] and report["gdn_backend"] == "torch"
     saved = json.loads((out / script.REPORT_NAME).read_text())
     assert set(saved["heldout"]) == {"sharegpt", "code", "all"} and saved["unigram"]["entropy_bits_per_byte"] > 0
-    assert (out / script.PLOT_NAME).stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib") is not None:  # (the plot is skipped, with a note, without it)
+        assert (out / script.PLOT_NAME).stat().st_size > 1000
 
 
 def test_resume_continues_from_the_saved_step(trained, script):
