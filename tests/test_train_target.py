@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the a cat dog sat on mat ran fast slow big small red blue über naïve 東京".split()
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_target", ROOT / "examples" / "train_target.py")
+def load_script(name: str = "train_target"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,44 +70,23 @@ def corpus_dir(tmp_path_factory):
     return root
 
 
+def corpus_args(corpus_dir: Path) -> list[str]:
+    """The corpus options both training scripts take (same corpus, same split)."""
+    files = ["--sharegpt", str(corpus_dir / "sharegpt.json"), "--code-dirs", str(corpus_dir / "code")]
+    return [*files, "--heldout-fraction", "0.1", "--exclude-prompts", str(corpus_dir / "prompts.jsonl")]
+
+
 def train_args(corpus_dir: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    tiny = "--vocab-size 300 --hidden-size 32 --num-layers 1 --num-heads 2 --head-dim 16 --seq-len 32 --batch-size 4"
+    schedule = "--lr 1e-2 --warmup 2 --eval-every 1000 --eval-blocks 2 --gdn-chunk 8"
     return [
         "--out",
         str(out),
-        "--sharegpt",
-        str(corpus_dir / "sharegpt.json"),
-        "--code-dirs",
-        str(corpus_dir / "code"),
-        "--heldout-fraction",
-        "0.1",
-        "--vocab-size",
-        "300",
-        "--hidden-size",
-        "32",
-        "--num-layers",
-        "1",
-        "--num-heads",
-        "2",
-        "--head-dim",
-        "16",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
+        *corpus_args(corpus_dir),
+        *tiny.split(),
+        *schedule.split(),
         "--steps",
         str(steps),
-        "--lr",
-        "1e-2",
-        "--warmup",
-        "2",
-        "--eval-every",
-        "1000",
-        "--eval-blocks",
-        "2",
-        "--gdn-chunk",
-        "8",
-        "--exclude-prompts",
-        str(corpus_dir / "prompts.jsonl"),
         *extra,
     ]
 
@@ -359,38 +338,10 @@ def test_default_model_has_the_paper_layer_shape(script, corpus_dir, tmp_path):
 
 
 def test_eagle_head_trains_on_the_target_corpus_and_reports_heldout_agreement(trained, corpus_dir, tmp_path):
-    spec = importlib.util.spec_from_file_location("train_eagle", ROOT / "examples" / "train_eagle.py")
-    eagle = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eagle)
+    eagle = load_script("train_eagle")
     target_dir, out = trained[0] / "straight", tmp_path / "eagle"
-    argv = [
-        "--target",
-        str(target_dir),
-        "--out",
-        str(out),
-        "--sharegpt",
-        str(corpus_dir / "sharegpt.json"),
-        "--code-dirs",
-        str(corpus_dir / "code"),
-        "--heldout-fraction",
-        "0.1",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        "--steps",
-        "16",
-        "--lr",
-        "5e-3",
-        "--eval-every",
-        "8",
-        "--eval-blocks",
-        "2",
-        "--device",
-        "cpu",
-        "--exclude-prompts",
-        str(corpus_dir / "prompts.jsonl"),
-    ]
+    options = "--seq-len 32 --batch-size 4 --steps 16 --lr 5e-3 --eval-every 8 --eval-blocks 2 --device cpu"
+    argv = ["--target", str(target_dir), "--out", str(out), *corpus_args(corpus_dir), *options.split()]
     history = eagle.main(argv)
     assert [r["step"] for r in history] == list(range(1, 17))
     assert not (out / C.STREAMS_DIR).exists()  # the target's cached streams of the same corpus were reused
