@@ -210,9 +210,14 @@ def test_chunked_gdn_gradcheck():
     assert torch.autograd.gradcheck(lambda *a: chunked_gdn(*a, use_qk_l2norm=True, chunk_size=4), inputs)
 
 
-def test_torch_backend_swaps_the_recurrence_inside_fla_layers_only_within_the_block():
+def test_torch_backend_swaps_the_recurrence_inside_fla_layers_only_within_the_block(monkeypatch):
     import fla.layers.gated_deltanet as layer_module
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    from specla_compile.training import chunked_gdn as module
+
+    calls = []
+    monkeypatch.setattr(module, "chunked_gdn", lambda *a, **kw: calls.append(kw["chunk_size"]) or chunked_gdn(*a, **kw))
 
     torch.manual_seed(0)
     config = GatedDeltaNetConfig(
@@ -234,6 +239,7 @@ def test_torch_backend_swaps_the_recurrence_inside_fla_layers_only_within_the_bl
         out = model(input_ids=ids).logits
         grad = torch.autograd.grad(out.square().sum(), model.model.layers[0].attn.A_log)[0]
     assert layer_module.chunk_gated_delta_rule is before
+    assert calls == [8, 8]  # both layers' forward passes ran the chunked recurrence, and only inside the block
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-3, atol=1e-5)
 
