@@ -32,11 +32,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from fla.models import GatedDeltaNetConfig
+    from transformers import PreTrainedTokenizerBase
 
 import specla_compile  # noqa: F401  (on CPU: routes fla's GPU-only entry points to PyTorch references)
 from specla_compile.training import corpus as C
@@ -165,7 +170,9 @@ def fla_backward_refusal() -> str | None:
 # --- data --------------------------------------------------------------------------------------------
 
 
-def prepare_data(args: argparse.Namespace, resume: bool):
+def prepare_data(
+    args: argparse.Namespace, resume: bool
+) -> tuple[PreTrainedTokenizerBase, dict[str, dict[str, np.ndarray]]]:
     """Tokenizer and ``{source: {split: ids}}``: loaded from --out when a run of the same corpus and
     tokenizer options left them there, else trained and tokenized now (and saved in --out)."""
     from transformers import AutoTokenizer
@@ -230,7 +237,7 @@ def unigram_baseline(train_ids: np.ndarray, heldout: dict[str, torch.Tensor], to
 # --- model -------------------------------------------------------------------------------------------
 
 
-def model_config(args: argparse.Namespace, tokenizer):
+def model_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> GatedDeltaNetConfig:
     from fla.models import GatedDeltaNetConfig
 
     return GatedDeltaNetConfig(
@@ -257,7 +264,9 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return {"total": total, "non_embedding": total - embed}
 
 
-def make_optimizer(model: torch.nn.Module, args: argparse.Namespace):
+def make_optimizer(
+    model: torch.nn.Module, args: argparse.Namespace
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     decay, no_decay = [], []
     for p in model.parameters():  # no decay for norms, biases, A_log / dt_bias (fla marks them)
         (no_decay if p.ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
@@ -277,7 +286,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def autocast(device: torch.device):
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -317,7 +326,14 @@ def evaluate(
     return out
 
 
-def save_checkpoint(args: argparse.Namespace, model, optimizer, schedule, step: int, elapsed: float) -> None:
+def save_checkpoint(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule,
+    step: int,
+    elapsed: float,
+) -> None:
     model.save_pretrained(args.out)
     torch.save(
         {"step": step, "elapsed": elapsed, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},

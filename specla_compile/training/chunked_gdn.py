@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -47,7 +47,16 @@ class ChunkFactors(NamedTuple):
     end_decay: torch.Tensor  # exp(G_C)                        [..]
 
 
-def chunk_factors(q, k, v, g, beta, scale: float, use_qk_l2norm: bool, chunk_size: int) -> ChunkFactors:
+def chunk_factors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    chunk_size: int,
+) -> ChunkFactors:
     """Everything that does not depend on the state entering a chunk, for all chunks at once (the
     part worth compiling: elementwise work around a few batched matmuls and one triangular solve)."""
     heads, hv = q.shape[2], v.shape[2]
@@ -128,7 +137,7 @@ def chunked_gdn(
     return o.transpose(1, 2).to(out_dtype), state
 
 
-def fla_chunk_replacement(chunk_size: int = DEFAULT_CHUNK, compile: bool = False):
+def fla_chunk_replacement(chunk_size: int = DEFAULT_CHUNK, compile: bool = False) -> Callable[..., tuple]:
     """A drop-in for fla's ``chunk_gated_delta_rule`` (same arguments, via the capture adapter that
     applies fla's in-kernel gate and beta sigmoid) computed by :func:`chunked_gdn`."""
 

@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -237,7 +237,7 @@ def split_documents(docs: Iterable[Document], fraction: float) -> tuple[list[Doc
 # --- token streams and batches ---------------------------------------------------------------------
 
 
-def encode_documents(tokenizer, texts: Sequence[str], eos_id: int | None, batch: int = 512) -> np.ndarray:
+def encode_documents(tokenizer: Any, texts: Sequence[str], eos_id: int | None, batch: int = 512) -> np.ndarray:
     """All texts as one token stream, each followed by ``eos_id`` (if given). ``tokenizer`` is a
     ``tokenizers.Tokenizer`` (fast, batched in Rust) or anything with ``__call__`` like transformers'."""
     dtype = np.uint16 if tokenizer_size(tokenizer) <= 2**16 else np.int32
@@ -253,7 +253,7 @@ def encode_documents(tokenizer, texts: Sequence[str], eos_id: int | None, batch:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def tokenizer_size(tokenizer) -> int:
+def tokenizer_size(tokenizer: Any) -> int:
     return tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else len(tokenizer)
 
 
@@ -361,6 +361,8 @@ def read_corpus(args: argparse.Namespace) -> dict[str, tuple[list[Document], lis
     if sig["code_dirs"]:
         docs["code"] = read_python_sources(sig["code_dirs"], _mb(args.code_mb))
     prompts = read_prompts(sig["exclude_prompts"])
+    if not prompts:
+        print("note: no benchmark prompts to keep out of training (--exclude-prompts, or shared/data/prompts)")
     corpus = {}
     for source, source_docs in docs.items():
         train, heldout = split_documents(source_docs, args.heldout_fraction)
@@ -374,7 +376,7 @@ def read_corpus(args: argparse.Namespace) -> dict[str, tuple[list[Document], lis
 
 
 def encode_corpus(
-    tokenizer, corpus: dict[str, tuple[list[Document], list[Document]]], eos_id: int | None
+    tokenizer: Any, corpus: dict[str, tuple[list[Document], list[Document]]], eos_id: int | None
 ) -> dict[str, dict[str, np.ndarray]]:
     """``{source: {"train": ids, "heldout": ids}}``, each an EOS-separated token stream."""
     return {

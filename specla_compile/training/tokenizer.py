@@ -4,14 +4,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequency: int = 2):
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int = 32000, min_frequency: int = 2
+) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (GPT-2 style: every byte has a token, so any text round-trips) with
     ``<|endoftext|>`` as EOS and ``<|pad|>`` as padding, as a ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -36,7 +42,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 32000, min_frequ
     )
 
 
-def token_byte_lengths(tokenizer) -> np.ndarray:
+def token_byte_lengths(tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
     """UTF-8 bytes each token id stands for (0 for special tokens): a byte-level BPE token's string
     spells one byte per character, so a stream's byte count is a table lookup (for bits/byte)."""
     special = set(tokenizer.all_special_tokens)
