@@ -7,12 +7,14 @@ Corpora (specla_compile.training.corpus): ShareGPT conversations from the ``shar
 the turn format ``"USER: ...\\nASSISTANT: ...\\n"`` + EOS (prompts: ``corpus.format_prompt``), and the
 ``*.py`` files under ``--code-dirs`` (default: the installed torch, transformers and scipy). A
 deterministic ``--heldout-fraction`` of each, by document hash, is never trained on (nor is the
-tokenizer). A byte-level BPE tokenizer (``--vocab-size``) is trained on the training split and saved
-with the model. The model's GDN layers have the paper's shape (8 heads, head_dim 256 for keys and
-values, conv 4); depth and width are options. AdamW, linear warmup then cosine decay, bf16 autocast
-on CUDA. ``--out`` receives the ``save_pretrained`` model + tokenizer, ``trainer_state.pt``
-(optimizer, scheduler, step: rerunning the command resumes), the tokenized corpus (``data/``),
-``train_log.jsonl``, ``report.json`` and ``loss_curve.png``.
+tokenizer), and no training document contains a benchmark prompt (``--exclude-prompts``). A
+byte-level BPE tokenizer (``--vocab-size``) is trained on the training split and saved with the
+model. The model's GDN layers have the paper's shape (8 heads, head_dim 256 for keys and values,
+conv 4); depth and width are options: the defaults (hidden 1024, 8 layers, 32k vocabulary) make
+219.0M parameters, 153.4M without the untied embeddings. AdamW, linear warmup then cosine decay,
+bf16 autocast on CUDA. ``--out`` receives the ``save_pretrained`` model + tokenizer,
+``trainer_state.pt`` (optimizer, scheduler, step: rerunning the command resumes), the tokenized
+corpus (``data/``), ``train_log.jsonl``, ``report.json`` and ``loss_curve.png``.
 
 ``--gdn-backend``: ``fla`` trains with fla's chunk kernels; fla 0.6.0 refuses their backward on Hopper
 with Triton >= 3.4.0 and < 3.7.1 (wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is
