@@ -126,7 +126,9 @@ def corpus_streams(args: argparse.Namespace) -> dict[str, dict[str, np.ndarray]]
 
 
 @torch.no_grad()
-def heldout_agreement(head: EagleHead, target: torch.nn.Module, blocks: dict[str, torch.Tensor], args: argparse.Namespace) -> dict:
+def heldout_agreement(
+    head: EagleHead, target: torch.nn.Module, blocks: dict[str, torch.Tensor], args: argparse.Namespace
+) -> dict:
     """Top-1 agreement of the head's next-token prediction with the target's, per held-out source
     and over all (the fraction of positions where a one-token draft would be accepted greedily)."""
     was_training = head.training
