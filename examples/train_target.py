@@ -358,7 +358,8 @@ def plot(log_path: Path, path: Path, unigram: dict) -> None:
     evals = [r for r in records if "heldout" in r]
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.plot([r["tokens"] / 1e6 for r in train], [r["loss"] for r in train], lw=0.8, label="training loss")
-    for source in evals[0]["heldout"] if evals else []:
+    sources = list(evals[0]["heldout"]) if evals else []
+    for source in sources if len(sources) > 2 else sources[:1]:  # "all" repeats a single source
         ax.plot(
             [r["tokens"] / 1e6 for r in evals],
             [r["heldout"][source]["nats_per_token"] for r in evals],
