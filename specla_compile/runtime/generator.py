@@ -438,7 +438,8 @@ class _StaticRun(_Run):
     def _start(self) -> None:
         self.engine = self.owner.engine(self.device, self.drafter.needs_features)
         longest = int(self.committed.max())
-        capacity = _round_up(longest + self.max_new_tokens + self.nodes + 1, 256) if self.attention else 0
+        # attention columns: powers of two from 256, so that calls of similar lengths share graphs
+        capacity = max(256, 1 << (longest + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0
         self.engine.start(self.cache, self.committed, self.kv_valid if self.attention else None, capacity)
         self.engine_finished = [False] * self.batch
         # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
@@ -476,10 +477,6 @@ class _PlainDrafter(Drafter):
     def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
         tokens = torch.stack([seq[-1:] for seq in request.sequences])
         return Draft(tokens, torch.full_like(tokens, -1))
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _committed_length(cache) -> int:
