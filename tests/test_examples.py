@@ -141,3 +141,14 @@ def test_command_line_error_is_one_line_and_exit_2(entry, tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: --model") and "does not exist" in result.stderr
     assert len(result.stderr.splitlines()) == 1 and result.stdout == ""
+
+
+def test_console_script_and_type_marker_are_packaged():
+    import importlib
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    module, _, name = project["project"]["scripts"]["specla-generate"].partition(":")
+    assert getattr(importlib.import_module(module), name) is cli.main
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["specla_compile"]
+    assert (ROOT / "specla_compile" / "py.typed").is_file()
