@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -92,7 +93,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--max-new-tokens", type=int, default=96, help="tokens to generate")
     add("--mode", choices=("chain", "tree"), default="tree", help="draft shape")
     add("--depth", type=int, default=4, help="draft depth (tokens per chain, levels per tree)")
-    add("--top-k", type=int, default=2, help="tree drafts: children per node and beam width")
+    add("--tree-top-k", "--top-k", type=int, default=2, help="tree drafts: children per node and beam width")
     add("--budget", type=int, default=12, help="tree drafts: most draft nodes")
     add("--tau", type=float, default=4.0, help="tree drafts: keep nodes within this log-probability of the best")
     add("--do-sample", action="store_true", help="sample (lossless rejection sampling) instead of greedy decoding")
@@ -156,8 +157,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         spec_config(args)
         if args.do_sample or args.sample_top_k is not None or args.top_p is not None:
             warp_probs(torch.zeros(1, 1), args.temperature if args.do_sample else 1.0, args.sample_top_k, args.top_p)
-    except (TypeError, ValueError) as exc:
-        parser.error(str(exc))
+    except (TypeError, ValueError) as exc:  # SpecConfig names its fields, which are our options' names
+        parser.error(re.sub(r"SpecConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc)))
     try:
         device = resolve_device(args.device)
     except RuntimeError as exc:
@@ -179,7 +180,7 @@ def spec_config(args: argparse.Namespace) -> Any:
     """The :class:`SpecConfig` of the draft options."""
     from .runtime.config import SpecConfig
 
-    return SpecConfig(mode=args.mode, depth=args.depth, top_k=args.top_k, budget=args.budget, tau=args.tau)
+    return SpecConfig(mode=args.mode, depth=args.depth, tree_top_k=args.tree_top_k, budget=args.budget, tau=args.tau)
 
 
 def load(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:

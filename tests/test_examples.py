@@ -68,6 +68,7 @@ def bad_inputs(root: Path) -> list[list[str]]:
         ["--depth", "0"],
         ["--budget", "-1"],
         ["--top-k", "0"],
+        ["--tree-top-k", "-3"],
         ["--tau", "-1"],
         ["--max-new-tokens", "0"],
         ["--train-steps", "-1"],

@@ -22,7 +22,7 @@ COMPILE = {"inner": "aot_eager"}
 SETTINGS = [
     SpecConfig(mode="chain", depth=3, bucket=4),
     SpecConfig(mode="chain", depth=6, bucket=8),
-    SpecConfig(mode="tree", depth=3, top_k=2, budget=7, bucket=8),
+    SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=7, bucket=8),
 ]
 
 
@@ -153,7 +153,7 @@ def _sampling_p_value(draft_model_seed: int) -> float:
     vocab, rows, new, calls = 12, 250, 4, 10  # 10,000 sampled tokens each way
     model = tiny_model("fla", vocab=vocab, layers=2)
     drafter = ModelDrafter(tiny_model("fla", vocab=vocab, layers=2, seed=draft_model_seed))
-    spec = SpeculativeGenerator(model, drafter, SpecConfig(mode="tree", depth=2, top_k=2, budget=4, bucket=8), compile_options=COMPILE)
+    spec = SpeculativeGenerator(model, drafter, SpecConfig(mode="tree", depth=2, tree_top_k=2, budget=4, bucket=8), compile_options=COMPILE)
     prompt = torch.randint(0, vocab, (1, 3), generator=torch.Generator().manual_seed(5)).repeat(rows, 1)
     torch.manual_seed(6)
     ours, theirs = [], []
@@ -241,3 +241,4 @@ def test_eagle_drafter_gets_features_from_the_verify_pass(family):
     out = SpeculativeGenerator(model, drafter, SETTINGS[2], compile_options=COMPILE).generate(prompt, max_new_tokens=9)
     assert out.sequences.tolist() == plain(model, prompt[0], 9)[0].tolist()
     assert seen and all(tokens == features for tokens, features in seen)
+
