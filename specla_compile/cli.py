@@ -26,8 +26,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     import torch
 
-# torch, fla and transformers are imported where they are used, not here, so that the parser's own
-# work (--help, argument errors) does not wait for them.
+    from .runtime.config import SpecConfig
+    from .runtime.drafting import Drafter
+
+# torch, fla and transformers are imported inside the functions that use them: parsing and the path
+# checks need none of them. (Today ``import specla_compile`` itself still loads them, for its capture.)
 
 RHYME = (
     "Twinkle, twinkle, little star, how I wonder what you are! Up above the world so high, like a diamond in the sky. "
@@ -53,7 +56,13 @@ def embedded_model(seed: int = 0, steps: int = 60) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = GatedDeltaNetConfig(
-        hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=64, expand_v=1, vocab_size=256, fuse_cross_entropy=False
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_heads=2,
+        head_dim=64,
+        expand_v=1,
+        vocab_size=256,
+        fuse_cross_entropy=False,
     )
     model = GatedDeltaNetForCausalLM(config).train()
     text = torch.tensor(list(RHYME.encode("utf-8")) * 2)
@@ -81,14 +90,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of :func:`main`; every option's help shows its default."""
     from .backend import INNER_COMPILERS
 
-    parser = _Parser(
-        prog=prog, description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = _Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--model", help="local fla or transformers checkpoint directory; without it, a small GDN trained in-process")
     add("--tokenizer", help=f"tokenizer directory if not the --model one; '{BYTES}': UTF-8 bytes as token ids")
     add("--train-steps", type=int, default=60, help="training steps of the embedded model (without --model)")
-    add("--drafter", default="ngram", help="ngram, eagle:PATH (an EAGLE head directory) or model:PATH (a small causal LM)")
+    add(
+        "--drafter",
+        default="ngram",
+        help="ngram, eagle:PATH (an EAGLE head directory) or model:PATH (a small causal LM)",
+    )
     add("--prompt", default=DEFAULT_PROMPT, help="the prompt text")
     add("--max-new-tokens", type=int, default=96, help="tokens to generate")
     add("--mode", choices=("chain", "tree"), default="tree", help="draft shape")
@@ -102,52 +113,53 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--top-p", type=float, default=None, help="sampling: keep the most likely tokens of this total mass, in (0, 1]")
     add("--device", default="auto", help="torch device; auto: cuda when available, else cpu")
     add("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    add("--inner", choices=("auto", *INNER_COMPILERS), default="auto", help="inner compiler; auto: inductor on CUDA, aot_eager on CPU")
+    add(
+        "--inner",
+        choices=("auto", *INNER_COMPILERS),
+        default="auto",
+        help="inner compiler; auto: inductor on CUDA, aot_eager on CPU",
+    )
     add("--seed", type=int, default=0, help="seed of the embedded model and of sampling")
     add("--json", help="also write the statistics to this file")
     return parser
 
 
-def _checkpoint_error(path: str, what: str) -> str | None:
-    """Why ``path`` is not a checkpoint directory (None: it looks like one)."""
+def _check_checkpoint(parser: argparse.ArgumentParser, path: str, what: str) -> None:
     if not os.path.exists(path):
-        return f"{what} {path!r} does not exist"
+        parser.error(f"{what} {path!r} does not exist")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        return f"{what} {path!r} is not a checkpoint directory: it has no config.json"
-    return None
+        parser.error(f"{what} {path!r} is not a checkpoint directory: it has no config.json")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject bad arguments and paths with ``parser.error`` (one line, exit 2) before anything is loaded."""
-    problems = []
     if args.model is not None:
-        problems.append(_checkpoint_error(args.model, "--model"))
+        _check_checkpoint(parser, args.model, "--model")
+    elif args.tokenizer is not None:
+        parser.error("--tokenizer needs --model (the embedded model reads bytes)")
     kind, _, path = args.drafter.partition(":")
     if kind not in ("ngram", "eagle", "model") or (kind == "ngram") == bool(path):
-        problems.append(f"--drafter must be ngram, eagle:PATH or model:PATH, got {args.drafter!r}")
-    elif path:
-        problems.append(_checkpoint_error(path, f"--drafter {kind}: path"))
+        parser.error(f"--drafter must be ngram, eagle:PATH or model:PATH, got {args.drafter!r}")
+    if path:
+        _check_checkpoint(parser, path, f"--drafter {kind}: path")
     tokenizer = args.tokenizer or args.model
     if tokenizer not in (None, BYTES):
         if not os.path.isdir(tokenizer):
-            problems.append(f"--tokenizer {tokenizer!r} is not a directory")
-        elif not any(os.path.isfile(os.path.join(tokenizer, f)) for f in TOKENIZER_FILES):
+            parser.error(f"--tokenizer {tokenizer!r} is not a directory")
+        if not any(os.path.isfile(os.path.join(tokenizer, f)) for f in TOKENIZER_FILES):
             flag = "--tokenizer" if args.tokenizer else "--model"
-            problems.append(
+            parser.error(
                 f"{flag} {tokenizer!r} has no tokenizer files ({' or '.join(TOKENIZER_FILES)}); "
                 f"pass --tokenizer PATH (or --tokenizer {BYTES} for a byte-level model)"
             )
-    if args.model is None and args.train_steps < 0:
-        problems.append(f"--train-steps must be >= 0, got {args.train_steps}")
+    if args.train_steps < 0:
+        parser.error(f"--train-steps must be >= 0, got {args.train_steps}")
     if args.max_new_tokens < 1:
-        problems.append(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt:
-        problems.append("--prompt is empty")
+        parser.error("--prompt is empty")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        problems.append(f"--json {args.json!r}: its directory does not exist")
-    problems = [p for p in problems if p]
-    if problems:
-        parser.error(problems[0])
+        parser.error(f"--json {args.json!r}: its directory does not exist")
     # Checks that need torch: the library's own validation, so that the rules live in one place.
     import torch
 
@@ -176,7 +188,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def spec_config(args: argparse.Namespace) -> Any:
+def spec_config(args: argparse.Namespace) -> SpecConfig:
     """The :class:`SpecConfig` of the draft options."""
     from .runtime.config import SpecConfig
 
@@ -195,7 +207,7 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     return model, None if tokenizer_path == BYTES else AutoTokenizer.from_pretrained(tokenizer_path)
 
 
-def make_drafter(spec: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> Any:
+def make_drafter(spec: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> Drafter:
     """The drafter named by ``--drafter`` (already checked by :func:`check_args`)."""
     from .runtime.drafters import EagleDrafter, ModelDrafter, NgramDrafter
 
@@ -260,30 +272,47 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     config = spec_config(args)
     inner = args.inner if args.inner != "auto" else "inductor" if device.type == "cuda" else "aot_eager"
     spec = SpeculativeGenerator(model, drafter, config, compile_options={"inner": inner})
-    sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.sample_top_k, top_p=args.top_p)
+    sampling = {
+        "do_sample": args.do_sample,
+        "temperature": args.temperature,
+        "top_k": args.sample_top_k,
+        "top_p": args.top_p,
+    }
     eos = getattr(tokenizer, "eos_token_id", None)
 
-    print(f"model: {args.model or 'embedded GatedDeltaNet (trained in-process)'} on {device} ({dtype}); drafter {args.drafter}; {config}")
+    print(
+        f"model: {args.model or 'embedded GatedDeltaNet (trained in-process)'} on {device} ({dtype}); drafter {args.drafter}; {config}"
+    )
     for _ in range(2):  # compile outside the timing (the second call settles Dynamo's dynamic shapes)
         spec.generate(input_ids, max_new_tokens=min(16, args.max_new_tokens), eos_token_id=eos, **sampling)
     autoregressive_generate(model, input_ids, 2)
     torch.manual_seed(args.seed)
-    out, spec_seconds = timed(lambda: spec.generate(input_ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling))
+    out, spec_seconds = timed(
+        lambda: spec.generate(input_ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling)
+    )
     torch.manual_seed(args.seed)
-    (plain, _), plain_seconds = timed(lambda: autoregressive_generate(model, input_ids, args.max_new_tokens, eos_token_id=eos, **sampling))
+    (plain, _), plain_seconds = timed(
+        lambda: autoregressive_generate(model, input_ids, args.max_new_tokens, eos_token_id=eos, **sampling)
+    )
 
     new = out.sequences[0, input_ids.shape[1] :].tolist()
     stats = out.stats.summary()
     print(f"\nprompt: {args.prompt!r}\ngenerated ({len(new)} tokens): {decode(new, tokenizer)!r}\ntoken ids: {new}")
     print("\nstatistics: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
     speedup = plain_seconds / spec_seconds
-    print(f"plain decoding {plain_seconds:.3f}s ({plain.shape[1] - input_ids.shape[1]} target passes); "
-          f"speculative {spec_seconds:.3f}s ({out.stats.target_passes} target passes): speedup {speedup:.2f}x")
+    print(
+        f"plain decoding {plain_seconds:.3f}s ({plain.shape[1] - input_ids.shape[1]} target passes); "
+        f"speculative {spec_seconds:.3f}s ({out.stats.target_passes} target passes): speedup {speedup:.2f}x"
+    )
     identical = plain[0].tolist() == out.sequences[0].tolist()
     if not args.do_sample:
         print(f"greedy output identical to plain decoding: {identical}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**stats, "speedup": speedup, "identical": identical, "device": str(device), "dtype": str(dtype)}, f, indent=2)
+            json.dump(
+                {**stats, "speedup": speedup, "identical": identical, "device": str(device), "dtype": str(dtype)},
+                f,
+                indent=2,
+            )
     if not args.do_sample and not identical and dtype == torch.float32:
         raise SystemExit("greedy speculative output differs from plain decoding in float32")

@@ -7,7 +7,16 @@ from specla_compile.runtime.config import SpecConfig
 
 
 @pytest.mark.parametrize(
-    "field, value", [("mode", "beam"), ("depth", 0), ("tree_top_k", 0), ("budget", -1), ("bucket", 0), ("tau", -1.0), ("tau", math.nan)]
+    "field, value",
+    [
+        ("mode", "beam"),
+        ("depth", 0),
+        ("tree_top_k", 0),
+        ("budget", -1),
+        ("bucket", 0),
+        ("tau", -1.0),
+        ("tau", math.nan),
+    ],
 )
 def test_out_of_range_values_raise_value_error(field, value):
     with pytest.raises(ValueError, match=field):
@@ -16,7 +25,17 @@ def test_out_of_range_values_raise_value_error(field, value):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("depth", 4.5), ("depth", 4.0), ("depth", "4"), ("depth", True), ("tree_top_k", None), ("budget", False), ("bucket", 8.0), ("tau", "1"), ("tau", True)],
+    [
+        ("depth", 4.5),
+        ("depth", 4.0),
+        ("depth", "4"),
+        ("depth", True),
+        ("tree_top_k", None),
+        ("budget", False),
+        ("bucket", 8.0),
+        ("tau", "1"),
+        ("tau", True),
+    ],
 )
 def test_wrong_types_raise_type_error(field, value):
     with pytest.raises(TypeError, match=field):
