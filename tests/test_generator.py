@@ -242,3 +242,19 @@ def test_eagle_drafter_gets_features_from_the_verify_pass(family):
     assert out.sequences.tolist() == plain(model, prompt[0], 9)[0].tolist()
     assert seen and all(tokens == features for tokens, features in seen)
 
+
+def test_drafts_over_64_nodes_on_fla():
+    """Above 64 tokens fla's layer calls chunk_gated_delta_rule (wrapped in torch.compiler.disable)
+    instead of the fused recurrent kernel: the capture must still see it, in the prefill of a long
+    prompt and in the verify pass of a 70-node chain."""
+    model = tiny_model("fla", layers=2)
+    gen = torch.Generator().manual_seed(3)
+    for prompt_length in (5, 80):
+        prompt = torch.randint(0, VOCAB, (prompt_length,), generator=gen)
+        expected, _ = plain(model, prompt, 80)
+        reference = expected[0, prompt.numel() :].tolist()
+        config = SpecConfig(mode="chain", depth=69, bucket=8)  # 70 nodes with the pending token
+        spec = SpeculativeGenerator(model, OracleDrafter([reference + [0] * 80], error_rate=0.01, seed=1), config, compile_options=COMPILE)
+        out = spec.generate(prompt[None], max_new_tokens=80)
+        assert out.sequences.tolist() == expected.tolist()
+        assert out.stats.target_passes < 40  # long drafts were accepted, so verify passes saw > 64 nodes
