@@ -21,7 +21,7 @@ from specla_compile import ModelDrafter, NgramDrafter, SpecConfig, SpeculativeGe
 from specla_compile.runtime.baseline import autoregressive_generate
 
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "examples"), os.path.join(os.path.dirname(__file__), "..", "tests")]
-CONFIGS = {"chain d4": SpecConfig(mode="chain", depth=4), "tree k2 d4 T12": SpecConfig(mode="tree", depth=4, top_k=2, budget=12)}
+CONFIGS = {"chain d4": SpecConfig(mode="chain", depth=4), "tree k2 d4 T12": SpecConfig(mode="tree", depth=4, tree_top_k=2, budget=12)}
 
 
 def run(name: str, model, drafter_name: str, drafter, prompt: torch.Tensor, new: int) -> list[dict]:

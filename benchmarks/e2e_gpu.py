@@ -236,7 +236,7 @@ def tree_config(top_k: int, nodes: int):
     from specla_compile import SpecConfig
 
     depth = (nodes - 1) // top_k
-    return SpecConfig(mode="tree", depth=depth, top_k=top_k, budget=depth * top_k, bucket=16), depth
+    return SpecConfig(mode="tree", depth=depth, tree_top_k=top_k, budget=depth * top_k, bucket=16), depth
 
 
 def truth_of(plain: dict, prompts) -> list[list[list[int]]]:

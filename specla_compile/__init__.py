@@ -1,6 +1,11 @@
 """SpecLA compile: a ``torch.compile`` backend and speculative-decoding runtime for Gated DeltaNet models."""
 
-from .lowering.capture import install as _install_capture
+import warnings
+
+# fla warns on import on any machine without a Triton GPU; on CPU we route its kernels to our references.
+warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
+
+from .lowering.capture import install as _install_capture  # noqa: E402
 
 _install_capture()
 

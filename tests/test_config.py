@@ -1,12 +1,58 @@
+import math
+
+import numpy as np
 import pytest
 
 from specla_compile.runtime.config import SpecConfig
 
 
-@pytest.mark.parametrize("field, value", [("mode", "beam"), ("depth", 0), ("top_k", 0), ("budget", 0), ("bucket", 0), ("tau", -1.0)])
-def test_invalid_config(field, value):
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("mode", "beam"),
+        ("depth", 0),
+        ("tree_top_k", 0),
+        ("budget", -1),
+        ("bucket", 0),
+        ("tau", -1.0),
+        ("tau", math.nan),
+    ],
+)
+def test_out_of_range_values_raise_value_error(field, value):
     with pytest.raises(ValueError, match=field):
         SpecConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("depth", 4.5),
+        ("depth", 4.0),
+        ("depth", "4"),
+        ("depth", True),
+        ("tree_top_k", None),
+        ("budget", False),
+        ("bucket", 8.0),
+        ("tau", "1"),
+        ("tau", True),
+    ],
+)
+def test_wrong_types_raise_type_error(field, value):
+    with pytest.raises(TypeError, match=field):
+        SpecConfig(**{field: value})
+
+
+def test_integer_like_values_become_plain_numbers():
+    config = SpecConfig(depth=np.int64(3), tau=2)
+    assert type(config.depth) is int and config.depth == 3
+    assert type(config.tau) is float and config.tau == 2.0
+    assert SpecConfig(tau=math.inf).tau == math.inf
+
+
+def test_top_k_was_renamed_without_alias():
+    assert SpecConfig(tree_top_k=3).tree_top_k == 3
+    with pytest.raises(TypeError):
+        SpecConfig(top_k=3)
 
 
 def test_max_nodes():

@@ -80,7 +80,7 @@ def scratch_step(drafter: EagleDrafter, target, sequences, record: list):
 
 
 @pytest.mark.parametrize(
-    "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, top_k=3, budget=8, tau=3.0)]
+    "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)]
 )
 def test_cache_rollback_matches_recomputing_from_scratch(config):
     target, head = make(seed=2)
@@ -126,7 +126,7 @@ def test_save_load_round_trip(tmp_path):
     assert json.load(open(tmp_path / "config.json"))["hidden_size"] == 32
     loaded = EagleDrafter.from_pretrained(tmp_path, target)
     seq = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(5))
-    config = SpecConfig(mode="tree", depth=3, top_k=2, budget=6)
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)
     drafts = []
     for d in (drafter, loaded):
         d.begin([seq[:-1]], [features_of(target, seq[:-1])])

@@ -14,7 +14,7 @@ from specla_compile.runtime.cache_layout import cache_slots
 
 CONFIGS = {
     "chain": SpecConfig(mode="chain", depth=5, bucket=8),
-    "tree": SpecConfig(mode="tree", depth=3, top_k=2, budget=7, bucket=8),
+    "tree": SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=7, bucket=8),
 }
 
 

@@ -22,7 +22,7 @@ COMPILE = {"inner": "aot_eager"}
 SETTINGS = [
     SpecConfig(mode="chain", depth=3, bucket=4),
     SpecConfig(mode="chain", depth=6, bucket=8),
-    SpecConfig(mode="tree", depth=3, top_k=2, budget=7, bucket=8),
+    SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=7, bucket=8),
 ]
 
 
@@ -153,7 +153,7 @@ def _sampling_p_value(draft_model_seed: int) -> float:
     vocab, rows, new, calls = 12, 250, 4, 10  # 10,000 sampled tokens each way
     model = tiny_model("fla", vocab=vocab, layers=2)
     drafter = ModelDrafter(tiny_model("fla", vocab=vocab, layers=2, seed=draft_model_seed))
-    spec = SpeculativeGenerator(model, drafter, SpecConfig(mode="tree", depth=2, top_k=2, budget=4, bucket=8), compile_options=COMPILE)
+    spec = SpeculativeGenerator(model, drafter, SpecConfig(mode="tree", depth=2, tree_top_k=2, budget=4, bucket=8), compile_options=COMPILE)
     prompt = torch.randint(0, vocab, (1, 3), generator=torch.Generator().manual_seed(5)).repeat(rows, 1)
     torch.manual_seed(6)
     ours, theirs = [], []
@@ -241,3 +241,20 @@ def test_eagle_drafter_gets_features_from_the_verify_pass(family):
     out = SpeculativeGenerator(model, drafter, SETTINGS[2], compile_options=COMPILE).generate(prompt, max_new_tokens=9)
     assert out.sequences.tolist() == plain(model, prompt[0], 9)[0].tolist()
     assert seen and all(tokens == features for tokens, features in seen)
+
+
+def test_drafts_over_64_nodes_on_fla():
+    """Above 64 tokens fla's layer calls chunk_gated_delta_rule (wrapped in torch.compiler.disable)
+    instead of the fused recurrent kernel: the capture must still see it, in the prefill of a long
+    prompt and in the verify pass of a 70-node chain."""
+    model = tiny_model("fla", layers=2)
+    gen = torch.Generator().manual_seed(3)
+    for prompt_length in (5, 80):
+        prompt = torch.randint(0, VOCAB, (prompt_length,), generator=gen)
+        expected, _ = plain(model, prompt, 80)
+        reference = expected[0, prompt.numel() :].tolist()
+        config = SpecConfig(mode="chain", depth=69, bucket=8)  # 70 nodes with the pending token
+        spec = SpeculativeGenerator(model, OracleDrafter([reference + [0] * 80], error_rate=0.01, seed=1), config, compile_options=COMPILE)
+        out = spec.generate(prompt[None], max_new_tokens=80)
+        assert out.sequences.tolist() == expected.tolist()
+        assert out.stats.target_passes < 40  # long drafts were accepted, so verify passes saw > 64 nodes

@@ -22,7 +22,7 @@ def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode):
     prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(21)).cuda()
     refs = [plain(model, p, 20)[0][0, 6:].tolist() for p in prompts]
     eos = refs[1][9]
-    base = SpecConfig(mode=mode, depth=4, top_k=2, budget=7, bucket=8)
+    base = SpecConfig(mode=mode, depth=4, tree_top_k=2, budget=7, bucket=8)
     outs = {}
     for graphs in (True, False):
         config = SpecConfig(**{**base.__dict__, "cuda_graphs": graphs})

@@ -67,7 +67,7 @@ def test_chain_is_the_small_models_greedy_chain(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_tree_matches_recomputation_across_rounds(kind):
     model = tiny_lm(kind, vocab=VOCAB, seed=4)
-    assert simulate(ModelDrafter(model), model, SpecConfig(mode="tree", depth=3, top_k=3, budget=7, tau=3.0), seed=5)
+    assert simulate(ModelDrafter(model), model, SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=7, tau=3.0), seed=5)
 
 
 def test_only_requested_rows_are_drafted_and_errors():
@@ -99,7 +99,7 @@ def test_from_pretrained(tmp_path):
     drafters = (ModelDrafter(model), loaded)
     for d in drafters:
         d.begin([seq[:-1]])
-    config = SpecConfig(mode="tree", depth=2, top_k=2, budget=4)
+    config = SpecConfig(mode="tree", depth=2, tree_top_k=2, budget=4)
     a, b = (d.propose(DraftRequest([0], [seq]), config) for d in drafters)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
 
@@ -115,7 +115,7 @@ def test_gdn_drafter_rolls_back_by_drafting_on_a_copy(family):
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, vocab, (n,), generator=gen) for n in (4, 7)]
     drafter.begin(seqs)
-    for config in (SpecConfig(mode="chain", depth=3), SpecConfig(mode="tree", depth=3, top_k=2, budget=5)):
+    for config in (SpecConfig(mode="chain", depth=3), SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=5)):
         for _ in range(2):
             seqs = [torch.cat([s, torch.randint(0, vocab, (1,), generator=gen)]) for s in seqs]
             draft = drafter.propose(DraftRequest([0, 1], seqs), config)

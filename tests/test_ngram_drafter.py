@@ -34,7 +34,7 @@ def test_chain_follows_the_latest_longest_match():
 
 def test_no_match_drafts_only_the_pending_token():
     seqs = [torch.tensor([1, 2, 3, 4]), torch.tensor([7, 3, 5, 3])]
-    draft = NgramDrafter().propose(DraftRequest([0, 3], seqs), SpecConfig(mode="tree", depth=3, top_k=3, budget=8))
+    draft = NgramDrafter().propose(DraftRequest([0, 3], seqs), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8))
     assert draft.parents[0].tolist() == [-1, PAD, PAD] and draft.tokens[:, 0].tolist() == [4, 3]
     assert paths(draft, 1) == [[5], [5, 3]]  # the continuation runs up to the end of the history
 
@@ -49,7 +49,7 @@ def test_no_match_drafts_only_the_pending_token():
     st.integers(1, 3),
 )
 def test_drafts_are_valid_tries_of_the_best_matches(seq, depth, top_k, budget, mode, max_ngram):
-    config = SpecConfig(mode=mode, depth=depth, top_k=top_k, budget=budget)
+    config = SpecConfig(mode=mode, depth=depth, tree_top_k=top_k, budget=budget)
     draft = NgramDrafter(max_ngram=max_ngram).propose(DraftRequest([0], [torch.tensor(seq)]), config)
     parents = validate_parents(draft.parents)
     real = int((parents[0] != PAD).sum())

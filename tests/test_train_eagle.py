@@ -88,7 +88,7 @@ def test_training_runs_loss_drops_and_resumes(workdir, tokenizer):
     drafter = EagleDrafter.from_pretrained(out, target)
     seq = torch.randint(2, 10, (12,), generator=torch.Generator().manual_seed(1))
     drafter.begin([seq[:-1]], [features_of(target, seq[:-1])])
-    draft = drafter.propose(DraftRequest([0], [seq]), SpecConfig(mode="tree", depth=3, top_k=2, budget=5))
+    draft = drafter.propose(DraftRequest([0], [seq]), SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=5))
     assert draft.tokens.shape[1] == 6
 
 

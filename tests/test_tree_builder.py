@@ -46,11 +46,11 @@ def oracle_tree(pending: int, vocab: int, seed: int, config: SpecConfig) -> set[
     for _ in range(config.depth):
         level = {}
         for path in beam:
-            top = lp(path).topk(min(config.top_k, vocab))
+            top = lp(path).topk(min(config.tree_top_k, vocab))
             for value, tok in zip(top.values.tolist(), top.indices.tolist()):
                 level[path + (tok,)] = scores.get(path, 0.0) + value
         scores.update(level)
-        beam = sorted(level, key=level.get, reverse=True)[: config.top_k]
+        beam = sorted(level, key=level.get, reverse=True)[: config.tree_top_k]
     best = {}
     for path, s in scores.items():
         best[len(path)] = max(best.get(len(path), -math.inf), s)
@@ -68,7 +68,7 @@ configs = st.builds(
     SpecConfig,
     mode=st.just("tree"),
     depth=st.integers(1, 4),
-    top_k=st.integers(1, 3),
+    tree_top_k=st.integers(1, 3),
     budget=st.integers(1, 14),
     tau=st.sampled_from([0.0, 0.5, 2.0, math.inf]),
 )
@@ -84,7 +84,7 @@ def test_tree_matches_brute_force_selection(config, rows, vocab, seed):
     assert draft.probs is None and draft.tokens.shape == parents.shape
     assert len(lm.calls) == config.depth
     assert [c.depth for c in lm.calls] == list(range(config.depth)) and lm.calls[0].tokens.shape[1] == 1
-    assert all(c.tokens.shape[1] <= config.top_k for c in lm.calls), "the beam is at most top_k wide"
+    assert all(c.tokens.shape[1] <= config.tree_top_k for c in lm.calls), "the beam is at most tree_top_k wide"
     for b in range(rows):
         real = int((parents[b] != PAD).sum())
         assert draft.tokens[b, 0] == pending[b] and real - 1 <= config.budget
@@ -111,11 +111,11 @@ def test_chain_is_greedy_chain_of_step(depth, rows, vocab, seed):
 @given(st.integers(2, 4), st.integers(2, 3), st.integers(0, 10**6))
 def test_tau_zero_keeps_only_best_paths(depth, top_k, seed):
     vocab = 9
-    config = SpecConfig(mode="tree", depth=depth, top_k=top_k, budget=64, tau=0.0)
+    config = SpecConfig(mode="tree", depth=depth, tree_top_k=top_k, budget=64, tau=0.0)
     pending = torch.tensor([seed % vocab])
     pruned = build_draft(PathLM(vocab, seed), pending, config)
     full = build_draft(
-        PathLM(vocab, seed), pending, SpecConfig(mode="tree", depth=depth, top_k=top_k, budget=64, tau=math.inf)
+        PathLM(vocab, seed), pending, SpecConfig(mode="tree", depth=depth, tree_top_k=top_k, budget=64, tau=math.inf)
     )
     paths = draft_paths(pruned.tokens[0], pruned.parents[0])
     everything = draft_paths(full.tokens[0], full.parents[0])
@@ -130,7 +130,7 @@ def test_tau_zero_keeps_only_best_paths(depth, top_k, seed):
 
 
 def test_rows_are_independent():
-    config = SpecConfig(mode="tree", depth=3, top_k=2, budget=5, tau=1.0)
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=5, tau=1.0)
     pending = torch.tensor([3, 5, 1])
     batched = build_draft(PathLM(12, 7), pending, config)
     for b in range(3):

@@ -88,8 +88,22 @@ def run_recurrence(call: RecurrenceCall) -> tuple[torch.Tensor, torch.Tensor | N
     return o, (final if call.output_final_state else None)
 
 
+def _wraps(original: Callable) -> Callable[[Callable], Callable]:
+    """``functools.wraps`` without the markers ``torch.compiler.disable`` leaves on ``original``: fla
+    disables ``chunk_gated_delta_rule`` (its path above 64 tokens), and copied onto our wrapper they
+    would make Dynamo skip the wrapper too, so the recurrence would never reach the graph."""
+
+    def decorate(wrapper: Callable) -> Callable:
+        wrapper = functools.wraps(original)(wrapper)
+        for name in [n for n in vars(wrapper) if n.startswith("_torchdynamo")]:
+            delattr(wrapper, name)
+        return wrapper
+
+    return decorate
+
+
 def _recurrence_wrapper(original: Callable, adapter: RecurrenceAdapter) -> Callable:
-    @functools.wraps(original)
+    @_wraps(original)
     def wrapper(*args, **kwargs):
         if not use_specla_path(_first_tensor(args, kwargs)):
             return original(*args, **kwargs)
@@ -235,7 +249,7 @@ def _plain_wrapper(replacement: Callable) -> Callable[[Callable], Callable]:
     """Route to ``replacement`` on the specla path, else to the original function or method."""
 
     def make(original: Callable) -> Callable:
-        @functools.wraps(original)
+        @_wraps(original)
         def wrapper(*args, **kwargs):
             if use_specla_path(_first_tensor(args, kwargs)):  # (methods: self is skipped, not a tensor)
                 return replacement(*args, **kwargs)

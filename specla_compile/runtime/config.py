@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,10 +12,11 @@ class SpecConfig:
     """How drafts are built and verified.
 
     ``mode="chain"`` drafts ``depth`` tokens in a line. ``mode="tree"`` rolls out a beam of width
-    ``top_k`` for ``depth`` levels, keeps nodes whose cumulative draft log-probability is within
+    ``tree_top_k`` for ``depth`` levels, keeps nodes whose cumulative draft log-probability is within
     ``tau`` of the best node at the same depth, and truncates to ``budget`` nodes (every kept node
     keeps its ancestors). Trees are padded to a multiple of ``bucket`` nodes so that trees of similar
-    size share one compiled graph.
+    size share one compiled graph. Wrong types raise ``TypeError`` and out-of-range values
+    ``ValueError`` here, not deep inside generation.
 
     ``engine="static"`` (default) runs every pass over static buffers (:mod:`.engine`), replaying CUDA
     graphs on CUDA unless ``cuda_graphs=False``; ``engine="dynamic"`` calls the compiled model on the
@@ -23,7 +25,7 @@ class SpecConfig:
 
     mode: Literal["chain", "tree"] = "chain"
     depth: int = 4
-    top_k: int = 2
+    tree_top_k: int = 2
     budget: int = 16
     tau: float = 4.0
     bucket: int = 8
@@ -32,14 +34,24 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
-            raise ValueError(f"mode must be 'chain' or 'tree', got {self.mode!r}")
-        for name in ("depth", "top_k", "budget", "bucket"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            raise ValueError(f"SpecConfig.mode must be 'chain' or 'tree', got {self.mode!r}")
+        for name in ("depth", "tree_top_k", "budget", "bucket"):
+            value = getattr(self, name)
+            # bool is an int subclass, but depth=True is a mistake, not 1
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"SpecConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"SpecConfig.{name} must be >= 1, got {value}")
+            setattr(self, name, int(value))  # (numpy and torch integers become plain ints)
+        if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real):
+            raise TypeError(f"SpecConfig.tau must be a number, got {self.tau!r} ({type(self.tau).__name__})")
+        if not self.tau >= 0:  # (also rejects NaN)
+            raise ValueError(f"SpecConfig.tau must be >= 0, got {self.tau}")
+        self.tau = float(self.tau)
         if self.engine not in ("static", "dynamic"):
-            raise ValueError(f"engine must be 'static' or 'dynamic', got {self.engine!r}")
-        if self.tau < 0:
-            raise ValueError(f"tau must be >= 0, got {self.tau}")
+            raise ValueError(f"SpecConfig.engine must be 'static' or 'dynamic', got {self.engine!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise TypeError(f"SpecConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
 
     @property
     def max_nodes(self) -> int:

@@ -5,9 +5,9 @@ The builder drives a drafter-supplied *step function* level by level. Every leve
 one state slot per frontier node and reorder its slots between levels the way beam search reorders a
 cache: ``parent_slots`` says which slot of the previous level each new frontier node continues from.
 
-Tree mode (``SpecConfig.mode == "tree"``): level 0 expands the pending token into its ``top_k`` most
-likely children; every later level expands each of the ``top_k`` beam nodes into its ``top_k`` children,
-and the beam becomes the ``top_k`` children with the best cumulative draft log-probability. After
+Tree mode (``SpecConfig.mode == "tree"``): level 0 expands the pending token into its ``tree_top_k`` most
+likely children; every later level expands each of the ``tree_top_k`` beam nodes into its ``tree_top_k`` children,
+and the beam becomes the ``tree_top_k`` children with the best cumulative draft log-probability. After
 ``depth`` levels every generated node is a candidate; a candidate is kept when its cumulative
 log-probability is within ``tau`` of the best candidate at its depth, kept nodes keep their
 ancestors, and the ``budget`` best nodes (by cumulative log-probability, which never increases along
@@ -91,7 +91,7 @@ def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig) -> Draft:
     offset = 0
     for level in range(config.depth):
         log_probs = _log_probs(step, frontier)
-        k = min(config.top_k, log_probs.shape[-1])
+        k = min(config.tree_top_k, log_probs.shape[-1])
         child_lp, child_tok = log_probs.topk(k, dim=-1)  # [R, W, k], children sorted by likelihood
         width = frontier.tokens.shape[1]
         score = (beam_score[..., None] + child_lp).reshape(rows, width * k)
@@ -101,7 +101,7 @@ def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig) -> Draft:
         cand_depth.append(torch.full((width * k,), level + 1, device=device))
         if level + 1 == config.depth:
             break
-        beam = score.topk(min(config.top_k, width * k), dim=-1).indices  # [R, W'] local candidate ids
+        beam = score.topk(min(config.tree_top_k, width * k), dim=-1).indices  # [R, W'] local candidate ids
         frontier = Frontier(cand_token[-1].gather(1, beam), torch.div(beam, k, rounding_mode="floor"), level + 1)
         beam_ids, beam_score = beam + offset, score.gather(1, beam)
         offset += width * k

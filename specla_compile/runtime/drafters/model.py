@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,9 +40,13 @@ class ModelDrafter(Drafter):
         self._rows: dict[int, tuple[object, int, torch.Tensor | None]] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> ModelDrafter:
-        """Load the drafter LM with ``AutoModelForCausalLM.from_pretrained(path, **kwargs)``."""
-        return cls(AutoModelForCausalLM.from_pretrained(path, **kwargs))
+    def from_pretrained(
+        cls, path: str | os.PathLike, device: torch.device | str | None = None, **kwargs: Any
+    ) -> ModelDrafter:
+        """Load the drafter LM with ``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` onto
+        ``device`` (a drafter is not a module: move the LM before wrapping it)."""
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        return cls(model if device is None else model.to(device))
 
     def begin(self, sequences: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         self._rows = {b: (None, 0, None) for b in range(len(sequences))}

@@ -17,7 +17,7 @@ class NgramDrafter(Drafter):
     The last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) are searched for earlier in
     the history; the tokens that followed a match are a candidate continuation. Longer n-grams rank
     first, then more recent matches. Chain mode drafts the best continuation (``depth`` tokens); tree
-    mode merges the ``top_k`` best distinct continuations into a trie (shared prefixes share nodes),
+    mode merges the ``tree_top_k`` best distinct continuations into a trie (shared prefixes share nodes),
     each at most ``depth`` tokens, at most ``budget`` nodes in all. A row with no match drafts only
     its pending token.
     """
@@ -34,7 +34,7 @@ class NgramDrafter(Drafter):
         if config.mode == "chain":
             branches, budget = 1, config.depth
         else:
-            branches, budget = config.top_k, config.budget
+            branches, budget = config.tree_top_k, config.budget
         rows = [self._trie(seq.cpu(), config.depth, branches, budget) for seq in request.sequences]
         return draft_from_paths(pending, rows)
 
