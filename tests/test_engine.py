@@ -96,3 +96,25 @@ def test_engine_reuses_its_static_buffers_across_calls_and_leaves_callers_caches
     assert [s.get().data_ptr() for s in cache_slots(engine.cache)] == static  # same buffers, no re-allocation
     assert all(torch.equal(a, b) for a, b in zip(kept, _states(first.past_key_values)))  # first result untouched
     assert second.sequences.tolist() == first.sequences.tolist()
+
+
+def test_a_failed_call_leaves_nothing_pending_for_the_next():
+    model = tiny_model("fla")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(15))
+    expected, _ = plain(model, prompt[0], 12)
+    truth = expected[0, 5:].tolist() + [0] * 16
+
+    class FailsOnSecondDraft(OracleDrafter):
+        calls = 0
+
+        def propose(self, request, config):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("drafter failed")
+            return super().propose(request, config)
+
+    drafter = FailsOnSecondDraft([truth], error_rate=0.0)
+    gen = SpeculativeGenerator(model, drafter, CONFIGS["chain"], compile_options=COMPILE)
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        gen.generate(prompt, max_new_tokens=12)  # the first pass left accepted records pending
+    assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()

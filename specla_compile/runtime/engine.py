@@ -98,6 +98,9 @@ class StaticEngine:
             self.kv_valid = None if kv_valid is None else torch.zeros(committed.shape[0], capacity, dtype=torch.bool, device=committed.device)
         self.user_cache = cache
         self.last = None
+        for bucket in self.buckets.values():  # a call that failed may have left records pending: drop them
+            if bucket.session.num_pending is not None:
+                bucket.session.num_pending.zero_()
         self.columns = load_static(self.cache, cache)
         self.committed.copy_(committed)
         self.active.fill_(True)
