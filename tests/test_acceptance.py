@@ -37,7 +37,6 @@ def test_greedy_matches_brute_force_walk(parents, vocab, seed):
         assert out.path[b, : len(path)].tolist() == path
         assert (out.path[b, len(path) :] == -1).all()
         assert out.next_token[b] == nxt
-        assert out.accepted_tokens(tokens)[b].tolist() == tokens[b, path].tolist()
 
 
 def test_greedy_accepts_full_matching_chain():

@@ -107,7 +107,7 @@ class VerifySession:
                 same = [(b, f) for b, f in pairs if b.dtype == dtype]
                 torch._foreach_copy_([b for b, _ in same], [f for _, f in same])
             return
-        index = accepted.clamp(min=0)
+        index = accepted.clamp(min=0)  # once for every record (gather_nodes would clamp per record: a kernel each)
         for buffer, fresh in pairs:
             torch.gather(fresh, 1, index.view(*index.shape, *[1] * (fresh.dim() - 2)).expand_as(fresh), out=buffer)
 

@@ -31,10 +31,6 @@ class Acceptance:
     num_accepted: torch.Tensor
     next_token: torch.Tensor
 
-    def accepted_tokens(self, tokens: torch.Tensor) -> list[torch.Tensor]:
-        """Per row, the tokens of the accepted path (node 0 first) taken from the draft's ``tokens [B, N]``."""
-        return [tokens[b, self.path[b, :n]] for b, n in enumerate(self.num_accepted.tolist())]
-
 
 def _check_draft(tokens: torch.Tensor, parents: torch.Tensor, dist: torch.Tensor, name: str) -> torch.Tensor:
     parents = validate_parents(parents)
