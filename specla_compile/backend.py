@@ -9,7 +9,10 @@ graph otherwise; the draft topology is data, so new trees of the same size reuse
 
 Options: ``inner`` — ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``; ``verify_kernel`` —
 ``"auto"`` (default: the CUDA dispatch's cost model) or ``"serial"``, ``"parallel"``, ``"hybrid"``
-to force that Triton route. ``mode`` is passed to inductor, except for its CUDA graphs: the
+to force that Triton route; ``plain`` — ``"compiled"`` (default) or ``"eager"``: plain calls (outside
+verification) run the captured graph as it is, uncompiled, which halves the compile time of a model
+that only verifies (what :class:`~specla_compile.SpeculativeGenerator` asks for when it compiles the
+model itself: it prefills with the eager model). ``mode`` is passed to inductor, except for its CUDA graphs: the
 :class:`~specla_compile.runtime.engine.StaticEngine` captures whole passes itself (on CUDA by default,
 ``mode="reduce-overhead"`` included; ``SpecConfig(cuda_graphs=False)`` turns them off).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,7 +36,8 @@ from .lowering.session import LayerBinding, VerifySession, active_session
 log = logging.getLogger("specla_compile")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-_OPTIONS = {"inner", "verify_kernel"}
+_OPTIONS = {"inner", "verify_kernel", "plain"}
+PLAIN_PROGRAMS = ("compiled", "eager")
 
 
 def _inner_compiler(inner: str, mode: str | None) -> Callable:
@@ -79,9 +84,12 @@ class SpeculativeGraph:
     """What the backend returns for one captured graph: runs the plain program, or the verification
     twin while a :class:`VerifySession` is verifying."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto"):
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
+                 plain: str = "compiled"):
         self.verify_kernel = verify_kernel
-        self.plain = compile_inner(gm, example_inputs)
+        started = time.perf_counter()
+        self.plain = compile_inner(gm, example_inputs) if plain == "compiled" else gm.forward
+        self.compile_seconds = {"plain": time.perf_counter() - started}
         self.program: VerifyProgram | None = None
         self.verify_fn: Callable | None = None
         self.unverifiable = ""
@@ -92,7 +100,11 @@ class SpeculativeGraph:
             log.info("specla: graph %s compiled without a verification twin: %s", gm.__class__.__name__, err)
             return
         extras = _fake_verify_inputs(self.program, example_inputs)
+        started = time.perf_counter()
         self.verify_fn = compile_inner(self.program.graph_module, [*example_inputs, *extras])
+        self.compile_seconds["verify"] = time.perf_counter() - started
+        log.info("specla: compiled a graph of %d GDN layers: plain program %.1f s, verification twin %.1f s",
+                 len(self.program.layers), self.compile_seconds["plain"], self.compile_seconds["verify"])
 
     def __call__(self, *args):
         session = active_session()
@@ -149,10 +161,13 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     verify_kernel = options.get("verify_kernel", "auto")
     if verify_kernel != "auto" and verify_kernel not in dispatch.ROUTES:
         raise ValueError(f"specla option 'verify_kernel' must be 'auto' or one of {dispatch.ROUTES}, got {verify_kernel!r}")
+    plain = options.get("plain", "compiled")
+    if plain not in PLAIN_PROGRAMS:
+        raise ValueError(f"specla option 'plain' must be one of {PLAIN_PROGRAMS}, got {plain!r}")
     if not find_gdn_layers(gm.graph):
         log.info("specla: graph with no GDN layer, compiled normally with %s", options.get("inner", "inductor"))
         return compile_inner(gm, example_inputs)
-    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel)
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain)
 
 
 def _register_by_name() -> None:

@@ -137,9 +137,10 @@ def test_rewrite_structure_and_durable_writes(family):
         assert view_chain(outputs[i])[0] in durable
 
 
-def test_plain_calls_match_eager(family):
+@pytest.mark.parametrize("plain", ["compiled", "eager"])
+def test_plain_calls_match_eager(family, plain):
     model = tiny_model(family)
-    compiled = torch.compile(model, backend="specla", options={"inner": "aot_eager"})
+    compiled = torch.compile(model, backend="specla", options={"inner": "aot_eager", "plain": plain})
     tokens = torch.randint(0, VOCAB, (BATCH, PROMPT + 2))
     with torch.no_grad():
         eager = model(tokens[:, :PROMPT], use_cache=True)
@@ -249,6 +250,39 @@ def test_options_are_checked():
         specla_backend(gm, [torch.randn(1, 2)], options={"inner": "tvm"})
     with pytest.raises(ValueError, match="'verify_kernel'"):
         specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "verify_kernel": "fastest"})
+    with pytest.raises(ValueError, match="'plain'"):
+        specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "plain": "lazy"})
+
+
+def test_plain_eager_compiles_only_the_verification_twin(monkeypatch):
+    import specla_compile.backend as backend
+
+    compiled_graphs = []
+    real = backend._inner_compiler
+
+    def counting(inner, mode):
+        compile_inner = real(inner, mode)
+        return lambda gm, example_inputs: compiled_graphs.append(gm) or compile_inner(gm, example_inputs)
+
+    monkeypatch.setattr(backend, "_inner_compiler", counting)
+    model = tiny_model("fla")
+    prompt, chain = torch.randint(0, VOCAB, (BATCH, PROMPT)), torch.randint(0, VOCAB, (BATCH, NODES))
+    parents = torch.arange(-1, NODES - 1).expand(BATCH, NODES)
+    twins, others, logits = {}, {}, {}
+    for plain in ("compiled", "eager"):
+        compiled_graphs.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="specla", options={"inner": "aot_eager", "plain": plain})
+        with torch.no_grad():
+            cache = model(prompt, use_cache=True).past_key_values
+            with VerifySession().verify(parents):
+                logits[plain] = compiled(input_ids=chain, past_key_values=cache, use_cache=True).logits
+        twins[plain] = sum("gdn_commit_verify_" in gm.code for gm in compiled_graphs)
+        others[plain] = len(compiled_graphs) - twins[plain]
+    # the same twins, the same results; the captured GDN graph itself is compiled only for plain="compiled"
+    assert twins["eager"] == twins["compiled"] >= 1
+    assert others["compiled"] - others["eager"] == twins["compiled"], (twins, others)
+    assert torch.equal(logits["eager"], logits["compiled"])
 
 
 def test_backend_is_registered_without_importing_the_package():

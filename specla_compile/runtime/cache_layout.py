@@ -180,9 +180,7 @@ def load_static(twin, cache) -> int:
             for name in ("keys", "values"):
                 getattr(mine, name)[..., :width, :].copy_(getattr(theirs, name)[..., :width, :])
             mine.cumulative_length.fill_(width)
-    for mine, theirs in zip(cache_slots(twin), cache_slots(cache)):
-        if mine.kind == "state":
-            mine.get().copy_(theirs.get())
+    _copy_states(cache, twin)
     return width
 
 
@@ -196,9 +194,14 @@ def store_static(twin, cache, width: int) -> None:
                 theirs.cumulative_length.fill_(width)
             else:
                 theirs.keys, theirs.values = mine.keys[..., :width, :].clone(), mine.values[..., :width, :].clone()
-    for mine, theirs in zip(cache_slots(twin), cache_slots(cache)):
-        if mine.kind == "state":
-            theirs.get().copy_(mine.get())
+    _copy_states(twin, cache)
+
+
+def _copy_states(source, destination) -> None:
+    """Copy every GDN state (recurrent and conv) of ``source`` into ``destination``'s, in place (one
+    multi-tensor copy rather than a launch per state from Python)."""
+    pairs = [(mine.get(), theirs.get()) for mine, theirs in zip(cache_slots(destination), cache_slots(source)) if mine.kind == "state"]
+    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def same_layout(a, b) -> bool:

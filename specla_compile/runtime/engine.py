@@ -51,6 +51,7 @@ class _Bucket:
         self.draft[1, :, 0] = -1
         self.summary = torch.zeros(batch, nodes + 2, dtype=torch.long, device=device)  # path, count, next token
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.flush_graph: torch.cuda.CUDAGraph | None = None  # commits the pending records (end of a call)
         self.result: StepResult | None = None
         self.hint: TopologyHint | None = None
         self.prepared = False
@@ -112,7 +113,7 @@ class StaticEngine:
         """Commit every pending record, write the static cache back into the cache given to :meth:`start`
         and return that cache."""
         for bucket in self.buckets.values():
-            bucket.session.flush()
+            self._flush(bucket)
         store_static(self.cache, self.user_cache, self.columns)
         set_seen_tokens(self.user_cache, int(self.committed.max()))
         return self.user_cache
@@ -128,7 +129,7 @@ class StaticEngine:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
         bucket = self._bucket(nodes, parents)
         if self.last is not None and self.last is not bucket:
-            self.last.session.flush()  # another bucket's graph commits only its own pending records
+            self._flush(self.last)  # another bucket's graph commits only its own pending records
         self.last = bucket
         bucket.draft.copy_(torch.stack([tokens, parents]), non_blocking=True)
         if not bucket.prepared:
@@ -255,13 +256,20 @@ class StaticEngine:
         self.kv_valid.index_copy_(1, columns, valid)
         self._set_attention_length(start + counts.max())
 
+    def _flush(self, bucket: _Bucket) -> None:
+        """Commit a bucket's pending records now: a replay of its captured flush where there is one."""
+        if bucket.flush_graph is not None:
+            bucket.flush_graph.replay()
+        else:
+            bucket.session.flush()
+
     # --- capture -----------------------------------------------------------------------------------
 
     def _prepare(self, bucket: _Bucket, accept: bool) -> None:
         """First pass of a bucket: compile it (Dynamo, inductor) and, with graphs, capture it. The runs
         before the real one commit nothing (no row active, pending records flushed first)."""
         for other in self.buckets.values():
-            other.session.flush()
+            self._flush(other)
         bucket.prepared = True
         if not self.graphs:
             return
@@ -280,6 +288,12 @@ class StaticEngine:
         bucket.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(bucket.graph):
             bucket.result = self._step(bucket, accept)
+        # the flush too (about 100 launches, once per call): nothing is pending yet, so this eager run
+        # only compiles its kernels
+        bucket.session.flush()
+        bucket.flush_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bucket.flush_graph):
+            bucket.session.flush()
         self.active.copy_(active)
         if self.kv_valid is not None:
             self._set_attention_length(columns)

@@ -99,9 +99,11 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def compile_for_verification(model: torch.nn.Module, options: dict | None = None) -> torch.nn.Module:
     """``torch.compile(model, backend="specla", options=options)``, once per model and options: every
-    separate compile would start Dynamo's graph cache (and its recompile limit) anew."""
+    separate compile would start Dynamo's graph cache (and its recompile limit) anew. Only the
+    verification twins are compiled (``plain="eager"``): the generator prefills with the eager model."""
     per_model = _COMPILED.setdefault(model, {})
-    key = json.dumps(options or {}, sort_keys=True)
+    options = {"plain": "eager", **(options or {})}
+    key = json.dumps(options, sort_keys=True)
     if key not in per_model:
         per_model[key] = torch.compile(model, backend="specla", options=options)
     return per_model[key]
