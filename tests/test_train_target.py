@@ -37,8 +37,11 @@ def sentence(rng: random.Random, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def write_corpus(root: Path) -> Path:
     """A ShareGPT-shaped JSON file cut off mid-record (like the packaged one) and a folder of code."""
-    root = tmp_path_factory.mktemp("corpus")
     rng = random.Random(0)
     records = [
         {
