@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             done = step + 1
             history.append(record)
             log.write(json.dumps(record) + "\n")
-            bar.set_postfix(loss=f"{record['loss']:.4f}", top1=f"{stats['top1']:.3f}")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", top1=f"{stats['top1']:.3f}", refresh=False)
             if heldout and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
                 agreement = heldout_agreement(head, target, heldout, args)
                 log.write(json.dumps({"step": step + 1, "heldout": agreement}) + "\n")

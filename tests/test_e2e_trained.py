@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -146,6 +147,46 @@ def test_bad_arguments_fail_with_one_line_before_loading(prompt_files, tmp_path)
                       "--humaneval", str(prompt_files / "HumanEval.jsonl.gz")])
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny fla GDN target with a byte-level BPE tokenizer, and an untrained EAGLE head for it."""
+    import torch
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead
+    from specla_compile.training.tokenizer import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    rng = random.Random(0)
+    tokenizer = train_bpe_tokenizer([" ".join(rng.choices(WORDS, k=30)) for _ in range(50)], 300)
+    tokenizer.save_pretrained(root / "target")
+    torch.manual_seed(0)
+    config = GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, head_dim=16, expand_v=1, vocab_size=len(tokenizer),
+                                 fuse_cross_entropy=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = GatedDeltaNetForCausalLM(config)
+    model.save_pretrained(root / "target")
+    EagleHead(EagleConfig.for_target(model)).save_pretrained(root / "eagle")
+    return root
+
+
+def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt_files, tmp_path):
+    results = E.main(["--target", str(checkpoints / "target"), "--eagle", str(checkpoints / "eagle"), "--out", str(tmp_path),
+                      "--prompts-dir", str(prompt_files), "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"),
+                      "--suites", "gsm8k", "humaneval", "--limit-prompts", "1", "--eager-prompts", "1", "--new-tokens", "5",
+                      "--warmup-tokens", "2", "--device", "cpu", "--dtype", "float32", "--inner", "eager", "--ignore-eos"])
+    assert "errors" not in results and set(results["warmup_s"]) == set(E.ROUTES)
+    assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
+    for record in results["records"]:
+        assert set(record["routes"]) == set(E.ROUTES)
+        assert {r["tokens"] for r in record["routes"].values()} == {5}  # --ignore-eos: every route makes 5 tokens
+        assert all(r["passes"] >= 1 and r["seconds"] > 0 for name, r in record["routes"].items() if name in E.SPEC_ROUTES)
+    assert not results.get("mismatches")  # greedy fp32: every route emits plain decoding's tokens
+    targets = {t["name"]: t for t in results["targets"]}
+    assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["measured"].startswith("8/8")
+    assert (tmp_path / "e2e_trained.md").is_file() and (tmp_path / "e2e_trained.png").is_file()
+
+
+@pytest.mark.skipif(not os.environ.get("SPECLA_SLOW_TESTS"), reason="three processes, about a minute of CPU: SPECLA_SLOW_TESTS=1")
 def test_pipeline_end_to_end_on_cpu_at_tiny_sizes(prompt_files, tmp_path):
     """Train a tiny target and head, then the study: every stage exits 0, six small files come out, and
     the speculative routes' fp32 outputs equal plain decoding's."""
