@@ -471,15 +471,22 @@ ALL_TARGETS = (  # every target of the benchmark, so that the ones a run did not
 )
 
 
+def targets_markdown(targets: list[dict]) -> list[str]:
+    """The ``targets`` list as markdown table lines (also used by ``e2e_trained.py``)."""
+    return ["| target | measured | goal | met |", "| --- | --- | --- | --- |"] + [
+        f"| {t['name']} | {'not measured' if t['measured'] is None else t['measured']} | {t['goal']} | {'yes' if t['met'] else 'no'} |"
+        for t in targets
+    ]
+
+
 def write_report(results: dict, out_dir: str) -> None:
     results["targets"] = targets(results)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "e2e_gpu.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     lines = ["# End-to-end speed, static CUDA-graphed engine", "", f"device: {results.get('device')}, torch {results.get('torch')}",
-             f"command: `{results.get('command')}`", "", "| target | measured | goal | met |", "| --- | --- | --- | --- |"]
-    lines += [f"| {t['name']} | {'not measured' if t['measured'] is None else t['measured']} | {t['goal']} | {'yes' if t['met'] else 'no'} |"
-              for t in results["targets"]]
+             f"command: `{results.get('command')}`", ""]
+    lines += targets_markdown(results["targets"])
     if "setup" in results:
         lines += ["", f"Setup: {results['setup']}."]
     for key, value in results.get("fla_b1", {}).items():

