@@ -492,6 +492,16 @@ def write_report(results: dict, out_dir: str) -> None:
     for key, value in results.get("fla_b1", {}).items():
         if key in ("eager_ms_per_token", "pass_ms", "pass_ms_by_pending", "host_ms_per_pass", "compile_seconds"):
             lines.append(f"- `{key}`: {value}")
+    for name, how in results.get("runs", {}).items():
+        lines.append(f"- run `{name}`: `{how}`")
+    for batch, r in results.get("fla_batch", {}).items():
+        lines.append(f"- fla {batch}, p=0.8 L=8: plain {r['plain']['tokens_per_s']:.0f} tok/s, speculative "
+                     f"{r['p0.8_L8']['tokens_per_s']:.0f} tok/s" + (f" (not valid: {r['invalid']})" if "invalid" in r else f" = {r['speedup']:.2f}x"))
+    routes = [r for section in ("fla_b1", "qwen") for r in [*results.get(section, {}).get("chain", {}).values(), *results.get(section, {}).values()]
+              if isinstance(r, dict) and "identical" in r]
+    if routes:
+        lines.append(f"- bf16 speculative output identical to graphed plain decoding: {sum(r['identical'] for r in routes)}/{len(routes)} routes "
+                     "(every prompt of a route)")
     if "invalid" in results:
         lines += ["", f"Not reported: {results['invalid']['what']}. Why: {results['invalid']['why']}."]
     b1 = results.get("fla_b1", {})
