@@ -85,12 +85,26 @@ def _decode_with_plan(rank: int, checkpoint: str, plan: str, references: list[li
         backend.rewrite_for_verify = rewrite
 
 
+def _broadcast_a_draft(rank: int) -> list:
+    """Each rank drafts a different tree with draft probabilities; what every rank gets back."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from specla_compile.runtime.distributed import broadcast_draft
+    from specla_compile.runtime.drafting import Draft
+
+    nodes = 3 + rank  # even the shapes differ
+    mine = Draft(torch.full((1, nodes), 10 + rank), torch.arange(nodes)[None] - 1, torch.full((1, nodes, VOCAB), 0.5 + rank))
+    got = broadcast_draft(mine, init_device_mesh("cpu", (WORLD,)))
+    return [got.tokens.tolist(), got.parents.tolist(), got.probs[0, :, 0].tolist()]
+
+
 def _worker(rank: int, checkpoint: str, references: list[list[int]], port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
         results = {plan: _decode_with_plan(rank, checkpoint, plan, references) for plan in PLANS}
+        results["draft"] = _broadcast_a_draft(rank)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -135,6 +149,11 @@ def test_every_rank_emits_plain_decodings_tokens(two_ranks, plan):
         assert rank["state_heads"] and set(rank["state_heads"]) == {heads}
     assert ranks[0]["iterations"] == ranks[1]["iterations"]  # the same drafts verified on both ranks
     assert max(ranks[0]["iterations"].values()) < NEW_TOKENS  # and they were rank 0's good drafts
+
+
+def test_every_rank_gets_rank_0s_draft(two_ranks):
+    ranks, _, _ = two_ranks
+    assert ranks[0]["draft"] == ranks[1]["draft"] == [[[10, 10, 10]], [[-1, 0, 1]], [0.5, 0.5, 0.5]]
 
 
 class _Mesh:

@@ -283,7 +283,7 @@ class _Run:
         """Draft trees of the active rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
         request = DraftRequest(active, [torch.cat([self.rows[b], self.pending[b : b + 1]]) for b in active])
         draft: Draft = self.drafter.propose(request, self.config)
-        if self.owner.tp_mesh is not None:
+        if self.owner.tp_mesh is not None and not isinstance(self.drafter, _PlainDrafter):  # (plain: the pending tokens, equal)
             draft = broadcast_draft(draft, self.owner.tp_mesh)
         n = draft.tokens.shape[1]
         if n > self.nodes:
