@@ -29,7 +29,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from e2e_gpu import OracleDrafter, chain_config, make_generator, pass_ms, peaked_logits, prompts_for, run_route, truth_of
+from e2e_gpu import (
+    OracleDrafter,
+    chain_config,
+    make_generator,
+    pass_ms,
+    peaked_logits,
+    prompts_for,
+    run_route,
+    truth_of,
+)
 
 SECTIONS = ("tp1", "tp2", "plans", "exact_fp32")
 PASS_NODES = 16  # the bucket of a chain of 8 drafts (9 nodes with the pending token)
@@ -144,8 +153,9 @@ def checkpoint(args, dtype: torch.dtype, layers: int | None) -> str:
 
 
 def load(path: str, dtype: torch.dtype, parallel: bool) -> torch.nn.Module:
-    import specla_compile  # noqa: F401  (routes the GDN entry points)
     from transformers import AutoModelForCausalLM
+
+    import specla_compile  # noqa: F401  (routes the GDN entry points)
 
     torch._dynamo.reset()  # every model compiles its own graphs
     if parallel:

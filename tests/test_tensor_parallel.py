@@ -47,8 +47,7 @@ def _decode_with_plan(rank: int, checkpoint: str, plan: str, references: list[li
     from test_generator import OracleDrafter
     from transformers import AutoModelForCausalLM
 
-    import specla_compile.backend as backend
-    from specla_compile import SpeculativeGenerator
+    from specla_compile import SpeculativeGenerator, backend
 
     torch._dynamo.reset()
     torch._dynamo.config.automatic_dynamic_shapes = False  # a 1-node pass: a static graph, quicker to trace

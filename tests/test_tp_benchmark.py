@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import tp_gpu  # noqa: E402
+import tp_gpu
 
 
 def _route(ms: float, speedup: float = 1.0) -> dict:

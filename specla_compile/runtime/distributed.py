@@ -26,7 +26,8 @@ def mark_tensor_parallel(model: torch.nn.Module, mesh) -> None:
 
 def tensor_parallel_mesh(model: torch.nn.Module):
     """The 1-D tensor-parallel mesh ``model`` is sharded over, or None (one process, or a mesh of one)."""
-    mesh = getattr(model, _MESH, None) or getattr(model, "_device_mesh", None)
+    mesh = getattr(model, _MESH, None)
+    mesh = mesh if mesh is not None else getattr(model, "_device_mesh", None)
     if mesh is None:
         return None
     if mesh.ndim > 1:
