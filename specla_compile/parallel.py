@@ -1,4 +1,4 @@
-"""Tensor-parallel plans for the GDN layers of transformers' Qwen3.5 models.
+"""Tensor-parallel plans for the GDN layers of transformers' Qwen3.5 and Qwen3-Next models.
 
 transformers' own plan (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``) shards attention
 and MLPs by heads and columns but gathers every GDN projection (``colwise_gather_output``): every rank
@@ -6,8 +6,8 @@ runs every GDN head and holds every recurrent and conv state. :func:`shard_gdn_h
 layers to a head-sharded plan, the way attention is sharded: rank ``r`` of ``W`` keeps key heads
 ``r*H/W .. (r+1)*H/W`` and the value heads that read them (value head ``h`` reads key head
 ``h // (HV/H)``), i.e. its rows of ``in_proj_qkv`` (q, k and v blocks), ``in_proj_z``, ``in_proj_b``,
-``in_proj_a``, its channels of the short convolution, its ``A_log`` and ``dt_bias``, and its columns of
-``out_proj``; recurrent and conv states hold only its heads, and one all-reduce after ``out_proj``
+``in_proj_a`` (Qwen3.5) or of ``in_proj_qkvz`` and ``in_proj_ba`` (Qwen3-Next, grouped by key head),
+its channels of the short convolution, its ``A_log`` and ``dt_bias``, and its columns of ``out_proj``; recurrent and conv states hold only its heads, and one all-reduce after ``out_proj``
 sums the ranks' parts. The all-reduce is a functional collective, so it stays inside compiled graphs.
 """
 
@@ -19,7 +19,9 @@ from torch import nn
 
 from .runtime.distributed import mark_tensor_parallel
 
-_GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj", "A_log", "dt_bias")
+_COMMON = ("conv1d", "out_proj", "A_log", "dt_bias", "num_k_heads", "num_v_heads")
+_SEPARATE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # Qwen3.5: [q | k | v], z, b, a by value head
+_GROUPED = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next: rows grouped by key head, (q, k, v, z) and (b, a) per group
 
 
 class AllReduceLinear(nn.Linear):
@@ -49,8 +51,12 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous(), requires_grad=False)
 
 
+def _has(module: nn.Module, parts: tuple[str, ...]) -> bool:
+    return all(hasattr(module, part) for part in parts)
+
+
 def _is_gdn_layer(module: nn.Module) -> bool:
-    return all(hasattr(module, part) for part in _GDN_PARTS) and hasattr(module, "num_k_heads")
+    return _has(module, _COMMON) and (_has(module, _SEPARATE) or _has(module, _GROUPED))
 
 
 def _shard_layer(layer: nn.Module, rank: int, world: int, mesh) -> None:
@@ -70,12 +76,20 @@ def _shard_layer(layer: nn.Module, rank: int, world: int, mesh) -> None:
         new.weight = _param(weight)
         return new
 
-    if layer.in_proj_qkv.bias is not None or layer.in_proj_z.bias is not None:
+    grouped = hasattr(layer, "in_proj_qkvz")
+    projections = _GROUPED if grouped else _SEPARATE
+    if any(getattr(layer, name).bias is not None for name in projections):
         raise NotImplementedError("shard_gdn_heads: GDN input projections with a bias are not supported")
-    layer.in_proj_qkv = linear(qkv(_full(layer.in_proj_qkv.weight)))
-    layer.in_proj_z = linear(_full(layer.in_proj_z.weight)[v_rows])
-    layer.in_proj_b = linear(_full(layer.in_proj_b.weight)[heads])
-    layer.in_proj_a = linear(_full(layer.in_proj_a.weight)[heads])
+    if grouped:  # a block of key heads is a block of rows
+        for name in projections:
+            weight = _full(getattr(layer, name).weight)
+            per_rank = weight.shape[0] // world
+            setattr(layer, name, linear(weight[rank * per_rank : (rank + 1) * per_rank]))
+    else:
+        layer.in_proj_qkv = linear(qkv(_full(layer.in_proj_qkv.weight)))
+        layer.in_proj_z = linear(_full(layer.in_proj_z.weight)[v_rows])
+        layer.in_proj_b = linear(_full(layer.in_proj_b.weight)[heads])
+        layer.in_proj_a = linear(_full(layer.in_proj_a.weight)[heads])
     conv = layer.conv1d
     weight = qkv(_full(conv.weight))
     channels = weight.shape[0]
@@ -101,7 +115,7 @@ def shard_gdn_heads(model: nn.Module, mesh=None) -> nn.Module:
     Every rank of the mesh calls it with the same model. Works on a model loaded with transformers'
     plan (its gathered GDN projections are replaced) or on a whole model on every rank (then pass
     ``mesh``, e.g. ``init_device_mesh("cuda", (world,))``). Raises ``ValueError`` when the model has no
-    Qwen3.5-style GDN layer or the mesh size does not divide its key and value heads.
+    Qwen3.5 / Qwen3-Next GDN layer or the mesh size does not divide its key and value heads.
     """
     mesh = mesh if mesh is not None else getattr(model, "_device_mesh", None)
     if mesh is None:
@@ -110,9 +124,9 @@ def shard_gdn_heads(model: nn.Module, mesh=None) -> nn.Module:
         mesh = mesh["tp"]
     layers = [m for m in model.modules() if _is_gdn_layer(m)]
     if not layers:
-        other = [type(m).__name__ for m in model.modules() if hasattr(m, "in_proj_qkvz") or type(m).__name__ == "GatedDeltaNet"]
+        other = [type(m).__name__ for m in model.modules() if type(m).__name__ == "GatedDeltaNet"]
         what = f"its GDN layers ({other[0]}) have another layout" if other else "it has no GDN layer"
-        raise ValueError(f"shard_gdn_heads supports Qwen3.5-style GDN layers (in_proj_qkv, in_proj_z, ...); {type(model).__name__}: {what}")
+        raise ValueError(f"shard_gdn_heads supports the GDN layers of transformers' Qwen3.5 and Qwen3-Next; {type(model).__name__}: {what}")
     world, rank = mesh.size(), mesh.get_local_rank()
     heads = (layers[0].num_k_heads, layers[0].num_v_heads)
     if any(h % world for h in heads):
