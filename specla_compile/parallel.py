@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor import DTensor
 
 from .runtime.distributed import mark_tensor_parallel
 
@@ -28,22 +30,18 @@ class AllReduceLinear(nn.Linear):
     """A row-parallel linear layer: this rank's input columns, then the sum over ``mesh`` (bias added once)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh):
-        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        self.weight = _param(weight)
+        self.bias = None if bias is None else _param(bias)
         self.mesh = mesh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed import _functional_collectives as funcol
-
         out = funcol.all_reduce(F.linear(x, self.weight), "sum", self.mesh)
         return out if self.bias is None else out + self.bias
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value (a DTensor of transformers' plan is gathered: every rank calls this)."""
-    from torch.distributed.tensor import DTensor
-
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
@@ -72,7 +70,7 @@ def _shard_layer(layer: nn.Module, rank: int, world: int, mesh) -> None:
         return torch.cat([q[k_rows], k[k_rows], v[v_rows]])
 
     def linear(weight: torch.Tensor) -> nn.Linear:
-        new = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        new = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         new.weight = _param(weight)
         return new
 
@@ -94,7 +92,7 @@ def _shard_layer(layer: nn.Module, rank: int, world: int, mesh) -> None:
     weight = qkv(_full(conv.weight))
     channels = weight.shape[0]
     new_conv = nn.Conv1d(channels, channels, conv.kernel_size[0], groups=channels, padding=conv.padding[0],
-                         bias=conv.bias is not None, device=weight.device, dtype=weight.dtype)
+                         bias=conv.bias is not None, device="meta")
     new_conv.weight = _param(weight)
     if conv.bias is not None:
         new_conv.bias = _param(qkv(_full(conv.bias)))
