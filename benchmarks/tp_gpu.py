@@ -136,9 +136,9 @@ def checkpoint(args, dtype: torch.dtype, layers: int | None) -> str:
     logits once; every rank gets its directory."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig()
+    config = Qwen3_5TextConfig()  # the default: 32 layers, 3 GDN layers to 1 attention layer
     if layers is not None:
-        config = Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=config.layer_types[:layers])
+        config = Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4))
     path = os.path.join(args.checkpoint_dir, f"qwen3_5_{config.num_hidden_layers}l_{str(dtype).split('.')[-1]}")
     if rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(0)
@@ -177,7 +177,7 @@ def on_rank0(fn) -> None:
         except Exception as err:  # re-raised below, after the other ranks know
             error = err
         free()
-    failed = torch.tensor([error is not None], device="cuda")
+    failed = torch.tensor([int(error is not None)], device="cuda")
     dist.broadcast(failed, 0)
     if error is not None:
         raise error
