@@ -1,7 +1,7 @@
 """Tensor-parallel speculative decoding on CPU: 2 processes, gloo, a tiny Qwen3.5 loaded with
 transformers' ``tp_plan="auto"`` (gathered GDN plan) or then head-sharded (:func:`shard_gdn_heads`).
-Every rank must emit exactly the tokens of single-process plain decoding, chains and trees, through
-one captured graph per pass shape with the collectives inside it."""
+Every rank must emit exactly the tokens of single-process plain decoding, chains and trees, with no
+graph break and the collectives inside the verification graphs."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from specla_compile.runtime.baseline import autoregressive_generate
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
 
 WORLD = 2
+PLANS = ("gathered", "heads")
 NEW_TOKENS = 12
 PROMPTS = [[3, 17, 5, 60, 2], [44, 9]]
 CONFIGS = {
@@ -36,9 +37,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-PLANS = ("gathered", "heads")
 
 
 def _decode_with_plan(rank: int, checkpoint: str, plan: str, references: list[list[int]]) -> dict:
