@@ -223,3 +223,20 @@ def test_head_sharding_needs_gdn_layers_and_a_mesh():
         shard_gdn_heads(tiny_lm("llama"), _Mesh())
     with pytest.raises(ValueError, match="needs a device mesh"):
         shard_gdn_heads(tiny_model("qwen3_5", layers=2))
+
+
+class _Mesh2D:
+    ndim = 2
+    mesh_dim_names = ("dp", "fsdp")
+
+
+def test_tensor_parallel_mesh_of_a_model():
+    from specla_compile.runtime.distributed import mark_tensor_parallel, tensor_parallel_mesh
+
+    model = tiny_model("qwen3_5", layers=2)
+    assert tensor_parallel_mesh(model) is None  # transformers' _device_mesh is None outside tp_plan
+    mark_tensor_parallel(model, _Mesh())
+    assert isinstance(tensor_parallel_mesh(model), _Mesh)
+    mark_tensor_parallel(model, _Mesh2D())
+    with pytest.raises(ValueError, match="2-D device mesh needs a 'tp' dimension"):
+        tensor_parallel_mesh(model)
