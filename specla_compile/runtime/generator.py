@@ -23,6 +23,7 @@ from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
 from .cache_layout import compact_attention, has_attention, restore, set_seen_tokens, snapshot, stack_rows
 from .config import SpecConfig
+from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
 from .engine import StaticEngine
 from .topology import PAD, ancestor_mask, bucket_size, depth
@@ -126,6 +127,7 @@ class SpeculativeGenerator:
         self.config = config or SpecConfig()
         self.vocab_size = output_vocab_size(self.model)
         drafter.check_vocab(self.vocab_size)
+        self.tp_mesh = tensor_parallel_mesh(self.model)  # tensor-parallel: every rank verifies rank 0's drafts
         self._engines: dict[bool, StaticEngine] = {}
 
     def engine(self, device: torch.device, features: bool) -> StaticEngine | None:
@@ -283,6 +285,8 @@ class _Run:
         """Draft trees of the active rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
         request = DraftRequest(active, [torch.cat([self.rows[b], self.pending[b : b + 1]]) for b in active])
         draft: Draft = self.drafter.propose(request, self.config)
+        if self.owner.tp_mesh is not None and not isinstance(self.drafter, _PlainDrafter):  # (plain: the pending tokens, equal)
+            draft = broadcast_draft(draft, self.owner.tp_mesh)
         n = draft.tokens.shape[1]
         if n > self.nodes:
             raise ValueError(f"{type(self.drafter).__name__} proposed {n} nodes, more than the configured {self.nodes}")
