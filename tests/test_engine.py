@@ -118,3 +118,30 @@ def test_a_failed_call_leaves_nothing_pending_for_the_next():
     with pytest.raises(RuntimeError, match="drafter failed"):
         gen.generate(prompt, max_new_tokens=12)  # the first pass left accepted records pending
     assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
+
+
+def test_one_compile_serves_every_bucket_size_of_a_gdn_model(monkeypatch):
+    """The engine marks the node dimension dynamic from the first pass (size 1 included), so plain
+    decoding's 1-node pass and the drafts' 8-node bucket share one compiled graph, and stay exact.
+    (Hybrids compile the 1-node pass apart: see StaticEngine._forward.)"""
+    family = "fla"
+    import specla_compile.backend as backend
+
+    compiles = []
+
+    class Counted(backend.SpeculativeGraph):
+        def __init__(self, *args, **kwargs):
+            compiles.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "SpeculativeGraph", Counted)
+    torch._dynamo.reset()
+    model = tiny_model(family)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(16))
+    expected, _ = plain(model, prompt[0], 12)
+    truth = expected[0, 5:].tolist() + [0] * 16
+    gen = SpeculativeGenerator(model, OracleDrafter([truth], error_rate=0.3, seed=7), CONFIGS["chain"], compile_options=COMPILE)
+    assert gen.decode(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
+    after_plain = len(compiles)
+    assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
+    assert after_plain >= 1 and len(compiles) == after_plain, f"{after_plain} compiles for the 1-node pass, {len(compiles)} in all"

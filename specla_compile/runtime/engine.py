@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.session import VerifySession
@@ -29,6 +30,11 @@ from .cache_layout import load_static, same_layout, set_seen_tokens, static_twin
 from ..tree import PAD, ancestor_mask_device
 
 log = logging.getLogger("specla_compile")
+
+
+def size_oblivious(on: bool):
+    """While on, Dynamo traces size-1 dimensions marked dynamic as general sizes (no 0/1 specialisation)."""
+    return fx_config.patch(backed_size_oblivious=on)
 
 
 @dataclass
@@ -191,7 +197,15 @@ class StaticEngine:
             kwargs["position_ids"] = self.committed[:, None] + depth
             tree_mask = self._tree_mask(ancestors)
         set_seen_tokens(self.cache, 0)  # fla's token counter: a constant keeps Dynamo's guards on it stable
-        with bucket.session.verify(parents, tree_mask), topology_hint(bucket.hint):
+        one_graph = self.kv_valid is None
+        if one_graph:
+            # One graph for every bucket size, the 1-node pass included: the node dimension is dynamic from
+            # the first compile, and size-oblivious reasoning keeps Dynamo from specialising it when it is 1.
+            # Each compile traces the whole model (tens of seconds at the 1.3B shape): this halves cold
+            # start. Not for hybrids: transformers' sdpa call computes is_causal from the query length,
+            # which a dynamic length of 1 turns into a symbolic bool that sdpa refuses.
+            torch._dynamo.maybe_mark_dynamic(tokens, 1)
+        with bucket.session.verify(parents, tree_mask), topology_hint(bucket.hint), size_oblivious(one_graph):
             out = self.compiled(input_ids=tokens, past_key_values=self.cache, **kwargs)
         if not bucket.session.records:
             raise ValueError(
