@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.dispatch import TopologyHint, topology_hint
+from ..lowering.fuse_projections import pack_projections
 from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
 from .cache_layout import compact_attention, has_attention, restore, set_seen_tokens, snapshot, stack_rows
@@ -114,7 +115,10 @@ class SpeculativeGenerator:
     """Speculative decoding of a GDN model with a drafter.
 
     ``model``: an eager fla / transformers causal LM (compiled here with ``backend="specla"`` and
-    ``compile_options``) or one already compiled with that backend.
+    ``compile_options``) or one already compiled with that backend. The weights of projections that
+    read one input are packed back to back in place (same values; see
+    :func:`~specla_compile.lowering.fuse_projections.pack_projections`), so the compiled passes run
+    each group as one GEMM.
     """
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, config: SpecConfig | None = None, *, compile_options: dict | None = None):
@@ -128,6 +132,8 @@ class SpeculativeGenerator:
         self.vocab_size = output_vocab_size(self.model)
         drafter.check_vocab(self.vocab_size)
         self.tp_mesh = tensor_parallel_mesh(self.model)  # tensor-parallel: every rank verifies rank 0's drafts
+        if self.tp_mesh is None:  # projections that read one input: one GEMM each in the compiled passes
+            pack_projections(self.model, torch.zeros(1, 2, dtype=torch.long, device=next(self.model.parameters()).device))
         self._engines: dict[bool, StaticEngine] = {}
 
     def engine(self, device: torch.device, features: bool) -> StaticEngine | None:
