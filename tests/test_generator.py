@@ -10,7 +10,7 @@ from cache_utils import cache_tensors, max_cache_diff
 from models import FAMILIES, VOCAB, tiny_model
 from scipy.stats import chi2_contingency
 
-from specla_compile import SpecConfig, SpeculativeGenerator
+from specla_compile import GenerationStats, SpecConfig, SpeculativeGenerator
 from specla_compile.runtime import acceptance as acceptance_module
 from specla_compile.runtime.baseline import autoregressive_generate
 from specla_compile.runtime.cache_layout import cache_slots
@@ -129,7 +129,15 @@ def test_model_drafter_on_itself_accepts_everything():
     out = SpeculativeGenerator(model, ModelDrafter(model), config, compile_options=COMPILE).generate(prompt, max_new_tokens=11)
     assert out.sequences.tolist() == plain(model, prompt[0], 11)[0].tolist()
     assert out.stats.mean_accepted == 4 - 0 and out.stats.first_token_match_rate == 1.0
+    assert out.stats.acceptance_rate == 1.0 and out.stats.tokens_per_second > 0
     assert out.stats.target_passes == 1 + 2  # prefill, then 2 iterations of 5 tokens each
+
+
+def test_acceptance_rate_counts_every_drafted_node_and_speed_the_whole_call():
+    stats = GenerationStats(new_tokens=9, accepted_drafts=[3, 0, 1], tree_sizes=[5, 7, 1], seconds=1.5)
+    assert stats.acceptance_rate == 4 / 10  # a tree's rejected branches were drafted too
+    assert stats.tokens_per_second == 6.0
+    assert stats.summary()["acceptance_rate"] == 0.4 and GenerationStats().tokens_per_second == 0.0
 
 
 def test_continue_from_returned_cache():

@@ -45,6 +45,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     commit_seconds: float = 0.0
+    seconds: float = 0.0  # the whole call, wall clock
 
     @property
     def target_passes(self) -> int:
@@ -61,6 +62,18 @@ class GenerationStats:
         return sum(self.accepted_drafts) / max(len(self.accepted_drafts), 1)
 
     @property
+    def acceptance_rate(self) -> float:
+        """Share of the drafted tokens (every draft node but the pending token) that were accepted, as
+        vLLM's draft acceptance rate; a tree's rejected branches count as drafted."""
+        drafted = sum(self.tree_sizes) - len(self.tree_sizes)
+        return sum(self.accepted_drafts) / max(drafted, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of the whole call (all rows, prefill included)."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
     def first_token_match_rate(self) -> float:
         """Share of (iteration, row) whose first drafted token was accepted."""
         return sum(a > 0 for a in self.accepted_drafts) / max(len(self.accepted_drafts), 1)
@@ -73,12 +86,15 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "tokens_per_target_pass": round(self.tokens_per_target_pass, 3),
             "mean_accepted": round(self.mean_accepted, 3),
+            "acceptance_rate": round(self.acceptance_rate, 3),
             "first_token_match_rate": round(self.first_token_match_rate, 3),
             "mean_tree_size": round(sum(sizes) / len(sizes), 2),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "commit_seconds": round(self.commit_seconds, 4),
+            "seconds": round(self.seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 1),
         }
 
 
@@ -215,7 +231,7 @@ class _Run:
     def __init__(self, owner: SpeculativeGenerator, drafter: Drafter, rows, args: GenerationArgs, streamer, generator):
         self.owner, self.compiled, self.drafter, self.config = owner, owner.compiled, drafter, owner.config
         self.rows = [r.long() for r in rows]
-        self.device = self.rows[0].device
+        self.device = self.target_device = self.rows[0].device
         self.batch = len(rows)
         self.max_new_tokens = args.max_new_tokens
         self.do_sample, self.warp, self.generator = args.do_sample, args.warp, generator
@@ -233,8 +249,8 @@ class _Run:
     def _timed(self, what: str):
         start = time.perf_counter()
         yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.target_device.type == "cuda":  # (self.device is the host's once a static run starts)
+            torch.cuda.synchronize(self.target_device)
         setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - start)
 
     # --- prefill ---------------------------------------------------------------------------------
@@ -408,6 +424,16 @@ class _Run:
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self, input_ids: torch.Tensor, past_key_values) -> SpeculativeOutput:
+        with self._timed("seconds"):
+            self._loop(input_ids, past_key_values)
+        pad = self.pad_token_id if self.pad_token_id is not None else (self.eos[0] if self.eos else 0)
+        longest = max(len(t) for t in self.new_tokens)
+        new = torch.full((self.batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
+        for b, toks in enumerate(self.new_tokens):
+            new[b, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
+        return SpeculativeOutput(torch.cat([input_ids, new], dim=1), self.stats, self.cache)
+
+    def _loop(self, input_ids: torch.Tensor, past_key_values) -> None:
         with self._timed("prefill_seconds"):
             first = self._prefill(past_key_values)
         self.pending = first
@@ -432,12 +458,6 @@ class _Run:
             self._finish()
         if self.streamer is not None:
             self.streamer.end()
-        pad = self.pad_token_id if self.pad_token_id is not None else (self.eos[0] if self.eos else 0)
-        longest = max(len(t) for t in self.new_tokens)
-        new = torch.full((self.batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
-        for b, toks in enumerate(self.new_tokens):
-            new[b, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
-        return SpeculativeOutput(torch.cat([input_ids, new], dim=1), self.stats, self.cache)
 
 
 class _StaticRun(_Run):
