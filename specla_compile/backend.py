@@ -32,10 +32,10 @@ from .lowering.capture import install
 from .lowering.graph_analysis import find_gdn_layers, is_sdpa
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
 from .lowering.session import LayerBinding, VerifySession, active_session
+from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _OPTIONS = {"inner", "verify_kernel", "plain"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .runtime.drafting import Drafter
 
 # torch, fla and transformers are imported inside the functions that use them: parsing and the path
-# checks need none of them. (Today ``import specla_compile`` itself still loads them, for its capture.)
+# checks need none of them (and ``import specla_compile`` loads none of them either).
 
 RHYME = (
     "Twinkle, twinkle, little star, how I wonder what you are! Up above the world so high, like a diamond in the sky. "
@@ -89,7 +89,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of :func:`main`; every option's help shows its default."""
-    from .backend import INNER_COMPILERS
+    from .runtime.config import INNER_COMPILERS
 
     parser = _Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument

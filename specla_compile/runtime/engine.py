@@ -285,11 +285,11 @@ class StaticEngine:
         for other in self.buckets.values():
             self._flush(other)
         bucket.prepared = True
+        name = f"{bucket.nodes}{'-chain' if bucket.chain else '-tree'}"
+        log.warning("specla: compiling the %s pass (bucket %d, once per bucket)%s", name, bucket.nodes, " and capturing its CUDA graph" if self.graphs else "")
         if not self.graphs:
             return
         started = time.perf_counter()
-        name = f"{bucket.nodes}{'-chain' if bucket.chain else '-tree'}"
-        log.warning("specla: compiling and capturing the %s pass (once per bucket)", name)
         active = self.active.clone()
         self.active.fill_(False)
         columns = self.columns
