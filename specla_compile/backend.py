@@ -127,7 +127,7 @@ class SpeculativeGraph:
         elif tree_mask is not None:
             raise NotImplementedError(
                 "a tree_mask was given but no scaled_dot_product_attention call takes it: load the model with "
-                "attn_implementation='sdpa' (other attention implementations cannot verify trees yet)"
+                "attn_implementation='sdpa' or 'eager' (other attention implementations cannot verify trees yet)"
             )
         keys = []
         for layer in program.layers:

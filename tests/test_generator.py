@@ -211,11 +211,32 @@ def test_errors_and_cache_unchanged_after_a_failure():
     assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def test_hybrid_without_sdpa_attention_is_a_clear_error():
-    model = tiny_model("qwen3_5")
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_hybrid_with_eager_attention_equals_plain_decoding(family):
+    model = tiny_model(family, layers=2)
     model.config._attn_implementation = "eager"
+    prompt = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(9))
+    expected, _ = plain(model, prompt, 10)
+    drafter = OracleDrafter([expected[0, 5:].tolist() + [0] * 16], seed=2)
+    out = SpeculativeGenerator(model, drafter, SETTINGS[2], compile_options=COMPILE).generate(prompt[None], max_new_tokens=10)
+    assert out.sequences.tolist() == expected.tolist()
+
+
+def test_hybrid_with_another_attention_implementation_is_a_clear_error():
+    from transformers import AttentionInterface
+
+    def manual_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+        scores = query @ key.transpose(2, 3) * scaling
+        weights = (scores if attention_mask is None else scores + attention_mask).softmax(-1)
+        return (weights @ value).transpose(1, 2).contiguous(), weights
+
+    AttentionInterface.register("specla_test_manual", manual_attention)
+    model = tiny_model("qwen3_5", layers=2)
+    model.config._attn_implementation = "specla_test_manual"
     spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[0], compile_options=COMPILE)
-    with pytest.raises(NotImplementedError, match="sdpa"):
+    with pytest.raises(NotImplementedError, match="attn_implementation='sdpa' or 'eager'"):
         spec.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=5)
 
 

@@ -66,10 +66,17 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
 
 
+_HINTS = {
+    "cu_seqlens": " (packed variable-length rows: fla passes it for a batch with padding in attention_mask; "
+    "call rows of equal length without attention_mask, or one row at a time)"
+}
+
+
 def _reject(what: str, **unsupported: Any) -> None:
-    used = [name for name, value in unsupported.items() if value not in (None, False)]
+    used = [name for name, value in unsupported.items() if value is not None and value is not False]
     if used:
-        raise NotImplementedError(f"specla capture of {what} does not support {', '.join(used)}")
+        hints = "".join(_HINTS.get(name, "") for name in used)
+        raise NotImplementedError(f"specla capture of {what} does not support {', '.join(used)}{hints}")
 
 
 def run_recurrence(call: RecurrenceCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -197,6 +204,22 @@ def transformers_causal_conv1d_fn(hidden_states, weight, bias=None, activation=N
     return torch.ops.specla.causal_conv1d(hidden_states, weight, bias, _silu_flag(activation))
 
 
+def transformers_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' ``eager_attention_forward`` (additive mask, explicit softmax) as the same attention
+    through ``scaled_dot_product_attention``, whose mask argument the verification twin replaces by the
+    tree mask. Returns no attention weights, as transformers' sdpa attention."""
+    groups = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(
+        query,
+        key.repeat_interleave(groups, dim=1),
+        value.repeat_interleave(groups, dim=1),
+        attn_mask=None if attention_mask is None else attention_mask[..., : key.shape[-2]],
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -282,6 +305,7 @@ KNOWN_ENTRY_POINTS: list[EntryPoint] = [
             ("torch_chunk_gated_delta_rule", _recurrence(transformers_recurrence_adapter)),
             ("torch_recurrent_gated_delta_rule", _recurrence(transformers_recurrence_adapter)),
             ("causal_conv1d_fn", _plain_wrapper(transformers_causal_conv1d_fn)),
+            ("eager_attention_forward", _plain_wrapper(transformers_eager_attention)),
         )
     ),
 ]
