@@ -209,7 +209,8 @@ def _copy_states(source, destination) -> None:
     """Copy every GDN state (recurrent and conv) of ``source`` into ``destination``'s, in place (one
     multi-tensor copy rather than a launch per state from Python)."""
     pairs = [(mine.get(), theirs.get()) for mine, theirs in zip(cache_slots(destination), cache_slots(source)) if mine.kind == "state"]
-    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    if pairs:  # (a model without GDN layers has none; the verify pass then says so)
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def same_layout(a, b) -> bool:
