@@ -17,7 +17,7 @@ from .import_routing import route_on_import
 warnings.filterwarnings("ignore", message="Triton is not supported on current platform", category=UserWarning)
 route_on_import()
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (for type checkers: the names __getattr__ loads)
     from .runtime.config import SpecConfig
     from .runtime.drafters import EagleDrafter, ModelDrafter, NgramDrafter
     from .runtime.generator import GenerationStats, SpeculativeGenerator, SpeculativeOutput
@@ -31,7 +31,7 @@ _PUBLIC = {
     "SpeculativeGenerator": ".runtime.generator",
     "SpeculativeOutput": ".runtime.generator",
 }
-__all__ = sorted(_PUBLIC)
+__all__ = ["EagleDrafter", "GenerationStats", "ModelDrafter", "NgramDrafter", "SpecConfig", "SpeculativeGenerator", "SpeculativeOutput"]
 __version__ = "0.1.0"
 
 

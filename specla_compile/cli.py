@@ -253,8 +253,10 @@ def explain_speed(tokens_per_pass: float, spec_pass_seconds: float, plain_pass_s
     that means on a CPU, and a warning when too few drafts are accepted to pay for the larger passes."""
     cost = spec_pass_seconds / plain_pass_seconds
     lines = [
-        f"one speculative pass cost {cost:.2f}x a plain decoding step and emitted {tokens_per_pass:.2f} tokens "
-        f"on average: speedup about {tokens_per_pass:.2f} / {cost:.2f} = {tokens_per_pass / cost:.2f}x"
+        (
+            f"one speculative pass cost {cost:.2f}x a plain decoding step and emitted {tokens_per_pass:.2f} tokens "
+            f"on average: speedup about {tokens_per_pass:.2f} / {cost:.2f} = {tokens_per_pass / cost:.2f}x"
+        )
     ]
     if device.type == "cpu":
         lines.append(

@@ -41,5 +41,11 @@ def test_modules_imported_before_or_after_the_package_are_routed():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+def test_every_public_name_loads():
+    import specla_compile
+
+    assert all(isinstance(getattr(specla_compile, name), type) for name in specla_compile.__all__)
+
+
 def test_every_entry_point_lives_in_a_watched_module():
     assert {entry.owner.partition(":")[0] for entry in KNOWN_ENTRY_POINTS} == ROUTED_MODULES

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..import_routing import FLA_GDN_LAYER, FLA_MLP, FLA_MODULES, ROUTED_MODULES, TRANSFORMERS_GDN_FAMILIES, transformers_modeling
+from ..import_routing import (
+    FLA_GDN_LAYER,
+    FLA_MLP,
+    FLA_MODULES,
+    ROUTED_MODULES,
+    TRANSFORMERS_GDN_FAMILIES,
+    transformers_modeling,
+)
 from ..kernels import ops  # noqa: F401  (registers the torch.ops.specla namespace)
 from ..kernels.reference import causal_conv_reference, gdn_chain_reference
 

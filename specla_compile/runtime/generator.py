@@ -22,7 +22,15 @@ from transformers import GenerationConfig
 from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
-from .cache_layout import cache_argument, compact_attention, has_attention, restore, set_seen_tokens, snapshot, stack_rows
+from .cache_layout import (
+    cache_argument,
+    compact_attention,
+    has_attention,
+    restore,
+    set_seen_tokens,
+    snapshot,
+    stack_rows,
+)
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
