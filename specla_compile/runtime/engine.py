@@ -286,7 +286,8 @@ class StaticEngine:
             self._flush(other)
         bucket.prepared = True
         name = f"{bucket.nodes}{'-chain' if bucket.chain else '-tree'}"
-        log.warning("specla: compiling the %s pass (bucket %d, once per bucket)%s", name, bucket.nodes, " and capturing its CUDA graph" if self.graphs else "")
+        capture = "; capturing its CUDA graph" if self.graphs else ""
+        log.warning("specla: compiling the %s pass (bucket %d) unless a compiled graph serves its size%s", name, bucket.nodes, capture)
         if not self.graphs:
             return
         started = time.perf_counter()
