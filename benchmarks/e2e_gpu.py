@@ -60,6 +60,7 @@ def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.n
                                    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (n // 4))
         model = Qwen3_5ForCausalLM(config)
     peaked_logits(model)
+    model.generation_config.eos_token_id = None  # random weights: every run decodes its full length
     return model.cuda().to(dtype).eval()
 
 

@@ -35,10 +35,10 @@ from .lowering.fuse_projections import fuse_projections
 from .lowering.graph_analysis import find_gdn_layers, is_sdpa
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
 from .lowering.session import LayerBinding, VerifySession, active_session
+from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
@@ -130,7 +130,7 @@ class SpeculativeGraph:
         elif tree_mask is not None:
             raise NotImplementedError(
                 "a tree_mask was given but no scaled_dot_product_attention call takes it: load the model with "
-                "attn_implementation='sdpa' (other attention implementations cannot verify trees yet)"
+                "attn_implementation='sdpa' or 'eager' (other attention implementations cannot verify trees yet)"
             )
         keys = []
         for layer in program.layers:
