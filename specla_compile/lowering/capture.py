@@ -118,9 +118,20 @@ def _wraps(original: Callable) -> Callable[[Callable], Callable]:
     return decorate
 
 
+_recurrence_calls = 0
+
+
+def recurrence_calls() -> int:
+    """How many calls of a routed GDN recurrence (eager or traced) this process has made: a model whose
+    forward leaves it unchanged has no recurrence that specla can verify."""
+    return _recurrence_calls
+
+
 def _recurrence_wrapper(original: Callable, adapter: RecurrenceAdapter) -> Callable:
     @_wraps(original)
     def wrapper(*args, **kwargs):
+        global _recurrence_calls
+        _recurrence_calls += 1
         if not use_specla_path(_first_tensor(args, kwargs)):
             return original(*args, **kwargs)
         return run_recurrence(adapter(*args, **kwargs))

@@ -20,6 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..kernels.dispatch import TopologyHint, topology_hint
+from ..lowering.capture import install, recurrence_calls
 from ..lowering.fuse_projections import pack_projections
 from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
@@ -153,8 +154,15 @@ class SpeculativeGenerator:
         self.vocab_size = output_vocab_size(self.model)
         drafter.check_vocab(self.vocab_size)
         self.tp_mesh = tensor_parallel_mesh(self.model)  # tensor-parallel: every rank verifies rank 0's drafts
-        if self.tp_mesh is None:  # projections that read one input: one GEMM each in the compiled passes
+        if self.tp_mesh is None:  # one eager forward: packs the projections, and finds the GDN layers
+            install()
+            before = recurrence_calls()
             pack_projections(self.model, torch.zeros(1, 2, dtype=torch.long, device=next(self.model.parameters()).device))
+            if recurrence_calls() == before:
+                raise ValueError(
+                    f"{type(self.model).__name__} has no GDN layer that specla can verify (fla's GatedDeltaNet, transformers' "
+                    "Qwen3.5 / Qwen3-Next, or a recurrence named with specla_compile.lowering.capture.register_recurrence)"
+                )
         self._engines: dict[bool, StaticEngine] = {}
 
     def engine(self, device: torch.device, features: bool) -> StaticEngine | None:
