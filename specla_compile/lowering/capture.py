@@ -122,8 +122,8 @@ _recurrence_calls = 0
 
 
 def recurrence_calls() -> int:
-    """How many calls of a routed GDN recurrence (eager or traced) this process has made: a model whose
-    forward leaves it unchanged has no recurrence that specla can verify."""
+    """How many eager calls of a routed GDN recurrence this process has made: an eager forward that leaves
+    it unchanged went through no recurrence that specla can verify."""
     return _recurrence_calls
 
 
@@ -131,7 +131,8 @@ def _recurrence_wrapper(original: Callable, adapter: RecurrenceAdapter) -> Calla
     @_wraps(original)
     def wrapper(*args, **kwargs):
         global _recurrence_calls
-        _recurrence_calls += 1
+        if not torch.compiler.is_compiling():  # eager calls only: Dynamo would guard on the counter
+            _recurrence_calls += 1
         if not use_specla_path(_first_tensor(args, kwargs)):
             return original(*args, **kwargs)
         return run_recurrence(adapter(*args, **kwargs))
