@@ -145,3 +145,33 @@ def test_one_compile_serves_every_bucket_size_of_a_gdn_model(monkeypatch):
     after_plain = len(compiles)
     assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
     assert after_plain >= 1 and len(compiles) == after_plain, f"{after_plain} compiles for the 1-node pass, {len(compiles)} in all"
+
+
+def test_shared_features_engine_serves_drafters_with_and_without_features():
+    """With ``shared_features`` an EAGLE route and a drafter that reads no features run through one engine
+    (one compiled graph and bucket per node count, as the trained benchmark swaps them), both exact;
+    the featureless drafter is not handed features; plain decoding keeps its own engine."""
+    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+
+    model = tiny_model("fla")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(15))
+    expected = plain(model, prompt[0], 10)[0].tolist()
+    torch.manual_seed(16)
+    eagle = EagleDrafter(EagleHead(EagleConfig.for_target(model)), model)
+    oracle = OracleDrafter([expected[0][5:] + [0] * 16], error_rate=0.3, seed=6)
+    handed = []
+    real_commit = oracle.commit
+    oracle.commit = lambda rows, tokens, features=None: handed.append(features) or real_commit(rows, tokens, features)
+    for shared, engines in ((True, {True}), (False, {True, False})):
+        gen = SpeculativeGenerator(model, eagle, CONFIGS["chain"], compile_options=COMPILE, shared_features=shared)
+        assert gen.generate(prompt, max_new_tokens=10).sequences.tolist() == expected
+        bucket = gen.engine(prompt.device, features=True).buckets[(8, True)]
+        gen.drafter = oracle
+        assert gen.generate(prompt, max_new_tokens=10).sequences.tolist() == expected
+        assert set(gen._engines) == engines
+        if shared:  # the EAGLE route's bucket (its compiled pass, its graph on CUDA) served the oracle too
+            assert gen.engine(prompt.device, features=True).buckets == {(8, True): bucket}
+        assert gen.decode(prompt, max_new_tokens=10).sequences.tolist() == expected
+        assert False in gen._engines and list(gen._engines[False].buckets) == (
+            [(1, True)] if shared else [(8, True), (1, True)])
+    assert handed and all(f is None for f in handed)

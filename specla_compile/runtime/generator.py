@@ -115,9 +115,23 @@ class SpeculativeGenerator:
 
     ``model``: an eager fla / transformers causal LM (compiled here with ``backend="specla"`` and
     ``compile_options``) or one already compiled with that backend.
+
+    ``shared_features``: speculative calls all run through the static engine whose passes also return
+    the target's last hidden state, whether their drafter reads it or not. Drafters with and without
+    features (EAGLE, n-gram) then share one compiled verification graph per node count and its captured
+    CUDA graphs, instead of each compiling its own (returning the hidden state differs the graph). For a
+    benchmark that swaps drafters on one generator; plain decoding (:meth:`decode`) keeps its own engine.
     """
 
-    def __init__(self, model: torch.nn.Module, drafter: Drafter, config: SpecConfig | None = None, *, compile_options: dict | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        drafter: Drafter,
+        config: SpecConfig | None = None,
+        *,
+        compile_options: dict | None = None,
+        shared_features: bool = False,
+    ):
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             self.compiled, self.model = model, model._orig_mod
         else:
@@ -128,7 +142,12 @@ class SpeculativeGenerator:
         self.vocab_size = output_vocab_size(self.model)
         drafter.check_vocab(self.vocab_size)
         self.tp_mesh = tensor_parallel_mesh(self.model)  # tensor-parallel: every rank verifies rank 0's drafts
+        self.shared_features = shared_features
         self._engines: dict[bool, StaticEngine] = {}
+
+    def engine_features(self, drafter: Drafter) -> bool:
+        """Whether a call with ``drafter`` runs through the engine that returns features."""
+        return drafter.needs_features or (self.shared_features and not isinstance(drafter, _PlainDrafter))
 
     def engine(self, device: torch.device, features: bool) -> StaticEngine | None:
         """The static engine of this generator (None when ``SpecConfig.engine`` is "dynamic"); CUDA graphs
@@ -174,7 +193,7 @@ class SpeculativeGenerator:
         saved = snapshot(past_key_values) if past_key_values is not None else None
         try:
             drafter = _PlainDrafter() if _plain else self.drafter
-            engine = self.engine(input_ids.device, drafter.needs_features)
+            engine = self.engine(input_ids.device, self.engine_features(drafter))
             run = (_StaticRun if engine is not None else _Run)(
                 self, drafter, rows, max_new_tokens, do_sample, (temperature, top_k, top_p), eos_token_id, streamer, generator
             )
@@ -381,7 +400,7 @@ class _Run:
         # the committed tokens are the old pending token and the accepted drafts: emitted minus its last
         committed = [torch.tensor([int(self.pending[b])] + emitted[b][:-1], device=self.device) for b in active]
         features = None
-        if hidden is not None:
+        if hidden is not None and self.drafter.needs_features:  # (a shared features engine returns them to all)
             paths = acceptance.path.to(hidden.device)
             features = [hidden[b, paths[b, : len(emitted[b])]] for b in active]
         self.drafter.commit(active, committed, features)
@@ -442,7 +461,7 @@ class _StaticRun(_Run):
     inside it, and the host reads the accepted path once per pass."""
 
     def _start(self) -> None:
-        self.engine = self.owner.engine(self.device, self.drafter.needs_features)
+        self.engine = self.owner.engine(self.device, self.owner.engine_features(self.drafter))
         longest = int(self.committed.max())
         # attention columns: powers of two from 256, so that calls of similar lengths share graphs
         capacity = max(256, 1 << (longest + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0
