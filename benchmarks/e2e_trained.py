@@ -255,7 +255,8 @@ def targets(results: dict) -> list[dict]:
         f"<= {GOAL_DRAFT_RATIO}", ratio is not None and ratio <= GOAL_DRAFT_RATIO)
     pipeline = results.get("pipeline")
     add("the whole pipeline from a fresh GPU machine", None if pipeline is None else pipeline.get("command"),
-        "one documented command", pipeline is not None and pipeline.get("completed", False))
+        "documented commands: one GPU call, or consecutive calls on one warm machine",
+        pipeline is not None and pipeline.get("completed", False))
     return out
 
 
