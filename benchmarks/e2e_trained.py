@@ -5,9 +5,9 @@
     python benchmarks/e2e_trained.py ... --resume       # a later call: go on with the prompts not yet measured
     python benchmarks/e2e_trained.py --plot benchmarks/results/e2e_trained.json  # markdown + PNG again
 
-Routes, all greedy and sharing one ``specla``-compiled model and one generator (the speculative routes
-share one engine that returns features, ``SpeculativeGenerator(shared_features=True)``, so the EAGLE and
-n-gram routes compile and capture each pass shape once): ``plain`` (one token per pass
+Routes, all greedy and sharing one ``specla``-compiled model, one generator and one engine that returns
+features (``SpeculativeGenerator(shared_features=True)``: with or without a drafter that reads them, every
+route verifies through the same compiled graph, so the study compiles the target once): ``plain`` (one token per pass
 through the static, CUDA-graphed engine, ``SpeculativeGenerator.decode``: the baseline of every
 speedup), ``eager`` (the eager model's own token-by-token loop, on the first ``--eager-prompts`` prompts
 of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, pruned to 15 drafted nodes:
@@ -394,7 +394,7 @@ class Bench:
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
             self.drafters.update(eagle_chain=eagle, eagle_tree=eagle)
         # the generator compiles the model with backend="specla" (and the options that suit a model it prefills eagerly)
-        # shared_features: the n-gram routes verify through the EAGLE routes' compiled passes and graphs
+        # shared_features: every route, plain decoding and the n-gram routes included, through one engine and graph
         self.gen = SpeculativeGenerator(self.model, self.drafters["ngram_chain"], self.configs["ngram_chain"],
                                         compile_options={"inner": args.inner}, shared_features=True)
         self._fp32 = None
@@ -460,8 +460,8 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
         routes.remove(route)
 
     results["warmup_s"] = call["warmup_s"] = {}
-    for route in args.routes:  # compile and capture every pass shape outside the timed runs (EAGLE before n-gram:
-        try:  # the n-gram routes then find their passes compiled and captured)
+    for route in args.routes:  # compile and capture every pass shape outside the timed runs (the n-gram routes,
+        try:  # after the EAGLE ones, find their passes compiled and captured)
             _, results["warmup_s"][route] = timed(lambda r=route: bench.run(r, warm, args.warmup_tokens))
             print(f"warm-up {route}: {results['warmup_s'][route]:.1f}s", flush=True)
         except Exception:

@@ -52,9 +52,10 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("target", "eagle", "bench")
 DEFAULT_WORK = ROOT / "runs" / "trained"  # git-ignored (/runs/): kept by a warm GPU machine between calls
 # minutes besides each stage's budget, from the H200 run of 2026-11-30 (target: about 0.5 of data preparation,
-# a 119 s first step, 0.3 of final evaluation and saving; bench: loading, then warm-ups of 17 + 6 + 27 + 5 s
-# once the n-gram routes share the EAGLE routes' passes). The EAGLE head's first step no longer autotunes fla
-# kernels (it took 106 s): its 0.3 is a guess, not yet measured
+# a 119 s first step, 0.3 of final evaluation and saving; bench: loading, then warm-ups that took 17 + 6 + 27
+# + 5 + 20 s, of which the n-gram routes' second compilation is gone and plain decoding's should be, as every
+# route shares one graph now). The EAGLE head's first step no longer autotunes fla kernels (it took 106 s):
+# its 0.3 is a guess, not yet measured
 OVERHEAD_MINUTES = {
     "target": {"prepare": 0.5, "compile": 2.0, "finish": 0.4},
     "eagle": {"prepare": 0.4, "compile": 0.3, "finish": 0.2},

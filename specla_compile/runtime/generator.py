@@ -116,11 +116,13 @@ class SpeculativeGenerator:
     ``model``: an eager fla / transformers causal LM (compiled here with ``backend="specla"`` and
     ``compile_options``) or one already compiled with that backend.
 
-    ``shared_features``: speculative calls all run through the static engine whose passes also return
-    the target's last hidden state, whether their drafter reads it or not. Drafters with and without
-    features (EAGLE, n-gram) then share one compiled verification graph per node count and its captured
-    CUDA graphs, instead of each compiling its own (returning the hidden state differs the graph). For a
-    benchmark that swaps drafters on one generator; plain decoding (:meth:`decode`) keeps its own engine.
+    ``shared_features``: every call, plain decoding (:meth:`decode`) included, runs through the static
+    engine whose passes also return the target's last hidden state, whether its drafter reads it or not.
+    Returning the hidden state changes the compiled graph, so otherwise drafters with features (EAGLE),
+    drafters without (n-gram) and plain decoding compile and capture their passes twice; shared, a GDN
+    model verifies every route through one compiled graph (the engine's node dimension is dynamic) and
+    one static cache, at the price of one more output per pass (``[B, N, D]``). For a benchmark that
+    swaps drafters on one generator.
     """
 
     def __init__(
@@ -147,7 +149,7 @@ class SpeculativeGenerator:
 
     def engine_features(self, drafter: Drafter) -> bool:
         """Whether a call with ``drafter`` runs through the engine that returns features."""
-        return drafter.needs_features or (self.shared_features and not isinstance(drafter, _PlainDrafter))
+        return drafter.needs_features or self.shared_features
 
     def engine(self, device: torch.device, features: bool) -> StaticEngine | None:
         """The static engine of this generator (None when ``SpecConfig.engine`` is "dynamic"); CUDA graphs
