@@ -60,6 +60,7 @@ def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.n
                                    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (n // 4))
         model = Qwen3_5ForCausalLM(config)
     peaked_logits(model)
+    model.generation_config.eos_token_id = None  # random weights: every run decodes its full length
     return model.cuda().to(dtype).eval()
 
 
@@ -254,6 +255,16 @@ def truth_of(plain: dict, prompts) -> list[list[list[int]]]:
     return [[row[prompt.shape[1]:].tolist() for row in seq] for seq, prompt in zip(plain["sequences"], prompts)]
 
 
+def controlled_route(gen, prompts, new_tokens: int, plain: dict, truths, p: float, depth: int, top_k: int = 1, config=None) -> dict:
+    """One controlled-acceptance route on ``gen`` (its bucket already captured), timed and checked
+    against the ``plain`` run of the same prompts: adds ``identical`` and ``speedup``."""
+    config = config or chain_config(depth)
+    r = run_route(gen, prompts, new_tokens, OracleDrafter(None, p, depth, top_k), config, truths=truths)
+    r["identical"] = all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"]))
+    r["speedup"] = plain["decode_s"] / r["decode_s"]
+    return r
+
+
 def fla_b1(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
@@ -275,24 +286,18 @@ def fla_b1(args, results: dict) -> None:
     section["cold_buckets_s"] = time.perf_counter() - started
     section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16, 32)}
     print("pass ms", section["pass_ms"], flush=True)
-    exact = []
     heat = section.setdefault("chain", {})
     for depth in CHAIN_LENGTHS:
         for p in P_VALUES:
-            r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, depth), chain_config(depth), truths=truths)
-            exact.append(all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"])))
-            r["speedup"] = plain["decode_s"] / r["decode_s"]
-            heat[f"L{depth}_p{p}"] = r
+            r = heat[f"L{depth}_p{p}"] = controlled_route(gen, prompts, args.new_tokens, plain, truths, p, depth)
             print(f"chain L={depth} p={p}: {r['speedup']:.2f}x, {r['tokens_per_pass']:.2f} tok/pass", flush=True)
     trees = section.setdefault("tree", {})
     for top_k, nodes in TREES:
         config, depth = tree_config(top_k, nodes)
         for p in P_VALUES:
-            r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, depth, top_k), config, truths=truths)
-            exact.append(all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"])))
-            r["speedup"] = plain["decode_s"] / r["decode_s"]
-            trees[f"k{top_k}_n{nodes}_p{p}"] = r
+            r = trees[f"k{top_k}_n{nodes}_p{p}"] = controlled_route(gen, prompts, args.new_tokens, plain, truths, p, depth, top_k, config)
             print(f"tree k={top_k} n={nodes} p={p}: {r['speedup']:.2f}x", flush=True)
+    exact = [r["identical"] for r in [*heat.values(), *trees.values()]]
     section["bf16_identical_runs"] = f"{sum(exact)}/{len(exact)}"
     section["compile_seconds"] = {str(k): v for k, v in next(iter(gen._engines.values())).compile_seconds.items()}
 
@@ -321,10 +326,7 @@ def fla_quick(args, results: dict) -> None:
     print("pass ms", section["pass_ms"], "16 nodes by pending records", section["pass_ms_by_pending"], flush=True)
     heat = section.setdefault("chain", {})
     for depth, p in ((12, 1.0), (8, 0.8), (8, 1.0), (4, 0.6), (8, 0.6), (2, 0.6), (12, 0.6), (4, 0.8), (12, 0.8)):
-        r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, depth), chain_config(depth), truths=truths)
-        r["identical"] = all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"]))
-        r["speedup"] = plain["decode_s"] / r["decode_s"]
-        heat[f"L{depth}_p{p}"] = r
+        r = heat[f"L{depth}_p{p}"] = controlled_route(gen, prompts, args.new_tokens, plain, truths, p, depth)
         print(f"chain L={depth} p={p}: {r['speedup']:.2f}x, {r['tokens_per_pass']:.2f} tok/pass, identical {r['identical']}", flush=True)
         write_report(results, args.out)
 
@@ -359,10 +361,7 @@ def qwen(args, results: dict) -> None:
     gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, 8), chain_config(8)
     gen.generate(prompts[0], 2)  # compiles and captures the 16-node pass outside the timed runs
     for p in (1.0, 0.8):
-        r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, 8), chain_config(8), truths=truths)
-        r["identical"] = all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"]))
-        r["speedup"] = plain["decode_s"] / r["decode_s"]
-        section[f"p{p}_L8"] = r
+        r = section[f"p{p}_L8"] = controlled_route(gen, prompts, args.new_tokens, plain, truths, p, 8)
         print(f"qwen p={p} L=8: {r['speedup']:.2f}x", flush=True)
 
 
@@ -586,14 +585,19 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(message)s")
     logging.getLogger("specla_compile").setLevel(logging.INFO)  # compile times of every graph
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(["python", *sys.argv])}
+    run_sections(args, results, globals(), lambda: None if args.child else write_report(results, args.out))
+
+
+def run_sections(args, results: dict, sections: dict, after_each) -> None:
+    """Run every section named in ``args.sections``; one that raises leaves its traceback in
+    ``results["errors"]`` and the other sections' figures in place. ``after_each()`` writes the report."""
     for name in args.sections:
         try:
-            globals()[name](args, results)
-        except Exception:  # keep the other sections' figures
+            sections[name](args, results)
+        except Exception:
             results.setdefault("errors", {})[name] = traceback.format_exc()
             print(traceback.format_exc(), flush=True)
-        if not args.child:
-            write_report(results, args.out)
+        after_each()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import gc
 import json
 import os
 import sys
-import traceback
 from datetime import timedelta
 
 import torch
@@ -32,11 +31,13 @@ import torch.distributed as dist
 from e2e_gpu import (
     OracleDrafter,
     chain_config,
+    controlled_route,
     make_generator,
     pass_ms,
     peaked_logits,
     prompts_for,
     run_route,
+    run_sections,
     truth_of,
 )
 
@@ -220,10 +221,7 @@ def tp2(args, results: dict) -> None:
     gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, 8), chain_config(8)
     gen.generate(prompts[0], 2)  # compiles and captures the 16-node pass outside the timed runs
     for p in (1.0, 0.8):
-        r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, 8), chain_config(8), truths=truths)
-        r["identical"] = all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"]))
-        r["speedup"] = plain["decode_s"] / r["decode_s"]
-        section[f"chain_p{p}_L8"] = r
+        r = section[f"chain_p{p}_L8"] = controlled_route(gen, prompts, args.new_tokens, plain, truths, p, 8)
         print(f"TP={dist.get_world_size()} chain p={p} L=8: {r['speedup']:.2f}x, {r['tokens_per_pass']:.2f} tokens/pass", flush=True)
         report(results, args)
     del gen, model
@@ -297,13 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size(), "torch": torch.__version__,
                "command": " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}", *sys.argv])}
     try:
-        for name in args.sections:
-            try:
-                globals()[name](args, results)
-            except Exception:  # keep the other sections' figures
-                results.setdefault("errors", {})[name] = traceback.format_exc()
-                print(traceback.format_exc(), flush=True)
-            report(results, args)
+        run_sections(args, results, globals(), lambda: report(results, args))
     finally:
         dist.destroy_process_group()
 

@@ -12,7 +12,9 @@ Options: ``inner`` — ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``;
 to force that Triton route; ``plain`` — ``"compiled"`` (default) or ``"eager"``: plain calls (outside
 verification) run the captured graph as it is, uncompiled, which halves the compile time of a model
 that only verifies (what :class:`~specla_compile.SpeculativeGenerator` asks for when it compiles the
-model itself: it prefills with the eager model). ``mode`` is passed to inductor, except for its CUDA graphs: the
+model itself: it prefills with the eager model); ``fuse_projections`` — True (default): projections
+that read one input and whose weights lie back to back in memory (:func:`~specla_compile.lowering.
+fuse_projections.pack_projections`, which the generator runs) become one GEMM each. ``mode`` is passed to inductor, except for its CUDA graphs: the
 :class:`~specla_compile.runtime.engine.StaticEngine` captures whole passes itself (on CUDA by default,
 ``mode="reduce-overhead"`` included; ``SpecConfig(cuda_graphs=False)`` turns them off).
 """
@@ -29,14 +31,15 @@ import torch.fx as fx
 
 from .kernels import dispatch
 from .lowering.capture import install
+from .lowering.fuse_projections import fuse_projections
 from .lowering.graph_analysis import find_gdn_layers, is_sdpa
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
 from .lowering.session import LayerBinding, VerifySession, active_session
+from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-_OPTIONS = {"inner", "verify_kernel", "plain"}
+_OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
 
@@ -127,7 +130,7 @@ class SpeculativeGraph:
         elif tree_mask is not None:
             raise NotImplementedError(
                 "a tree_mask was given but no scaled_dot_product_attention call takes it: load the model with "
-                "attn_implementation='sdpa' (other attention implementations cannot verify trees yet)"
+                "attn_implementation='sdpa' or 'eager' (other attention implementations cannot verify trees yet)"
             )
         keys = []
         for layer in program.layers:
@@ -167,6 +170,9 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     if not find_gdn_layers(gm.graph):
         log.info("specla: graph with no GDN layer, compiled normally with %s", options.get("inner", "inductor"))
         return compile_inner(gm, example_inputs)
+    if options.get("fuse_projections", True):
+        groups = fuse_projections(gm, example_inputs)
+        log.info("specla: %d groups of projections reading one input became one GEMM each", groups)
     return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain)
 
 

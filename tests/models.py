@@ -47,4 +47,6 @@ def tiny_model(
         model = Qwen3NextForCausalLM(cfg)
     else:
         raise ValueError(f"unknown family {family!r}")
+    # random weights emit fla's default EOS (2) by chance: tests name their EOS token explicitly
+    model.generation_config.eos_token_id = None
     return model.to(dtype).eval()

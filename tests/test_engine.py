@@ -57,12 +57,13 @@ def test_static_engine_gives_the_dynamic_paths_tokens_and_cache(family, mode):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_plain_decoding_through_the_engine_equals_eager_decoding(family):
+def test_plain_decoding_through_the_engine_equals_eager_decoding(family, caplog):
     model = tiny_model(family)
     prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(12))
     expected, expected_cache = plain(model, prompt[0], 9)
     gen = SpeculativeGenerator(model, OracleDrafter([[0] * 16]), CONFIGS["chain"], compile_options=COMPILE)
     out = gen.decode(prompt, max_new_tokens=9)
+    assert caplog.text.count("compiling the 1-chain pass (bucket 1") == 1  # the wait is explained, once
     assert out.sequences.tolist() == expected.tolist()
     assert out.stats.iterations == 8 and out.stats.mean_accepted == 0  # one token per pass
     assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5

@@ -57,7 +57,18 @@ def test_generate_runs_with_each_drafter(drafter, shape, checkpoints, tmp_path, 
     assert stats["identical"] is True
     assert stats["new_tokens"] == 6
     assert 1 <= stats["target_passes"] <= 6
-    assert "greedy output identical to plain decoding: True" in capsys.readouterr().out
+    assert 0 <= stats["acceptance_rate"] <= 1 and stats["tokens_per_second"] > 0
+    out = capsys.readouterr().out
+    assert "greedy output identical to plain decoding: True" in out
+    assert "one speculative pass cost" in out and ("on a CPU" in out) == (not torch.cuda.is_available())
+
+
+def test_speed_explanation_warns_when_acceptance_does_not_pay_off():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    low = cli.explain_speed(tokens_per_pass=1.2, spec_pass_seconds=0.02, plain_pass_seconds=0.01, device=gpu)
+    assert "speedup about 1.20 / 2.00 = 0.60x" in low[0] and low[-1].startswith("warning: acceptance too low")
+    high = cli.explain_speed(tokens_per_pass=3.0, spec_pass_seconds=0.02, plain_pass_seconds=0.01, device=cpu)
+    assert len(high) == 2 and "on a CPU" in high[1]
 
 
 def bad_inputs(root: Path) -> list[tuple[list[str], str]]:

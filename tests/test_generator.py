@@ -10,7 +10,7 @@ from cache_utils import cache_tensors, max_cache_diff
 from models import FAMILIES, VOCAB, tiny_model
 from scipy.stats import chi2_contingency
 
-from specla_compile import SpecConfig, SpeculativeGenerator
+from specla_compile import GenerationStats, SpecConfig, SpeculativeGenerator
 from specla_compile.runtime import acceptance as acceptance_module
 from specla_compile.runtime.baseline import autoregressive_generate
 from specla_compile.runtime.cache_layout import cache_slots
@@ -129,7 +129,15 @@ def test_model_drafter_on_itself_accepts_everything():
     out = SpeculativeGenerator(model, ModelDrafter(model), config, compile_options=COMPILE).generate(prompt, max_new_tokens=11)
     assert out.sequences.tolist() == plain(model, prompt[0], 11)[0].tolist()
     assert out.stats.mean_accepted == 4 - 0 and out.stats.first_token_match_rate == 1.0
+    assert out.stats.acceptance_rate == 1.0 and out.stats.tokens_per_second > 0
     assert out.stats.target_passes == 1 + 2  # prefill, then 2 iterations of 5 tokens each
+
+
+def test_acceptance_rate_counts_every_drafted_node_and_speed_the_whole_call():
+    stats = GenerationStats(new_tokens=9, accepted_drafts=[3, 0, 1], tree_sizes=[5, 7, 1], seconds=1.5)
+    assert stats.acceptance_rate == 4 / 10  # a tree's rejected branches were drafted too
+    assert stats.tokens_per_second == 6.0
+    assert stats.summary()["acceptance_rate"] == 0.4 and GenerationStats().tokens_per_second == 0.0
 
 
 def test_continue_from_returned_cache():
@@ -203,11 +211,32 @@ def test_errors_and_cache_unchanged_after_a_failure():
     assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def test_hybrid_without_sdpa_attention_is_a_clear_error():
-    model = tiny_model("qwen3_5")
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_hybrid_with_eager_attention_equals_plain_decoding(family):
+    model = tiny_model(family, layers=2)
     model.config._attn_implementation = "eager"
+    prompt = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(9))
+    expected, _ = plain(model, prompt, 10)
+    drafter = OracleDrafter([expected[0, 5:].tolist() + [0] * 16], seed=2)
+    out = SpeculativeGenerator(model, drafter, SETTINGS[2], compile_options=COMPILE).generate(prompt[None], max_new_tokens=10)
+    assert out.sequences.tolist() == expected.tolist()
+
+
+def test_hybrid_with_another_attention_implementation_is_a_clear_error():
+    from transformers import AttentionInterface
+
+    def manual_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+        scores = query @ key.transpose(2, 3) * scaling
+        weights = (scores if attention_mask is None else scores + attention_mask).softmax(-1)
+        return (weights @ value).transpose(1, 2).contiguous(), weights
+
+    AttentionInterface.register("specla_test_manual", manual_attention)
+    model = tiny_model("qwen3_5", layers=2)
+    model.config._attn_implementation = "specla_test_manual"
     spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[0], compile_options=COMPILE)
-    with pytest.raises(NotImplementedError, match="sdpa"):
+    with pytest.raises(NotImplementedError, match="attn_implementation='sdpa' or 'eager'"):
         spec.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=5)
 
 
@@ -215,9 +244,8 @@ def test_model_without_gdn_layer_is_a_clear_error():
     from tiny_lm import tiny_lm
 
     model = tiny_lm("llama", vocab=VOCAB)
-    spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[0], compile_options=COMPILE)
-    with pytest.raises(ValueError, match="no GDN layer"):
-        spec.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=5)
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no GDN layer"):  # refused when built, not at generate
+        SpeculativeGenerator(model, NgramDrafter(), SETTINGS[0], compile_options=COMPILE)
 
 
 @pytest.mark.parametrize("family", ["fla", "qwen3_next"])

@@ -1,6 +1,7 @@
 """Capture: route every known GDN entry point through one opaque ``specla::`` op.
 
-:func:`install` (run when ``specla_compile`` is imported) replaces each known entry point of fla and
+:func:`route` (run by :mod:`specla_compile.import_routing` as each module is imported) and
+:func:`install` (every module, run by the backend) replace each known entry point of fla and
 transformers with a thin wrapper. On CUDA in eager mode the wrapper calls the original, so nothing
 changes. While Dynamo traces (``torch.compile``), and on CPU tensors (where fla's Triton kernels cannot
 run), it normalizes the call to DESIGN.md's canonical form and calls ``specla::gdn_recurrence``,
@@ -22,6 +23,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..import_routing import (
+    FLA_GDN_LAYER,
+    FLA_MLP,
+    FLA_MODULES,
+    ROUTED_MODULES,
+    TRANSFORMERS_GDN_FAMILIES,
+    transformers_modeling,
+)
 from ..kernels import ops  # noqa: F401  (registers the torch.ops.specla namespace)
 from ..kernels.reference import causal_conv_reference, gdn_chain_reference
 
@@ -64,10 +73,17 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
 
 
+_HINTS = {
+    "cu_seqlens": " (packed variable-length rows: fla passes it for a batch with padding in attention_mask; "
+    "call rows of equal length without attention_mask, or one row at a time)"
+}
+
+
 def _reject(what: str, **unsupported: Any) -> None:
-    used = [name for name, value in unsupported.items() if value not in (None, False)]
+    used = [name for name, value in unsupported.items() if value is not None and value is not False]
     if used:
-        raise NotImplementedError(f"specla capture of {what} does not support {', '.join(used)}")
+        hints = "".join(_HINTS.get(name, "") for name in used)
+        raise NotImplementedError(f"specla capture of {what} does not support {', '.join(used)}{hints}")
 
 
 def run_recurrence(call: RecurrenceCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,9 +118,21 @@ def _wraps(original: Callable) -> Callable[[Callable], Callable]:
     return decorate
 
 
+_recurrence_calls = 0
+
+
+def recurrence_calls() -> int:
+    """How many eager calls of a routed GDN recurrence this process has made: an eager forward that leaves
+    it unchanged went through no recurrence that specla can verify."""
+    return _recurrence_calls
+
+
 def _recurrence_wrapper(original: Callable, adapter: RecurrenceAdapter) -> Callable:
     @_wraps(original)
     def wrapper(*args, **kwargs):
+        global _recurrence_calls
+        if not torch.compiler.is_compiling():  # eager calls only: Dynamo would guard on the counter
+            _recurrence_calls += 1
         if not use_specla_path(_first_tensor(args, kwargs)):
             return original(*args, **kwargs)
         return run_recurrence(adapter(*args, **kwargs))
@@ -195,6 +223,22 @@ def transformers_causal_conv1d_fn(hidden_states, weight, bias=None, activation=N
     return torch.ops.specla.causal_conv1d(hidden_states, weight, bias, _silu_flag(activation))
 
 
+def transformers_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' ``eager_attention_forward`` (additive mask, explicit softmax) as the same attention
+    through ``scaled_dot_product_attention``, whose mask argument the verification twin replaces by the
+    tree mask. Returns no attention weights, as transformers' sdpa attention."""
+    groups = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(
+        query,
+        key.repeat_interleave(groups, dim=1),
+        value.repeat_interleave(groups, dim=1),
+        attn_mask=None if attention_mask is None else attention_mask[..., : key.shape[-2]],
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -265,23 +309,22 @@ def _recurrence(adapter: RecurrenceAdapter) -> Callable[[Callable], Callable]:
     return lambda original: _recurrence_wrapper(original, adapter)
 
 
-_TRANSFORMERS_GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
-
 KNOWN_ENTRY_POINTS: list[EntryPoint] = [
-    EntryPoint("fla.layers.gated_deltanet", "chunk_gated_delta_rule", _recurrence(fla_recurrence_adapter)),
-    EntryPoint("fla.layers.gated_deltanet", "fused_recurrent_gated_delta_rule", _recurrence(fla_recurrence_adapter)),
-    EntryPoint("fla.modules:ShortConvolution", "forward", _plain_wrapper(fla_short_conv_forward)),
-    EntryPoint("fla.layers.gated_deltanet", "causal_conv1d", _plain_wrapper(fla_causal_conv1d)),
-    EntryPoint("fla.modules:FusedRMSNormGated", "forward", _plain_wrapper(fla_rms_norm_gated_forward)),
-    EntryPoint("fla.modules:RMSNorm", "forward", _plain_wrapper(fla_rms_norm_forward)),
-    EntryPoint("fla.modules.mlp:SwiGLULinear", "forward", _plain_wrapper(fla_swiglu_linear_forward)),
+    EntryPoint(FLA_GDN_LAYER, "chunk_gated_delta_rule", _recurrence(fla_recurrence_adapter)),
+    EntryPoint(FLA_GDN_LAYER, "fused_recurrent_gated_delta_rule", _recurrence(fla_recurrence_adapter)),
+    EntryPoint(f"{FLA_MODULES}:ShortConvolution", "forward", _plain_wrapper(fla_short_conv_forward)),
+    EntryPoint(FLA_GDN_LAYER, "causal_conv1d", _plain_wrapper(fla_causal_conv1d)),
+    EntryPoint(f"{FLA_MODULES}:FusedRMSNormGated", "forward", _plain_wrapper(fla_rms_norm_gated_forward)),
+    EntryPoint(f"{FLA_MODULES}:RMSNorm", "forward", _plain_wrapper(fla_rms_norm_forward)),
+    EntryPoint(f"{FLA_MLP}:SwiGLULinear", "forward", _plain_wrapper(fla_swiglu_linear_forward)),
     *(
-        EntryPoint(f"transformers.models.{family}.modeling_{family}", name, make)
-        for family in _TRANSFORMERS_GDN_MODULES
+        EntryPoint(transformers_modeling(family), name, make)
+        for family in TRANSFORMERS_GDN_FAMILIES
         for name, make in (
             ("torch_chunk_gated_delta_rule", _recurrence(transformers_recurrence_adapter)),
             ("torch_recurrent_gated_delta_rule", _recurrence(transformers_recurrence_adapter)),
             ("causal_conv1d_fn", _plain_wrapper(transformers_causal_conv1d_fn)),
+            ("eager_attention_forward", _plain_wrapper(transformers_eager_attention)),
         )
     ),
 ]
@@ -318,17 +361,31 @@ def register_recurrence(owner: Any, name: str, adapter: RecurrenceAdapter) -> No
     _patch(owner, name, _recurrence(adapter))
 
 
+def route(module_name: str) -> list[str]:
+    """Route the known entry points that live in the (imported) module ``module_name``; returns them."""
+    routed = []
+    for entry in KNOWN_ENTRY_POINTS:
+        if entry.owner.partition(":")[0] != module_name:
+            continue
+        try:
+            owner = _resolve_owner(entry.owner)
+        except AttributeError:
+            continue  # not in this version
+        if hasattr(owner, entry.name):
+            _patch(owner, entry.name, entry.make)
+            routed.append(f"{entry.owner}.{entry.name}")
+    return routed
+
+
 @functools.cache
 def install() -> list[str]:
     """Route every known entry point that is importable here; returns the ones routed."""
     routed = []
-    for entry in KNOWN_ENTRY_POINTS:
+    for module_name in sorted(ROUTED_MODULES):
         try:
-            owner = _resolve_owner(entry.owner)
-        except (ImportError, AttributeError):
+            importlib.import_module(module_name)
+        except ImportError:
             continue  # that family is not installed (or not in this version)
-        if hasattr(owner, entry.name):
-            _patch(owner, entry.name, entry.make)
-            routed.append(f"{entry.owner}.{entry.name}")
+        routed += route(module_name)
     log.debug("specla capture routes %s", routed)
     return routed

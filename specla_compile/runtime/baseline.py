@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .acceptance import warp_probs
+from .cache_layout import cache_argument
 
 
 @torch.no_grad()
@@ -32,7 +33,7 @@ def autoregressive_generate(
     step_input = input_ids
     cache = past_key_values
     for _ in range(max_new_tokens):
-        out = model(input_ids=step_input, past_key_values=cache, use_cache=True)
+        out = model(input_ids=step_input, **{cache_argument(model): cache}, use_cache=True)
         cache = out.past_key_values
         logits = out.logits[:, -1]
         if do_sample:

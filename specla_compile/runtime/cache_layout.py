@@ -8,6 +8,7 @@ the accepted nodes. One walker, :func:`cache_slots`, knows where each family kee
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,13 @@ def _tuple_slots(owner: dict, name: str, kind: str) -> Iterator[Slot]:
     for i, value in enumerate(owner[name]):
         if isinstance(value, torch.Tensor):
             yield Slot(field, i, kind)
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name of the cache argument of ``model``'s forward: ``cache`` (transformers >= 5.24, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (fla models, older transformers)."""
+    model = getattr(model, "_orig_mod", model)  # (a compiled model: the wrapped one's signature)
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def cache_slots(cache) -> list[Slot]:
@@ -201,7 +209,8 @@ def _copy_states(source, destination) -> None:
     """Copy every GDN state (recurrent and conv) of ``source`` into ``destination``'s, in place (one
     multi-tensor copy rather than a launch per state from Python)."""
     pairs = [(mine.get(), theirs.get()) for mine, theirs in zip(cache_slots(destination), cache_slots(source)) if mine.kind == "state"]
-    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    if pairs:  # (a model without GDN layers has none; the verify pass then says so)
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def same_layout(a, b) -> bool:

@@ -6,6 +6,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Literal
 
+# inner compilers of the specla backend (``options={"inner": ...}``)
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+
 
 @dataclass
 class SpecConfig:

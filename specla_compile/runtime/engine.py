@@ -26,7 +26,7 @@ from torch.fx.experimental import _config as fx_config
 from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept_device
-from .cache_layout import load_static, same_layout, set_seen_tokens, static_twin, store_static
+from .cache_layout import cache_argument, load_static, same_layout, set_seen_tokens, static_twin, store_static
 from ..tree import PAD, ancestor_mask_device
 
 log = logging.getLogger("specla_compile")
@@ -206,7 +206,7 @@ class StaticEngine:
             # which a dynamic length of 1 turns into a symbolic bool that sdpa refuses.
             torch._dynamo.maybe_mark_dynamic(tokens, 1)
         with bucket.session.verify(parents, tree_mask), topology_hint(bucket.hint), size_oblivious(one_graph):
-            out = self.compiled(input_ids=tokens, past_key_values=self.cache, **kwargs)
+            out = self.compiled(input_ids=tokens, **{cache_argument(self.compiled): self.cache}, **kwargs)
         if not bucket.session.records:
             raise ValueError(
                 "the verification pass went through no GDN layer: the model has none, was compiled with another "
@@ -285,11 +285,12 @@ class StaticEngine:
         for other in self.buckets.values():
             self._flush(other)
         bucket.prepared = True
+        name = f"{bucket.nodes}{'-chain' if bucket.chain else '-tree'}"
+        capture = "; capturing its CUDA graph" if self.graphs else ""
+        log.warning("specla: compiling the %s pass (bucket %d) unless a compiled graph serves its size%s", name, bucket.nodes, capture)
         if not self.graphs:
             return
         started = time.perf_counter()
-        name = f"{bucket.nodes}{'-chain' if bucket.chain else '-tree'}"
-        log.warning("specla: compiling and capturing the %s pass (once per bucket)", name)
         active = self.active.clone()
         self.active.fill_(False)
         columns = self.columns

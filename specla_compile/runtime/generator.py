@@ -17,15 +17,28 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
 
 from ..kernels.dispatch import TopologyHint, topology_hint
+from ..lowering.capture import install, recurrence_calls
+from ..lowering.fuse_projections import pack_projections
 from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
-from .cache_layout import compact_attention, has_attention, restore, set_seen_tokens, snapshot, stack_rows
+from .cache_layout import (
+    cache_argument,
+    compact_attention,
+    has_attention,
+    restore,
+    set_seen_tokens,
+    snapshot,
+    stack_rows,
+)
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
 from .engine import StaticEngine
+from .generation_args import GenerationArgs
+from .generation_args import resolve as resolve_generation_args
 from .topology import PAD, ancestor_mask, bucket_size, depth
 
 
@@ -42,6 +55,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     commit_seconds: float = 0.0
+    seconds: float = 0.0  # the whole call, wall clock
 
     @property
     def target_passes(self) -> int:
@@ -58,6 +72,18 @@ class GenerationStats:
         return sum(self.accepted_drafts) / max(len(self.accepted_drafts), 1)
 
     @property
+    def acceptance_rate(self) -> float:
+        """Share of the drafted tokens (every draft node but the pending token) that were accepted, as
+        vLLM's draft acceptance rate; a tree's rejected branches count as drafted."""
+        drafted = sum(self.tree_sizes) - len(self.tree_sizes)
+        return sum(self.accepted_drafts) / max(drafted, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of the whole call (all rows, prefill included)."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
     def first_token_match_rate(self) -> float:
         """Share of (iteration, row) whose first drafted token was accepted."""
         return sum(a > 0 for a in self.accepted_drafts) / max(len(self.accepted_drafts), 1)
@@ -70,12 +96,15 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "tokens_per_target_pass": round(self.tokens_per_target_pass, 3),
             "mean_accepted": round(self.mean_accepted, 3),
+            "acceptance_rate": round(self.acceptance_rate, 3),
             "first_token_match_rate": round(self.first_token_match_rate, 3),
             "mean_tree_size": round(sum(sizes) / len(sizes), 2),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "commit_seconds": round(self.commit_seconds, 4),
+            "seconds": round(self.seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 1),
         }
 
 
@@ -87,12 +116,6 @@ class SpeculativeOutput:
     sequences: torch.Tensor
     stats: GenerationStats
     past_key_values: object
-
-
-def _as_token_list(eos_token_id) -> list[int]:
-    if eos_token_id is None:
-        return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -114,7 +137,10 @@ class SpeculativeGenerator:
     """Speculative decoding of a GDN model with a drafter.
 
     ``model``: an eager fla / transformers causal LM (compiled here with ``backend="specla"`` and
-    ``compile_options``) or one already compiled with that backend.
+    ``compile_options``) or one already compiled with that backend. The weights of projections that
+    read one input are packed back to back in place (same values; see
+    :func:`~specla_compile.lowering.fuse_projections.pack_projections`), so the compiled passes run
+    each group as one GEMM.
 
     ``shared_features``: every call, plain decoding (:meth:`decode`) included, runs through the static
     engine whose passes also return the target's last hidden state, whether its drafter reads it or not.
@@ -144,6 +170,15 @@ class SpeculativeGenerator:
         self.vocab_size = output_vocab_size(self.model)
         drafter.check_vocab(self.vocab_size)
         self.tp_mesh = tensor_parallel_mesh(self.model)  # tensor-parallel: every rank verifies rank 0's drafts
+        if self.tp_mesh is None:  # one eager forward: packs the projections, and finds the GDN layers
+            install()
+            before = recurrence_calls()
+            pack_projections(self.model, torch.zeros(1, 2, dtype=torch.long, device=next(self.model.parameters()).device))
+            if recurrence_calls() == before:
+                raise ValueError(
+                    f"{type(self.model).__name__} has no GDN layer that specla can verify (fla's GatedDeltaNet, transformers' "
+                    "Qwen3.5 / Qwen3-Next, or a recurrence named with specla_compile.lowering.capture.register_recurrence)"
+                )
         self.shared_features = shared_features
         self._engines: dict[bool, StaticEngine] = {}
 
@@ -171,47 +206,52 @@ class SpeculativeGenerator:
     def generate(
         self,
         input_ids: torch.Tensor,
-        max_new_tokens: int = 32,
-        do_sample: bool = False,
-        temperature: float = 1.0,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         eos_token_id: int | list[int] | None = None,
         attention_mask: torch.Tensor | None = None,
         streamer=None,
         *,
+        generation_config: GenerationConfig | None = None,
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
         past_key_values=None,
         _plain: bool = False,
+        **kwargs,
     ) -> SpeculativeOutput:
         """Generate up to ``max_new_tokens`` per row; the same tokens as plain decoding when greedy, the
-        same distribution when sampling (transformers' argument conventions). ``attention_mask`` marks
-        each row's real tokens (left or right padding). ``past_key_values`` continues from a cache that
-        an earlier call returned (rows then all have the same new length)."""
-        rows = self._check_inputs(input_ids, max_new_tokens, attention_mask, streamer, past_key_values)
-        if do_sample:
-            warp_probs(torch.zeros(1, 1), temperature, top_k, top_p)  # validates the warper arguments
+        same distribution when sampling. Arguments follow transformers' ``generate``: keywords override
+        ``generation_config`` (also ``max_length``), EOS and pad tokens not given come from the model's
+        ``generation_config``, and a setting this loop does not support (``repetition_penalty``,
+        ``num_return_sequences``, ``logits_processor``, ...) raises ``ValueError`` naming it. Without
+        either, greedy decoding of 32 new tokens. ``attention_mask`` marks each row's real tokens (left or
+        right padding). ``past_key_values`` continues from a cache that an earlier call returned (rows
+        then all have the same new length)."""
+        explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
+                    "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+        rows = self._check_inputs(input_ids, attention_mask, streamer, past_key_values)
+        args = resolve_generation_args(self.model, input_ids.shape[1], generation_config, explicit, kwargs)
+        if args.do_sample:
+            warp_probs(torch.zeros(1, 1), *args.warp)  # validates the warper arguments
         saved = snapshot(past_key_values) if past_key_values is not None else None
         try:
             drafter = _PlainDrafter() if _plain else self.drafter
             engine = self.engine(input_ids.device, self.engine_features(drafter))
-            run = (_StaticRun if engine is not None else _Run)(
-                self, drafter, rows, max_new_tokens, do_sample, (temperature, top_k, top_p), eos_token_id, streamer, generator
-            )
-            return run.run(input_ids, pad_token_id, past_key_values)
+            run = (_StaticRun if engine is not None else _Run)(self, drafter, rows, args, streamer, generator)
+            return run.run(input_ids, past_key_values)
         except BaseException:
             if saved is not None:
                 restore(past_key_values, saved)
             raise
 
-    def _check_inputs(self, input_ids, max_new_tokens, attention_mask, streamer, past_key_values) -> list[torch.Tensor]:
+    def _check_inputs(self, input_ids, attention_mask, streamer, past_key_values) -> list[torch.Tensor]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError("input_ids must be an integer tensor of shape [batch, length]")
         if input_ids.numel() == 0:
             raise ValueError("input_ids is empty: every row needs at least one token")
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if (input_ids < 0).any() or (input_ids >= self.vocab_size).any():
             raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {self.vocab_size})")
         if streamer is not None and input_ids.shape[0] != 1:
@@ -231,14 +271,16 @@ class SpeculativeGenerator:
 class _Run:
     """The state of one ``generate`` call."""
 
-    def __init__(self, owner: SpeculativeGenerator, drafter: Drafter, rows, max_new_tokens, do_sample, warp, eos_token_id, streamer, generator):
+    def __init__(self, owner: SpeculativeGenerator, drafter: Drafter, rows, args: GenerationArgs, streamer, generator):
         self.owner, self.compiled, self.drafter, self.config = owner, owner.compiled, drafter, owner.config
         self.rows = [r.long() for r in rows]
-        self.device = self.rows[0].device
+        self.device = self.target_device = self.rows[0].device
         self.batch = len(rows)
-        self.max_new_tokens = max_new_tokens
-        self.do_sample, self.warp, self.generator = do_sample, warp, generator
-        self.eos = _as_token_list(eos_token_id)
+        self.max_new_tokens = args.max_new_tokens
+        self.do_sample, self.warp, self.generator = args.do_sample, args.warp, generator
+        self.eos = args.eos_token_ids
+        self.pad_token_id = args.pad_token_id
+        self.cache_arg = cache_argument(owner.model)
         self.streamer = streamer
         self.stats = GenerationStats()
         self.session = VerifySession()
@@ -250,8 +292,8 @@ class _Run:
     def _timed(self, what: str):
         start = time.perf_counter()
         yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.target_device.type == "cuda":  # (self.device is the host's once a static run starts)
+            torch.cuda.synchronize(self.target_device)
         setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - start)
 
     # --- prefill ---------------------------------------------------------------------------------
@@ -269,7 +311,7 @@ class _Run:
             if past_key_values is not None and self.batch > 1 and has_attention(past_key_values):
                 raise NotImplementedError("continuing a batched hybrid-model cache is not supported; continue rows one by one")
             before = _committed_length(past_key_values) if past_key_values is not None else 0
-            out = self.owner.model(input_ids=torch.stack(self.rows), past_key_values=past_key_values, **self._model_kwargs())
+            out = self.owner.model(input_ids=torch.stack(self.rows), **{self.cache_arg: past_key_values}, **self._model_kwargs())
             self.stats.prefill_passes = 1
             self.cache = out.past_key_values
             self.committed = torch.tensor([before + r.numel() for r in self.rows], device=self.device)
@@ -338,7 +380,7 @@ class _Run:
             tree_mask = torch.cat([past, tree[:, None]], dim=-1)
             kwargs["position_ids"] = self.committed[:, None] + depth(parents)
         with self.session.verify(parents, tree_mask), topology_hint(TopologyHint.from_parents(parents)):
-            out = self.compiled(input_ids=tokens, past_key_values=self.cache, **kwargs)
+            out = self.compiled(input_ids=tokens, **{self.cache_arg: self.cache}, **kwargs)
         if not self.session.records:
             raise ValueError(
                 "the verification pass went through no GDN layer: the model has none, was compiled with another "
@@ -424,7 +466,17 @@ class _Run:
 
     # --- the loop ------------------------------------------------------------------------------
 
-    def run(self, input_ids: torch.Tensor, pad_token_id: int | None, past_key_values) -> SpeculativeOutput:
+    def run(self, input_ids: torch.Tensor, past_key_values) -> SpeculativeOutput:
+        with self._timed("seconds"):
+            self._loop(input_ids, past_key_values)
+        pad = self.pad_token_id if self.pad_token_id is not None else (self.eos[0] if self.eos else 0)
+        longest = max(len(t) for t in self.new_tokens)
+        new = torch.full((self.batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
+        for b, toks in enumerate(self.new_tokens):
+            new[b, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
+        return SpeculativeOutput(torch.cat([input_ids, new], dim=1), self.stats, self.cache)
+
+    def _loop(self, input_ids: torch.Tensor, past_key_values) -> None:
         with self._timed("prefill_seconds"):
             first = self._prefill(past_key_values)
         self.pending = first
@@ -449,12 +501,6 @@ class _Run:
             self._finish()
         if self.streamer is not None:
             self.streamer.end()
-        pad = pad_token_id if pad_token_id is not None else (self.eos[0] if self.eos else 0)
-        longest = max(len(t) for t in self.new_tokens)
-        new = torch.full((self.batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
-        for b, toks in enumerate(self.new_tokens):
-            new[b, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
-        return SpeculativeOutput(torch.cat([input_ids, new], dim=1), self.stats, self.cache)
 
 
 class _StaticRun(_Run):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from ..cache_layout import cache_argument
 from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest, output_vocab_size
 from ..tree_builder import Frontier, build_draft
@@ -32,10 +33,8 @@ class ModelDrafter(Drafter):
     def __init__(self, model: nn.Module):
         self.model = model.eval()
         self.vocab_size = output_vocab_size(model)
-        params = inspect.signature(model.forward).parameters
-        # transformers >= 5 names the cache argument ``cache``; fla models still use ``past_key_values``.
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._keep_last = "logits_to_keep" in params
+        self._cache_arg = cache_argument(model)
+        self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         # row -> (committed cache, number of tokens in it, logits after its last token)
         self._rows: dict[int, tuple[object, int, torch.Tensor | None]] = {}
 

@@ -1,0 +1,46 @@
+"""What the runtime does not support yet is refused with one line that names the limitation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import VOCAB, tiny_model
+from test_generator import COMPILE
+
+from specla_compile import NgramDrafter, SpecConfig, SpeculativeGenerator
+from specla_compile.runtime.cache_layout import cache_slots
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_padded_fla_batch_varlen_call_names_cu_seqlens():
+    """fla turns a padded batch into packed rows with cu_seqlens, which the capture does not support."""
+    model = tiny_model("fla", layers=2)
+    input_ids = torch.ones(2, 4, dtype=torch.long)
+    mask = torch.ones_like(input_ids)
+    mask[0, :2] = 0
+    with pytest.raises(NotImplementedError) as error:
+        model(input_ids, attention_mask=mask, use_cache=True)
+    assert "does not support cu_seqlens (packed variable-length rows" in _one_line(error)
+
+
+def test_fla_cache_with_attention_layers_is_refused():
+    layer = type("FlaLayer", (), {"state": {"recurrent_state": torch.zeros(1), "attn_state": (torch.zeros(1),)}})()
+    cache = type("FlaCache", (), {"layers": [layer]})()
+    with pytest.raises(NotImplementedError) as error:
+        cache_slots(cache)
+    assert "fla models with attention layers are not supported" in _one_line(error)
+
+
+def test_continuing_a_batched_hybrid_cache_is_refused():
+    model = tiny_model("qwen3_5", layers=2)
+    spec = SpeculativeGenerator(model, NgramDrafter(), SpecConfig(mode="chain", depth=2, bucket=4), compile_options=COMPILE)
+    prompts = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(40))
+    first = spec.generate(prompts, max_new_tokens=3)
+    with pytest.raises(NotImplementedError) as error:
+        spec.generate(first.sequences[:, -1:], max_new_tokens=3, past_key_values=first.past_key_values)
+    assert "continuing a batched hybrid-model cache is not supported" in _one_line(error)
