@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train; returns this run's per-step log records (also appended to ``--out/train_log.jsonl``)."""
     launched = time.perf_counter()
     args = parse_args(argv)
+    with contextlib.suppress(ImportError):  # fla registers its models with transformers' Auto classes on import
+        import fla  # noqa: F401  (specla_compile no longer imports it: a fresh process would not know the target)
     torch.manual_seed(args.seed)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     target.requires_grad_(False)
