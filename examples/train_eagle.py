@@ -11,6 +11,13 @@ give one document per line in a "text" field. The tokenizer comes from the targe
 tokens). The head is saved to ``--out`` with ``save_pretrained`` (load it with
 ``EagleDrafter.from_pretrained(out, target)``); ``--resume`` continues from the checkpoint there.
 
+The target's forward for the features runs in plain PyTorch by default (``--features-backend torch``:
+``specla_compile.training.chunked_gdn.plain_torch_fla``, the chunked recurrence of the target's own
+training and PyTorch norms, convolutions and SwiGLU, eagerly): fla's Triton kernels would autotune
+every config of their chunk kernels at the first step (about 100 s on the H200). ``model`` runs the
+model's own kernels. ``--max-minutes`` counts training time after the first step (see
+``specla_compile.training.budget``); ``--max-wall-minutes`` caps the whole run.
+
 Without ``--data`` it trains on the corpus of ``examples/train_target.py`` (same options, same
 held-out split; the token streams cached in the target folder are reused when they were cut from
 the same corpus) and reports the head's top-1 agreement with the target on held-out blocks of
@@ -22,6 +29,7 @@ each source, every ``--eval-every`` steps and at the end (``--out/report.json``)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,6 +44,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead, eagle_loss
 from specla_compile.runtime.drafting import output_vocab_size
 from specla_compile.training import corpus as C
+from specla_compile.training.budget import TimeBudget
+from specla_compile.training.chunked_gdn import DEFAULT_CHUNK, plain_torch_fla
 from specla_compile.training.corpus import batch_indices, make_blocks
 
 STATE_NAME = "trainer_state.pt"
@@ -64,16 +74,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
     p.add_argument("--resume", action="store_true", help=f"continue from {STATE_NAME} in --out")
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop (and save) once this run has lasted this long, loading included")
+                   help="training time: stop (and save) once the steps after this run's first one (which compiles "
+                        "or autotunes, and is not counted, nor is loading) have run this long")
+    p.add_argument("--max-wall-minutes", type=float, default=None,
+                   help="hard cap on the whole run up to the final evaluation, loading and the first step included")
+    p.add_argument("--features-backend", choices=("torch", "model"), default="torch",
+                   help="the target's forward for features: plain PyTorch (no Triton autotuning, no compilation) "
+                        "or the model's own kernels")
+    p.add_argument("--gdn-chunk", type=int, default=DEFAULT_CHUNK, help="chunk size of the torch features backend")
     p.add_argument("--eval-every", type=int, default=500, help="held-out agreement every this many steps (corpus mode)")
     p.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source (corpus mode)")
     C.add_corpus_arguments(p)
     args = p.parse_args(argv)
-    for name in ("seq_len", "batch_size", "steps", "save_every", "eval_every", "eval_blocks"):
+    for name in ("seq_len", "batch_size", "steps", "save_every", "eval_every", "eval_blocks", "gdn_chunk"):
         if getattr(args, name) < 1 or (name == "seq_len" and args.seq_len < 2):
             raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
-    if args.max_minutes is not None and args.max_minutes <= 0:
-        raise ValueError(f"--max-minutes must be positive, got {args.max_minutes}")
+    for name in ("max_minutes", "max_wall_minutes"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.data is None:
         if args.tokenizer == "none":
             raise ValueError("--tokenizer none needs --data (the shared corpus is read with the target's tokenizer)")
@@ -164,6 +182,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train; returns this run's per-step log records (also appended to ``--out/train_log.jsonl``)."""
     launched = time.perf_counter()
     args = parse_args(argv)
+    with contextlib.suppress(ImportError):  # fla registers its models with transformers' Auto classes on import
+        import fla  # noqa: F401  (specla_compile no longer imports it: a fresh process would not know the target)
     torch.manual_seed(args.seed)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     target.requires_grad_(False)
@@ -200,9 +220,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     history, agreement, done = [], None, state["step"]
     head.train()
+    budget = TimeBudget(args.max_minutes, args.max_wall_minutes, launched)
+    features = plain_torch_fla(args.gdn_chunk) if args.features_backend == "torch" else contextlib.nullcontext()
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="train eagle head")
-    with open(os.path.join(args.out, LOG_NAME), "a") as log:
+    with features, open(os.path.join(args.out, LOG_NAME), "a") as log:
         for step in bar:
+            tic = time.perf_counter()
             ids = blocks[batch_indices(len(blocks), step, args.batch_size, args.seed)].to(args.device)
             with torch.no_grad():
                 out = target(input_ids=ids, output_hidden_states=True)
@@ -211,11 +234,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
             optimizer.step()
-            record = {"step": step + 1, "loss": loss.item(), **stats}
+            record = {"step": step + 1, "loss": loss.item(), **stats}  # (.item() waits for the GPU)
             done = step + 1
             history.append(record)
             log.write(json.dumps(record) + "\n")
             bar.set_postfix(loss=f"{record['loss']:.4f}", top1=f"{stats['top1']:.3f}", refresh=False)
+            if (line := budget.step_done(time.perf_counter() - tic)) is not None:
+                bar.write(line)
             if heldout and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
                 agreement = heldout_agreement(head, target, heldout, args)
                 log.write(json.dumps({"step": step + 1, "heldout": agreement}) + "\n")
@@ -223,20 +248,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                           + ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items()))
             if (step + 1) % args.save_every == 0:
                 save_checkpoint(args.out, head, optimizer, step + 1)
-            if args.max_minutes is not None and time.perf_counter() - launched > 60 * args.max_minutes:
-                bar.write(f"--max-minutes {args.max_minutes}: stopping after step {done} of {args.steps}")
+            if budget.out_of_time() and done < args.steps:
+                bar.write(f"{budget.reason()}: stopping after step {done} of {args.steps}")
                 if done % args.eval_every:  # the last agreement measured is of an earlier step
                     agreement = None
                 break
-    save_checkpoint(args.out, head, optimizer, done)
-    if heldout:
-        agreement = agreement or heldout_agreement(head, target, heldout, args)
-        report = {"steps": done, "steps_planned": args.steps, "complete": done >= args.steps,
-                  "wall_seconds": time.perf_counter() - launched, "heldout_top1": agreement,
-                  "last_step": history[-1] if history else None, "head": dataclasses.asdict(head.config)}
-        Path(args.out, REPORT_NAME).write_text(json.dumps(report, indent=1, default=str))
-        summary = ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items())
-        print(f"held-out top-1 agreement with the target: {summary}")
+        budget.end()
+        save_checkpoint(args.out, head, optimizer, done)
+        if heldout:
+            agreement = agreement or heldout_agreement(head, target, heldout, args)
+            report = {"steps": done, "steps_planned": args.steps, "complete": done >= args.steps,
+                      "wall_seconds": time.perf_counter() - launched, "time_budget": budget.report(),
+                      "features_backend": args.features_backend, "heldout_top1": agreement,
+                      "last_step": history[-1] if history else None, "head": dataclasses.asdict(head.config)}
+            Path(args.out, REPORT_NAME).write_text(json.dumps(report, indent=1, default=str))
+            summary = ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items())
+            print(f"held-out top-1 agreement with the target: {summary}")
     return history
 
 

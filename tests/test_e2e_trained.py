@@ -142,9 +142,94 @@ def test_bad_arguments_fail_with_one_line_before_loading(prompt_files, tmp_path)
                          (["--humaneval", str(tmp_path / "none.gz")], "error: --humaneval")):
         with pytest.raises(SystemExit, match=f"^{message}"):
             E.parse_args((base if bad else base[2:]) + bad)
-    with pytest.raises(SystemExit, match="^error: --minutes 5.0 leaves no time"):
+    with pytest.raises(SystemExit, match="^error: --minutes 5.0 leaves 0.00 min for the benchmark's measuring"):
         P.parse_args(["--out", str(tmp_path), "--minutes", "5", "--prompts-dir", str(prompt_files),
                       "--humaneval", str(prompt_files / "HumanEval.jsonl.gz")])
+
+
+def _pipeline_args(prompt_files, work, *extra):
+    return ["--out", str(work.parent / "out"), "--work", str(work), "--prompts-dir", str(prompt_files),
+            "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"), *extra]
+
+
+def test_pipeline_plans_compilation_apart_and_refuses_a_plan_that_does_not_fit(prompt_files, tmp_path):
+    work = tmp_path / "work"
+    one = P.parse_args(_pipeline_args(prompt_files, work))  # (a) one call, every stage, the default budgets
+    assert one.stages == list(P.STAGES) and sum(p["total"] for p in one.plan.values()) <= one.minutes - P.RESERVE_MINUTES
+    assert one.plan["target"]["total"] == pytest.approx(P.overhead("target") + one.target_minutes)  # compile on top
+    assert one.plan["bench"]["budget"] >= P.MIN_BENCH_MINUTES
+    call1 = P.parse_args(_pipeline_args(prompt_files, work, "--stages", "eagle", "target", "--target-minutes", "3.5",
+                                        "--eagle-minutes", "1"))  # (b) call 1
+    assert call1.stages == ["target", "eagle"] and set(call1.plan) == {"target", "eagle"}
+    with pytest.raises(SystemExit, match="^error: --minutes 8.75 is short of the 8.90 min planned for target"):
+        P.parse_args(_pipeline_args(prompt_files, work, "--stages", "target", "--target-minutes", "6"))
+    # (b) call 2 needs the checkpoints of call 1 in --work: a cold machine is a clear error, not a retraining
+    with pytest.raises(SystemExit, match="^error: --stages bench: no trained target in"):
+        P.parse_args(_pipeline_args(prompt_files, work, "--stages", "bench"))
+    for folder in ("target", "eagle"):
+        (work / folder).mkdir(parents=True)
+        (work / folder / "config.json").write_text("{}")
+    call2 = P.parse_args(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-resume"))
+    assert call2.plan["bench"]["budget"] == pytest.approx(8.75 - P.RESERVE_MINUTES - P.overhead("bench"))
+
+    commands = P.stage_commands(one, bench_minutes=2.0, bench_wall=3.5)
+    target = commands["target"]
+    o = P.OVERHEAD_MINUTES["target"]
+    assert target[target.index("--max-minutes") + 1] == "1.5"  # training time after the first step ...
+    assert float(target[target.index("--max-wall-minutes") + 1]) == pytest.approx(o["prepare"] + o["compile"] + 1.5)  # ... capped
+    bench = commands["bench"]
+    assert bench[bench.index("--out") + 1] == str(work / "bench") and "--limit-prompts" not in bench and "--resume" not in bench
+    assert bench[bench.index("--max-minutes") + 1] == "2.00" and bench[bench.index("--max-wall-minutes") + 1] == "3.50"
+    assert "--resume" in P.stage_commands(call2)["bench"]
+    env = P.stage_env(work)
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(work)) and env["TRITON_CACHE_DIR"].startswith(str(work))
+
+
+def test_default_work_folder_is_git_ignored_inside_the_repository(prompt_files, tmp_path):
+    import subprocess
+
+    work = Path(P.DEFAULT_WORK)
+    args = ["--out", str(tmp_path), "--stages", "target", "--prompts-dir", str(prompt_files),
+            "--humaneval", str(prompt_files / "HumanEval.jsonl.gz")]
+    assert work.is_relative_to(ROOT) and P.parse_args(args).work == str(work)
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert subprocess.run(["git", "check-ignore", "-q", str(work / "target" / "model.safetensors")], cwd=ROOT).returncode == 0
+
+
+def test_two_calls_share_the_work_folder_and_complete_the_pipeline(prompt_files, tmp_path, monkeypatch):
+    """Call 1 trains (target, eagle), call 2 benchmarks from its checkpoints; stages stubbed."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    ran = []
+
+    def fake_stage(name, command, timeout_minutes, env):
+        ran.append((name, command, timeout_minutes))
+        folder = Path(command[command.index("--out") + 1])
+        folder.mkdir(parents=True, exist_ok=True)
+        if name == "bench":
+            (folder / "e2e_trained.json").write_text(json.dumps({"dtype": "bfloat16", "records": [_record(
+                "m0", ["mixed"], "qa", {"eagle_tree": 2.0})], "calls": [{"load_s": 1.0, "warmup_s": {"plain": 2.0}}]}))
+        else:
+            (folder / "config.json").write_text("{}")
+            (folder / "report.json").write_text(json.dumps({"steps": 3}))
+        return {"returncode": 0, "seconds": 1.0, "command": " ".join(command)}
+
+    monkeypatch.setattr(P, "run_stage", fake_stage)
+    first = P.main(_pipeline_args(prompt_files, work, "--stages", "target", "eagle", "--target-minutes", "3.5", "--eagle-minutes", "1"))
+    assert [r[0] for r in ran] == ["target", "eagle"] and set(first["stages"]) == {"target", "eagle"}
+    assert ran[0][2] == pytest.approx(P.overhead("target") + 3.5 + P.GRACE_MINUTES)
+    assert not (out / "e2e_trained.json").exists() and first["target"] == {"steps": 3}
+    second = P.main(_pipeline_args(prompt_files, work, "--stages", "bench"))
+    assert [r[0] for r in ran] == ["target", "eagle", "bench"] and set(second["stages"]) == {"bench"}
+    assert [set(c["stages"]) for c in second["calls"]] == [{"target", "eagle"}, {"bench"}]
+    assert second["eagle"] == {"steps": 3}  # the training reports of call 1 in call 2's report
+    results = json.loads((out / "e2e_trained.json").read_text())
+    assert results["pipeline"]["completed"] and results["pipeline"]["calls"] == 2
+    assert results["pipeline"]["command"].count("trained_pipeline.py") == 2
+    assert {t["name"]: t for t in second["benchmark_targets"]}["the whole pipeline from a fresh GPU machine"]["met"]
+    # a new target starts a new history: a bench-only call then no longer counts the old training calls
+    P.main(_pipeline_args(prompt_files, work, "--stages", "target"))
+    assert [set(c["stages"]) for c in json.loads((work / P.CALLS_NAME).read_text())] == [{"target"}]
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +279,36 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     targets = {t["name"]: t for t in results["targets"]}
     assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["measured"].startswith("7/7")
     assert (tmp_path / "e2e_trained.md").is_file() and (tmp_path / "e2e_trained.png").is_file()
+    # warm-up apart from measuring
+    assert results["warmup_total_s"] == pytest.approx(sum(results["warmup_s"].values()))
+    assert [c["prompts"] for c in results["calls"]] == [2] and results["calls"][0]["measure_s"] > 0
+    assert "warm-ups" in (tmp_path / "e2e_trained.md").read_text()
+
+
+def test_resume_measures_only_the_prompts_left_and_keeps_every_call(checkpoints, prompt_files, tmp_path, monkeypatch):
+    engines = []
+    real_init = E.Bench.__init__
+
+    def init(self, args):
+        real_init(self, args)
+        engines.append(self.gen)
+
+    monkeypatch.setattr(E.Bench, "__init__", init)
+    base = ["--target", str(checkpoints / "target"), "--eagle", str(checkpoints / "eagle"), "--out", str(tmp_path),
+            "--prompts-dir", str(prompt_files), "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"), "--suites", "gsm8k",
+            "--routes", "plain", "eagle_chain", "ngram_chain", "--new-tokens", "4", "--warmup-tokens", "2", "--device", "cpu",
+            "--dtype", "float32", "--inner", "eager", "--ignore-eos"]
+    first = E.main(base + ["--limit-prompts", "3", "--max-wall-minutes", "1e-6"])  # no prompt fits: all warm-up
+    assert first["records"] == [] and "--max-wall-minutes" in first["stopped"] and set(first["warmup_s"]) == {
+        "plain", "eagle_chain", "ngram_chain"}
+    assert set(engines[0]._engines) == {True}  # one engine (and graph) for plain decoding and both speculative routes
+    second = E.main(base + ["--limit-prompts", "1", "--resume"])
+    third = E.main(base + ["--limit-prompts", "3", "--resume"])
+    assert [r["prompt"] for r in second["records"]] == [r["prompt"] for r in third["records"]][:1]
+    assert len(third["records"]) == 3 and len({r["prompt"] for r in third["records"]}) == 3  # none measured twice
+    assert [c["prompts"] for c in third["calls"]] == [0, 1, 2] and "stopped" not in third
+    with pytest.raises(SystemExit, match="^error: --resume: .* another new_tokens"):
+        E.main([*base, "--resume", "--new-tokens", "5"])
 
 
 @pytest.mark.skipif(not os.environ.get("SPECLA_SLOW_TESTS"), reason="three processes, about a minute of CPU: SPECLA_SLOW_TESTS=1")
@@ -211,7 +326,7 @@ def test_pipeline_end_to_end_on_cpu_at_tiny_sizes(prompt_files, tmp_path):
     bench = "--device cpu --dtype float32 --inner eager --new-tokens 6 --warmup-tokens 2 --eager-prompts 1 " \
             "--suites gsm8k humaneval --routes plain eager eagle_tree ngram_chain"
     out = tmp_path / "out"
-    report = P.main(["--out", str(out), "--work", str(tmp_path / "work"), "--minutes", "6", "--target-minutes", "1",
+    report = P.main(["--out", str(out), "--work", str(tmp_path / "work"), "--minutes", "10", "--target-minutes", "1",
                      "--eagle-minutes", "1", "--limit-prompts", "1", "--prompts-dir", str(prompt_files),
                      "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"),
                      "--target-args", target, "--eagle-args", eagle, "--bench-args", bench])

@@ -146,3 +146,41 @@ def test_one_compile_serves_every_bucket_size_of_a_gdn_model(monkeypatch):
     after_plain = len(compiles)
     assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
     assert after_plain >= 1 and len(compiles) == after_plain, f"{after_plain} compiles for the 1-node pass, {len(compiles)} in all"
+
+
+def test_shared_features_engine_serves_every_route_with_one_compile(monkeypatch):
+    """With ``shared_features`` an EAGLE route, a drafter that reads no features and plain decoding run
+    through one engine and one compiled graph (as the trained benchmark swaps them), all exact; the
+    featureless drafter is handed no features. Without it, the featureless routes compile again."""
+    import specla_compile.backend as backend
+    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+
+    compiles = []
+
+    class Counted(backend.SpeculativeGraph):
+        def __init__(self, *args, **kwargs):
+            compiles.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "SpeculativeGraph", Counted)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(15))
+    handed = []
+    for shared, engines, compiled in ((True, {True}, 1), (False, {True, False}, 2)):
+        torch._dynamo.reset()
+        compiles.clear()
+        model = tiny_model("fla")
+        expected = plain(model, prompt[0], 10)[0].tolist()
+        torch.manual_seed(16)
+        eagle = EagleDrafter(EagleHead(EagleConfig.for_target(model)), model)
+        oracle = OracleDrafter([expected[0][5:] + [0] * 16], error_rate=0.3, seed=6)
+        real_commit = oracle.commit
+        oracle.commit = lambda rows, tokens, features=None, real=real_commit: handed.append(features) or real(rows, tokens, features)
+        gen = SpeculativeGenerator(model, eagle, CONFIGS["chain"], compile_options=COMPILE, shared_features=shared)
+        assert gen.generate(prompt, max_new_tokens=10).sequences.tolist() == expected
+        gen.drafter = oracle
+        assert gen.generate(prompt, max_new_tokens=10).sequences.tolist() == expected
+        assert gen.decode(prompt, max_new_tokens=10).sequences.tolist() == expected
+        assert set(gen._engines) == engines and len(compiles) == compiled, (shared, len(compiles))
+        if shared:  # one engine: the EAGLE route's bucket (its pass, its CUDA graph) served the oracle too
+            assert list(gen._engines[True].buckets) == [(8, True), (1, True)]
+    assert handed and all(f is None for f in handed)

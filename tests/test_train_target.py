@@ -247,6 +247,38 @@ def test_torch_backend_swaps_the_recurrence_inside_fla_layers_only_within_the_bl
     torch.testing.assert_close(grad, ref_grad, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("length", [80, 5], ids=["chunk-mode", "fused-recurrent-mode"])
+def test_plain_torch_fla_calls_no_fla_kernel_and_gives_the_model_forward(monkeypatch, length):
+    """The EAGLE head's features path: inside plain_torch_fla an fla GDN model's hidden states and logits
+    are those of its plain forward, and none of fla's own (Triton) functions runs even where the capture
+    would hand them the call (as on CUDA)."""
+    import fla.layers.gated_deltanet as layer_module
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    from specla_compile.lowering import capture
+    from specla_compile.training.chunked_gdn import plain_torch_fla
+
+    torch.manual_seed(0)
+    config = GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=1.0,
+                                 vocab_size=50, fuse_cross_entropy=False)
+    assert config.fuse_norm and config.fuse_swiglu and config.use_short_conv  # fla's fused modules are in the model
+    model = GatedDeltaNetForCausalLM(config).eval()
+    ids = torch.randint(0, 50, (2, length))
+    names = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d")
+    before = [getattr(layer_module, n) for n in names]
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_hidden_states=True)  # CPU: the capture's sequential references
+        monkeypatch.setattr(capture, "use_specla_path", lambda x: False)  # every wrapper now calls fla's original
+        with pytest.raises(Exception):  # (which cannot run here: proof that the originals are reached)
+            model(input_ids=ids)
+        with plain_torch_fla(chunk_size=16):
+            out = model(input_ids=ids, output_hidden_states=True)
+    assert [getattr(layer_module, n) for n in names] == before  # restored
+    torch.testing.assert_close(out.hidden_states[-1], ref.hidden_states[-1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(out.hidden_states[-1], out.hidden_states[0])  # (the layers did something)
+
+
 # --- the training script -----------------------------------------------------------------------------
 
 
@@ -380,11 +412,16 @@ def test_prepared_data_is_reused_and_a_time_budget_stops_after_saving(script, co
     prepared = script.main(train_args(corpus_dir, out, 5, "--prepare-only"))
     assert not (out / script.STATE_NAME).exists() and (out / "tokenizer.json").is_file()
     stamp = (out / C.STREAMS_DIR / "code_train.npy").stat().st_mtime_ns
-    report = script.main(train_args(corpus_dir, out, 5, "--max-minutes", "1e-6"))
+    report = script.main(train_args(corpus_dir, out, 5, "--no-resume", "--max-wall-minutes", "1e-6"))
     assert (out / C.STREAMS_DIR / "code_train.npy").stat().st_mtime_ns == stamp  # not tokenized again
     assert report["corpus_tokens"] == prepared["corpus"]
-    assert report["steps"] == 1 and not report["complete"]
+    assert report["steps"] == 1 and not report["complete"]  # the wall cap counts everything, the first step too
     assert torch.load(out / script.STATE_NAME, weights_only=False)["step"] == 1
+    # --max-minutes starts after the first (compiling) step: one step more, however short the budget
+    report = script.main(train_args(corpus_dir, out, 5, "--no-resume", "--max-minutes", "1e-6"))
+    assert report["steps"] == 2 and not report["complete"]
+    assert report["time_budget"]["first_step_seconds"] > 0 and report["time_budget"]["seconds_after_first_step"] > 0
+    assert torch.load(out / script.STATE_NAME, weights_only=False)["step"] == 2
     with pytest.raises(ValueError, match="another corpus or tokenizer"):  # a checkpoint of other options
         script.main(train_args(corpus_dir, out, 5, "--vocab-size", "290"))
 
@@ -404,9 +441,34 @@ def test_fit_steps_ends_the_schedule_within_the_time_limit(script, corpus_dir, t
 
 def test_eagle_time_budget_stops_after_saving(trained, corpus_dir, tmp_path):
     eagle = load_script("train_eagle")
-    options = "--seq-len 32 --batch-size 4 --steps 50 --eval-every 40 --eval-blocks 2 --device cpu --max-minutes 1e-6"
-    out = tmp_path / "eagle"
-    history = eagle.main(["--target", str(trained[0] / "straight"), "--out", str(out), *corpus_args(corpus_dir), *options.split()])
-    report = json.loads((out / eagle.REPORT_NAME).read_text())
-    assert len(history) == 1 and report["steps"] == 1 and not report["complete"] and report["heldout_top1"]["all"]["positions"] > 0
-    assert torch.load(out / eagle.STATE_NAME)["step"] == 1
+    options = "--seq-len 32 --batch-size 4 --steps 50 --eval-every 40 --eval-blocks 2 --device cpu".split()
+    for cap, steps in (("--max-wall-minutes", 1), ("--max-minutes", 2)):  # --max-minutes: after the first step
+        out = tmp_path / cap
+        history = eagle.main(["--target", str(trained[0] / "straight"), "--out", str(out), *corpus_args(corpus_dir),
+                              *options, cap, "1e-6"])
+        report = json.loads((out / eagle.REPORT_NAME).read_text())
+        assert len(history) == steps and report["steps"] == steps and not report["complete"]
+        assert report["heldout_top1"]["all"]["positions"] > 0 and report["features_backend"] == "torch"
+        assert torch.load(out / eagle.STATE_NAME)["step"] == steps
+
+
+def test_time_budget_starts_its_training_clock_after_the_first_step():
+    from specla_compile.training.budget import TimeBudget
+
+    now = [100.0]
+    budget = TimeBudget(minutes=1.0, wall_minutes=5.0, launched=0.0, clock=lambda: now[0])
+    assert budget.left() == 60.0 and not budget.out_of_time()
+    now[0] = 220.0  # a first step of 120 s (compilation): the training minute is still whole
+    line = budget.step_done(120.0)
+    assert "took 120 s" in line and "training for 1 min from now" in line
+    assert budget.left() == 60.0 and not budget.out_of_time()
+    now[0] = 250.0
+    assert budget.step_done(30.0) is None and budget.left() == 30.0 and not budget.out_of_time()
+    now[0] = 280.0
+    assert budget.out_of_time() and "--max-minutes" in budget.reason()
+    # the wall cap counts from launch, the first step included, and wins when it comes first
+    budget = TimeBudget(minutes=10.0, wall_minutes=5.0, launched=0.0, clock=lambda: now[0])
+    budget.step_done(280.0)
+    assert budget.left() == 20.0 and not budget.out_of_time()
+    now[0] = 300.0
+    assert budget.out_of_time() and "--max-wall-minutes" in budget.reason()

@@ -141,9 +141,25 @@ class SpeculativeGenerator:
     read one input are packed back to back in place (same values; see
     :func:`~specla_compile.lowering.fuse_projections.pack_projections`), so the compiled passes run
     each group as one GEMM.
+
+    ``shared_features``: every call, plain decoding (:meth:`decode`) included, runs through the static
+    engine whose passes also return the target's last hidden state, whether its drafter reads it or not.
+    Returning the hidden state changes the compiled graph, so otherwise drafters with features (EAGLE),
+    drafters without (n-gram) and plain decoding compile and capture their passes twice; shared, a GDN
+    model verifies every route through one compiled graph (the engine's node dimension is dynamic) and
+    one static cache, at the price of one more output per pass (``[B, N, D]``). For a benchmark that
+    swaps drafters on one generator.
     """
 
-    def __init__(self, model: torch.nn.Module, drafter: Drafter, config: SpecConfig | None = None, *, compile_options: dict | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        drafter: Drafter,
+        config: SpecConfig | None = None,
+        *,
+        compile_options: dict | None = None,
+        shared_features: bool = False,
+    ):
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             self.compiled, self.model = model, model._orig_mod
         else:
@@ -163,7 +179,12 @@ class SpeculativeGenerator:
                     f"{type(self.model).__name__} has no GDN layer that specla can verify (fla's GatedDeltaNet, transformers' "
                     "Qwen3.5 / Qwen3-Next, or a recurrence named with specla_compile.lowering.capture.register_recurrence)"
                 )
+        self.shared_features = shared_features
         self._engines: dict[bool, StaticEngine] = {}
+
+    def engine_features(self, drafter: Drafter) -> bool:
+        """Whether a call with ``drafter`` runs through the engine that returns features."""
+        return drafter.needs_features or self.shared_features
 
     def engine(self, device: torch.device, features: bool) -> StaticEngine | None:
         """The static engine of this generator (None when ``SpecConfig.engine`` is "dynamic"); CUDA graphs
@@ -218,7 +239,7 @@ class SpeculativeGenerator:
         saved = snapshot(past_key_values) if past_key_values is not None else None
         try:
             drafter = _PlainDrafter() if _plain else self.drafter
-            engine = self.engine(input_ids.device, drafter.needs_features)
+            engine = self.engine(input_ids.device, self.engine_features(drafter))
             run = (_StaticRun if engine is not None else _Run)(self, drafter, rows, args, streamer, generator)
             return run.run(input_ids, past_key_values)
         except BaseException:
@@ -423,7 +444,7 @@ class _Run:
         # the committed tokens are the old pending token and the accepted drafts: emitted minus its last
         committed = [torch.tensor([int(self.pending[b])] + emitted[b][:-1], device=self.device) for b in active]
         features = None
-        if hidden is not None:
+        if hidden is not None and self.drafter.needs_features:  # (a shared features engine returns them to all)
             paths = acceptance.path.to(hidden.device)
             features = [hidden[b, paths[b, : len(emitted[b])]] for b in active]
         self.drafter.commit(active, committed, features)
@@ -488,7 +509,7 @@ class _StaticRun(_Run):
     inside it, and the host reads the accepted path once per pass."""
 
     def _start(self) -> None:
-        self.engine = self.owner.engine(self.device, self.drafter.needs_features)
+        self.engine = self.owner.engine(self.device, self.owner.engine_features(self.drafter))
         longest = int(self.committed.max())
         # attention columns: powers of two from 256, so that calls of similar lengths share graphs
         capacity = max(256, 1 << (longest + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0

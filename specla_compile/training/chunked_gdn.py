@@ -177,3 +177,38 @@ def torch_chunk_gdn(chunk_size: int = DEFAULT_CHUNK, compile: bool = False) -> I
         yield
     finally:
         module.chunk_gated_delta_rule = saved
+
+
+@contextlib.contextmanager
+def plain_torch_fla(chunk_size: int = DEFAULT_CHUNK) -> Iterator[None]:
+    """Inside the block, fla's GDN models run without a single Triton kernel or compilation, on any
+    device: the recurrence (chunk and fused-recurrent modes) by :func:`chunked_gdn`, eagerly; the short
+    convolutions, RMSNorm, gated RMSNorm and SwiGLU by the PyTorch forms the capture routes them to on
+    CPU. For a forward pass whose first call must not wait for fla's Triton autotuning (on the H200,
+    about 100 s of compiling every config of the chunk kernels): the EAGLE head's training features.
+    The names are swapped and restored on exit, as in :func:`torch_chunk_gdn`."""
+    from ..lowering import capture
+
+    recurrence = fla_chunk_replacement(chunk_size, compile=False)
+    swaps = [
+        (FLA_GDN_MODULE, "chunk_gated_delta_rule", recurrence),
+        (FLA_GDN_MODULE, "fused_recurrent_gated_delta_rule", recurrence),
+        (FLA_GDN_MODULE, "causal_conv1d", capture.fla_causal_conv1d),
+        ("fla.modules:ShortConvolution", "forward", capture.fla_short_conv_forward),
+        ("fla.modules:FusedRMSNormGated", "forward", capture.fla_rms_norm_gated_forward),
+        ("fla.modules:RMSNorm", "forward", capture.fla_rms_norm_forward),
+        ("fla.modules.mlp:SwiGLULinear", "forward", capture.fla_swiglu_linear_forward),
+    ]
+    saved = []
+    try:
+        for owner_name, name, replacement in swaps:
+            try:
+                owner = capture._resolve_owner(owner_name)
+            except (ImportError, AttributeError):  # fla is not installed (a model of another family runs as it is)
+                continue
+            saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, replacement)
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
