@@ -121,21 +121,27 @@ def test_a_failed_call_leaves_nothing_pending_for_the_next():
     assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
 
 
-def test_one_compile_serves_every_bucket_size_of_a_gdn_model(monkeypatch):
+@pytest.fixture
+def compiles(monkeypatch) -> list[int]:
+    """One entry per graph the specla backend compiles (a verification twin included) from now on."""
+    import specla_compile.backend as backend
+
+    compiled = []
+
+    class Counted(backend.SpeculativeGraph):
+        def __init__(self, *args, **kwargs):
+            compiled.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "SpeculativeGraph", Counted)
+    return compiled
+
+
+def test_one_compile_serves_every_bucket_size_of_a_gdn_model(compiles):
     """The engine marks the node dimension dynamic from the first pass (size 1 included), so plain
     decoding's 1-node pass and the drafts' 8-node bucket share one compiled graph, and stay exact.
     (Hybrids compile the 1-node pass apart: see StaticEngine._forward.)"""
     family = "fla"
-    import specla_compile.backend as backend
-
-    compiles = []
-
-    class Counted(backend.SpeculativeGraph):
-        def __init__(self, *args, **kwargs):
-            compiles.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(backend, "SpeculativeGraph", Counted)
     torch._dynamo.reset()
     model = tiny_model(family)
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(16))
@@ -148,21 +154,11 @@ def test_one_compile_serves_every_bucket_size_of_a_gdn_model(monkeypatch):
     assert after_plain >= 1 and len(compiles) == after_plain, f"{after_plain} compiles for the 1-node pass, {len(compiles)} in all"
 
 
-def test_shared_features_engine_serves_every_route_with_one_compile(monkeypatch):
+def test_shared_features_engine_serves_every_route_with_one_compile(compiles):
     """With ``shared_features`` an EAGLE route, a drafter that reads no features and plain decoding run
     through one engine and one compiled graph (as the trained benchmark swaps them), all exact; the
     featureless drafter is handed no features. Without it, the featureless routes compile again."""
-    import specla_compile.backend as backend
     from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
-
-    compiles = []
-
-    class Counted(backend.SpeculativeGraph):
-        def __init__(self, *args, **kwargs):
-            compiles.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(backend, "SpeculativeGraph", Counted)
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(15))
     handed = []
     for shared, engines, compiled in ((True, {True}, 1), (False, {True, False}, 2)):
