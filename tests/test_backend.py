@@ -137,10 +137,9 @@ def test_rewrite_structure_and_durable_writes(family):
         assert view_chain(outputs[i])[0] in durable
 
 
-@pytest.mark.parametrize("plain", ["compiled", "eager"])
-def test_plain_calls_match_eager(family, plain):
+def test_plain_calls_match_eager(family):
     model = tiny_model(family)
-    compiled = torch.compile(model, backend="specla", options={"inner": "aot_eager", "plain": plain})
+    compiled = torch.compile(model, backend="specla", options={"inner": "aot_eager"})
     tokens = torch.randint(0, VOCAB, (BATCH, PROMPT + 2))
     with torch.no_grad():
         eager = model(tokens[:, :PROMPT], use_cache=True)
