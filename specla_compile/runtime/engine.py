@@ -15,7 +15,6 @@ bucket side-effect free once the pending records are flushed.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -118,8 +117,8 @@ class StaticEngine:
     def finish(self):
         """Commit every pending record, write the static cache back into the cache given to :meth:`start`
         and return that cache."""
-        for bucket in self.buckets.values():
-            self._flush(bucket)
+        if self.last is not None:  # the only bucket with pending records: a switch flushes the one before
+            self._flush(self.last)
         store_static(self.cache, self.user_cache, self.columns)
         set_seen_tokens(self.user_cache, int(self.committed.max()))
         return self.user_cache
