@@ -209,6 +209,43 @@ def pass_ms(gen, nodes: int, pending: int = 0, repeats: int = 50, chain: bool = 
     return statistics.median(times)
 
 
+KERNEL_KINDS = (  # kernel name fragment -> kind, first match wins
+    ("gemm", "gemm"), ("gemv", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("xmma", "gemm"),
+    ("recurrent", "recurrence"), ("chunk", "recurrence"), ("delta", "recurrence"), ("conv", "conv"),
+    ("copy", "copy"), ("memcpy", "copy"), ("memset", "copy"), ("triton", "inductor"),
+)
+
+
+def kernel_profile(graph, replays: int = 5, trace_path: str | None = None) -> dict:
+    """What one captured pass spends its GPU time on: kernels per replay and their busy time by kind
+    (GEMM, recurrence, conv, copies, inductor's fused elementwise, other), from a profiler trace of
+    ``replays`` replays. Busy time below the replay's wall time is launch gaps inside the graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    path = trace_path or "/tmp/specla_pass_trace.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kinds, names = {}, {}
+    for e in events:
+        name = e.get("name", "").lower()
+        kind = next((k for frag, k in KERNEL_KINDS if frag in name), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] / 1000 / replays
+        names[e["name"][:80]] = names.get(e["name"][:80], 0.0) + e["dur"] / 1000 / replays
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1000 / replays if events else 0.0
+    return {
+        "kernels_per_pass": len(events) / replays, "busy_ms": sum(kinds.values()), "span_ms": span,
+        "by_kind_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms": {k: round(v, 4) for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:12]},
+    }
+
+
 def eager_ms_per_token(model, prompt, tokens: int = 16) -> float:
     from specla_compile.runtime.baseline import autoregressive_generate
 
@@ -334,6 +371,13 @@ def fla_quick(args, results: dict) -> None:
     r = section.setdefault("tree", {})["k4_n16_p0.8"] = controlled_route(gen, prompts, args.new_tokens, plain, truths, 0.8, depth, 4, config)
     section["pass_ms_tree"] = {"16": pass_ms(gen, 16, chain=False)}
     print(f"tree k=4 n=16 p=0.8: {r['speedup']:.2f}x; tree pass {section['pass_ms_tree']['16']:.3f} ms", flush=True)
+    engine = next(iter(gen._engines.values()))
+    try:  # what bounds a pass (a failure here keeps the figures above)
+        section["profile"] = {f"{n}_{'chain' if chain else 'tree'}": kernel_profile(engine.buckets[(n, chain)].graph)
+                              for n, chain in ((1, True), (16, True)) if (n, chain) in engine.buckets}
+        print("profile", json.dumps(section["profile"], indent=1), flush=True)
+    except Exception:
+        section["profile_error"] = traceback.format_exc()
 
 
 def fla_batch(args, results: dict) -> None:
@@ -495,7 +539,7 @@ def write_report(results: dict, out_dir: str) -> None:
     if "setup" in results:
         lines += ["", f"Setup: {results['setup']}."]
     for key, value in results.get("fla_b1", {}).items():
-        if key in ("eager_ms_per_token", "pass_ms", "pass_ms_tree", "pass_ms_by_pending", "host_ms_per_pass", "compile_seconds"):
+        if key in ("eager_ms_per_token", "pass_ms", "pass_ms_tree", "pass_ms_by_pending", "host_ms_per_pass", "compile_seconds", "profile"):
             lines.append(f"- `{key}`: {value}")
     for name, how in results.get("runs", {}).items():
         lines.append(f"- run `{name}`: `{how}`")
