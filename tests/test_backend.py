@@ -304,6 +304,22 @@ def test_backend_is_registered_without_importing_the_package():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
 
 
+def test_generator_compiles_from_a_source_checkout_without_the_entry_point():
+    """Run from a checkout on PYTHONPATH (as on the GPU machine), no entry point registers "specla":
+    the generator's compile must register it by name itself."""
+    script = (
+        "import importlib.metadata as md\n"
+        "_all = md.entry_points\n"
+        "md.entry_points = lambda **kw: md.EntryPoints([]) if kw.get('group') == 'torch_dynamo_backends' else _all(**kw)\n"
+        "import torch\n"
+        "from specla_compile.runtime.generator import compile_for_verification\n"
+        "compile_for_verification(torch.nn.Linear(2, 2))\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
 def test_inductor_inner_compiler_verifies_a_chain():
     """The default inner compiler (inductor, C++ on CPU) on one family: slower to build, so once."""
     torch._dynamo.reset()

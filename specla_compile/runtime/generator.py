@@ -129,6 +129,8 @@ def compile_for_verification(model: torch.nn.Module, options: dict | None = None
     options = {"plain": "eager", **(options or {})}
     key = json.dumps(options, sort_keys=True)
     if key not in per_model:
+        from .. import backend  # noqa: F401  (registers "specla" by name where no entry point is installed)
+
         per_model[key] = torch.compile(model, backend="specla", options=options)
     return per_model[key]
 
