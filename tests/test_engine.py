@@ -137,10 +137,13 @@ def compiles(monkeypatch) -> list[int]:
     return compiled
 
 
-def test_one_compile_serves_every_bucket_size_of_a_gdn_model(compiles):
-    """The engine marks the node dimension dynamic from the first pass (size 1 included), so plain
-    decoding's 1-node pass and the drafts' 8-node bucket share one compiled graph, and stay exact.
-    (Hybrids compile the 1-node pass apart: see StaticEngine._forward.)"""
+def test_one_compile_serves_every_bucket_size_of_a_gdn_model(compiles, monkeypatch):
+    """With ``engine.ONE_GRAPH`` (off by default: see there) the engine marks the node dimension dynamic
+    from the first pass (size 1 included), so plain decoding's 1-node pass and the drafts' 8-node bucket
+    share one compiled graph, and stay exact. (Hybrids compile the 1-node pass apart: see StaticEngine._forward.)"""
+    import specla_compile.runtime.engine as engine
+
+    monkeypatch.setattr(engine, "ONE_GRAPH", True)
     family = "fla"
     torch._dynamo.reset()
     model = tiny_model(family)
@@ -156,12 +159,12 @@ def test_one_compile_serves_every_bucket_size_of_a_gdn_model(compiles):
 
 def test_shared_features_engine_serves_every_route_with_one_compile(compiles):
     """With ``shared_features`` an EAGLE route, a drafter that reads no features and plain decoding run
-    through one engine and one compiled graph (as the trained benchmark swaps them), all exact; the
-    featureless drafter is handed no features. Without it, the featureless routes compile again."""
+    through one engine and one compiled graph per node count (as the trained benchmark swaps them), all
+    exact; the featureless drafter is handed no features. Without it, the featureless routes compile again."""
     from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(15))
     handed = []
-    for shared, engines, compiled in ((True, {True}, 1), (False, {True, False}, 2)):
+    for shared, engines, compiled in ((True, {True}, 2), (False, {True, False}, 3)):  # 8-node and 1-node passes
         torch._dynamo.reset()
         compiles.clear()
         model = tiny_model("fla")

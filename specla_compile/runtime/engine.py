@@ -31,6 +31,12 @@ from ..tree import PAD, ancestor_mask_device
 log = logging.getLogger("specla_compile")
 
 
+# One compiled graph for every bucket size (the node dimension dynamic from the first pass). Off: on the
+# H200 (torch 2.11, Triton 3.6) inductor's Triton code generation fails on it at batch 1 ("CantSplit:
+# 2048 not divisible by 2048*s27"); CPU inductor (C++) and aot_eager handle it. Each size compiles apart.
+ONE_GRAPH = False
+
+
 def size_oblivious(on: bool):
     """While on, Dynamo traces size-1 dimensions marked dynamic as general sizes (no 0/1 specialisation)."""
     return fx_config.patch(backed_size_oblivious=on)
@@ -196,7 +202,7 @@ class StaticEngine:
             kwargs["position_ids"] = self.committed[:, None] + depth
             tree_mask = self._tree_mask(ancestors)
         set_seen_tokens(self.cache, 0)  # fla's token counter: a constant keeps Dynamo's guards on it stable
-        one_graph = self.kv_valid is None
+        one_graph = ONE_GRAPH and self.kv_valid is None
         if one_graph:
             # One graph for every bucket size, the 1-node pass included: the node dimension is dynamic from
             # the first compile, and size-oblivious reasoning keeps Dynamo from specialising it when it is 1.
