@@ -255,11 +255,12 @@ def checkpoints(tmp_path_factory):
 
 
 def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt_files, tmp_path, monkeypatch):
-    calls, run = [], E.Bench.run
+    calls, lengths, run = [], [], E.Bench.run
 
-    def failing_run(self, route, ids, n):  # ngram_tree fails on its third call: warm-up, prompt 1, prompt 2
+    def failing_run(self, route, ids, n):  # ngram_tree fails on its fourth call: 2 warm-ups, prompt 1, prompt 2
         calls.append(route)
-        if route == "ngram_tree" and calls.count(route) == 3:
+        lengths.append(ids.shape[1])
+        if route == "ngram_tree" and calls.count(route) == 4:
             raise RuntimeError("a route that fails")
         return run(self, route, ids, n)
 
@@ -267,19 +268,21 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     results = E.main(["--target", str(checkpoints / "target"), "--eagle", str(checkpoints / "eagle"), "--out", str(tmp_path),
                       "--prompts-dir", str(prompt_files), "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"),
                       "--suites", "gsm8k", "humaneval", "--limit-prompts", "1", "--eager-prompts", "1", "--new-tokens", "5",
-                      "--warmup-tokens", "2", "--device", "cpu", "--dtype", "float32", "--inner", "eager", "--ignore-eos"])
+                      "--warmup-tokens", "2", "--device", "cpu", "--dtype", "float32", "--inner", "eager"])
     assert set(results["errors"]) == {"ngram_tree"} and "a route that fails" in results["errors"]["ngram_tree"]
     assert set(results["warmup_s"]) == set(E.ROUTES)
     assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
     assert set(results["records"][1]["routes"]) == set(E.ROUTES) - {"ngram_tree"}  # dropped, the others went on
     for record in results["records"]:
-        assert {r["tokens"] for r in record["routes"].values()} == {5}  # --ignore-eos: every route makes 5 tokens
+        assert {r["tokens"] for r in record["routes"].values()} == {5}  # (EOS ignored by default) every route makes 5 tokens
         assert all(r["passes"] >= 1 and r["seconds"] > 0 for name, r in record["routes"].items() if name in E.SPEC_ROUTES)
     assert not results.get("mismatches")  # greedy fp32: every route emits plain decoding's tokens
     targets = {t["name"]: t for t in results["targets"]}
     assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["measured"].startswith("7/7")
     assert (tmp_path / "e2e_trained.md").is_file() and (tmp_path / "e2e_trained.png").is_file()
-    # warm-up apart from measuring
+    # warm-up apart from measuring, on the shortest and the longest prompt (prefill's two fla paths)
+    measured = [r["prompt_tokens"] for r in results["records"]]
+    assert calls[:2] == ["plain", "plain"] and lengths[:2] == [min(measured), max(measured)] and min(measured) < max(measured)
     assert results["warmup_total_s"] == pytest.approx(sum(results["warmup_s"].values()))
     assert [c["prompts"] for c in results["calls"]] == [2] and results["calls"][0]["measure_s"] > 0
     assert "warm-ups" in (tmp_path / "e2e_trained.md").read_text()
@@ -297,7 +300,7 @@ def test_resume_measures_only_the_prompts_left_and_keeps_every_call(checkpoints,
     base = ["--target", str(checkpoints / "target"), "--eagle", str(checkpoints / "eagle"), "--out", str(tmp_path),
             "--prompts-dir", str(prompt_files), "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"), "--suites", "gsm8k",
             "--routes", "plain", "eagle_chain", "ngram_chain", "--new-tokens", "4", "--warmup-tokens", "2", "--device", "cpu",
-            "--dtype", "float32", "--inner", "eager", "--ignore-eos"]
+            "--dtype", "float32", "--inner", "eager"]
     first = E.main(base + ["--limit-prompts", "3", "--max-wall-minutes", "1e-6"])  # no prompt fits: all warm-up
     assert first["records"] == [] and "--max-wall-minutes" in first["stopped"] and set(first["warmup_s"]) == {
         "plain", "eagle_chain", "ngram_chain"}
