@@ -211,7 +211,7 @@ def pass_ms(gen, nodes: int, pending: int = 0, repeats: int = 50, chain: bool = 
 
 KERNEL_KINDS = (  # kernel name fragment -> kind, first match wins
     ("gemm", "gemm"), ("gemv", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("xmma", "gemm"),
-    ("recurrent", "recurrence"), ("chunk", "recurrence"), ("delta", "recurrence"), ("conv", "conv"),
+    ("recurrent", "recurrence"), ("_parallel_kernel", "recurrence"), ("chunk", "recurrence"), ("delta", "recurrence"), ("conv", "conv"),
     ("copy", "copy"), ("memcpy", "copy"), ("memset", "copy"), ("triton", "inductor"),
 )
 
@@ -539,7 +539,7 @@ def write_report(results: dict, out_dir: str) -> None:
     if "setup" in results:
         lines += ["", f"Setup: {results['setup']}."]
     for key, value in results.get("fla_b1", {}).items():
-        if key in ("eager_ms_per_token", "pass_ms", "pass_ms_tree", "pass_ms_by_pending", "host_ms_per_pass", "compile_seconds", "profile"):
+        if key in ("eager_ms_per_token", "pass_ms", "pass_ms_tree", "pass_ms_by_pending", "host_ms_per_pass", "compile_seconds"):
             lines.append(f"- `{key}`: {value}")
     for name, how in results.get("runs", {}).items():
         lines.append(f"- run `{name}`: `{how}`")
@@ -554,6 +554,7 @@ def write_report(results: dict, out_dir: str) -> None:
     if "invalid" in results:
         lines += ["", f"Not reported: {results['invalid']['what']}. Why: {results['invalid']['why']}."]
     b1 = results.get("fla_b1", {})
+    lines += profile_markdown(b1.get("profile"), b1.get("weights_gb", 2.93) / 4.2)
     if b1.get("chain"):
         lines += ["", "Chain speedup over graphed plain decoding (B=1, 128 new tokens, decode phase):", "",
                   "| L \\ p | " + " | ".join(str(p) for p in P_VALUES) + " |", "| --- |" + " --- |" * len(P_VALUES)]
@@ -572,19 +573,34 @@ def write_report(results: dict, out_dir: str) -> None:
     print("\n".join(lines))
 
 
+def profile_markdown(profile: dict | None, floor_ms: float) -> list[str]:
+    """The passes' GPU time by kernel kind as a table (``kernel_profile``), against the weight-streaming floor."""
+    if not profile:
+        return []
+    passes = list(profile)
+    kinds = sorted({k for p in profile.values() for k in p["by_kind_ms"]}, key=lambda k: -profile[passes[0]]["by_kind_ms"].get(k, 0))
+    lines = ["", f"What one captured pass spends on the GPU (ms; profiler, bf16, B=1; weight-streaming floor {floor_ms:.2f} ms):", "",
+             "| | " + " | ".join(passes) + " |", "| --- |" + " --- |" * len(passes)]
+    lines += [f"| {k} | " + " | ".join(f"{profile[p]['by_kind_ms'].get(k, 0):.3f}" for p in passes) + " |" for k in kinds]
+    for key, name in (("busy_ms", "busy (sum of kernels)"), ("span_ms", "first kernel start to last kernel end"), ("kernels_per_pass", "kernels")):
+        lines.append(f"| {name} | " + " | ".join(f"{profile[p][key]:.3f}" if key != "kernels_per_pass" else f"{profile[p][key]:.0f}" for p in passes) + " |")
+    return lines
+
+
 def plot(results: dict, path: str) -> None:
     """The chain heatmap (speedup over graphed plain decoding, as the paper's Figure 12) when measured,
     and the cost of one pass by node count next to the weight-streaming floor."""
     b1 = results.get("fla_b1", {})
-    chain, passes = b1.get("chain"), b1.get("pass_ms")
-    if not chain and not passes:
+    chain, passes, profile = b1.get("chain"), b1.get("pass_ms"), b1.get("profile")
+    panels = sum(bool(x) for x in (chain, passes, profile))
+    if not panels:
         return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 if chain and passes else 1, figsize=(11 if chain and passes else 6, 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
     axes = list(axes[0])
     if chain:
         ax = axes.pop(0)
@@ -611,6 +627,19 @@ def plot(results: dict, path: str) -> None:
         ax.set_xlabel("nodes verified in the pass")
         ax.set_ylabel("ms")
         ax.set_title("Cost of one pass, GDN-1.3B shape, H200, bf16")
+        ax.legend(fontsize=7)
+    if profile:
+        ax = axes.pop(0)
+        names = list(profile)
+        kinds = sorted({k for p in profile.values() for k in p["by_kind_ms"]}, key=lambda k: -profile[names[0]]["by_kind_ms"].get(k, 0))
+        bottom = [0.0] * len(names)
+        for kind in kinds:
+            heights = [profile[n]["by_kind_ms"].get(kind, 0.0) for n in names]
+            ax.bar(names, heights, bottom=bottom, label=kind)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.axhline(b1.get("weights_gb", 2.93) / 4.2, color="black", ls="--", label="weight-streaming floor")
+        ax.set_ylabel("GPU busy ms per pass")
+        ax.set_title(f"Where a pass goes ({profile[names[0]]['kernels_per_pass']:.0f} kernels)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
