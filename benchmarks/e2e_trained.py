@@ -285,6 +285,7 @@ def markdown(results: dict) -> str:
                      f"measuring {call.get('measure_s', 0):.1f} s ({call.get('prompts', 0)} prompts)")
     lines += [""] if results.get("calls") else []
     lines += targets_markdown(results["targets"])
+    lines += ["", "Read with care:", ""] + [f"- {c}" for c in results["caveats"]] if results.get("caveats") else []
     if results.get("stopped"):
         lines += ["", f"Stopped early: {results['stopped']}."]
     for suite, routes in results.get("summary", {}).items():
@@ -338,7 +339,8 @@ def plot(results: dict, path: str) -> None:
                 values.append(v)
                 errors[0].append(v - s["ci"][0] if s["value"] is not None else 0)
                 errors[1].append(s["ci"][1] - v if s["value"] is not None else 0)
-            ax.bar([j + i * width for j in range(len(suites))], values, width, yerr=errors, capsize=2, label=route)
+            ax.bar([j + i * width for j in range(len(suites))], values, width, yerr=errors, capsize=2, label=route,
+                   color=f"C{ROUTES.index(route)}")  # one color per route in both panels
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(suites))], suites)
         ax.set_ylabel(label)
         if key == "speedup":
