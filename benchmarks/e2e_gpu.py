@@ -232,17 +232,19 @@ def kernel_profile(graph, replays: int = 5, trace_path: str | None = None) -> di
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    kinds, names = {}, {}
+    kinds, names, calls = {}, {}, {}
     for e in events:
         name = e.get("name", "").lower()
         kind = next((k for frag, k in KERNEL_KINDS if frag in name), "other")
         kinds[kind] = kinds.get(kind, 0.0) + e["dur"] / 1000 / replays
         names[e["name"][:80]] = names.get(e["name"][:80], 0.0) + e["dur"] / 1000 / replays
+        calls[e["name"][:80]] = calls.get(e["name"][:80], 0) + 1 / replays
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1000 / replays if events else 0.0
     return {
         "kernels_per_pass": len(events) / replays, "busy_ms": sum(kinds.values()), "span_ms": span,
         "by_kind_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: round(v, 4) for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:12]},
+        "top_kernels_calls": {k: round(calls[k]) for k, _ in sorted(names.items(), key=lambda kv: -kv[1])[:12]},
     }
 
 
