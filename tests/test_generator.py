@@ -133,6 +133,27 @@ def test_model_drafter_on_itself_accepts_everything():
     assert out.stats.target_passes == 1 + 2  # prefill, then 2 iterations of 5 tokens each
 
 
+def test_model_drafter_on_a_ragged_batch_equals_plain_decoding():
+    """Rows of different lengths that accept different numbers of drafts, drafted together by a hybrid
+    (GDN + attention) drafter that is a noisy copy of the target."""
+    model, drafter_model = tiny_model("qwen3_5", layers=2), tiny_model("qwen3_5", layers=2)
+    with torch.no_grad():
+        head = drafter_model.lm_head.weight
+        head.add_(0.5 * head.std() * torch.randn(head.shape, generator=torch.Generator().manual_seed(3)))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (1, 5, 3)]
+    width = max(p.numel() for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - p.numel() :], mask[b, width - p.numel() :] = p, 1
+    spec = SpeculativeGenerator(model, ModelDrafter(drafter_model), SETTINGS[2], compile_options=COMPILE)
+    out = spec.generate(input_ids, max_new_tokens=10, attention_mask=mask)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, width:].tolist() == plain(model, p, 10)[0][0, p.numel() :].tolist()
+    assert len(set(out.stats.accepted_drafts)) > 1  # rows committed different numbers of tokens
+
+
 def test_acceptance_rate_counts_every_drafted_node_and_speed_the_whole_call():
     stats = GenerationStats(new_tokens=9, accepted_drafts=[3, 0, 1], tree_sizes=[5, 7, 1], seconds=1.5)
     assert stats.acceptance_rate == 4 / 10  # a tree's rejected branches were drafted too

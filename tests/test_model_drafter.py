@@ -5,6 +5,7 @@ from tiny_lm import tiny_lm
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import ModelDrafter
 from specla_compile.runtime.drafting import DraftRequest, output_vocab_size
+from specla_compile.runtime.topology import PAD
 from specla_compile.runtime.tree_builder import build_draft
 
 VOCAB = 300
@@ -123,4 +124,47 @@ def test_gdn_drafter_rolls_back_by_drafting_on_a_copy(family):
             assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
             accepted = [draft.tokens[0, 1:3], draft.tokens[1, 1:1]]
             drafter.commit([0, 1], [torch.cat([s[-1:], a]) for s, a in zip(seqs, accepted)])
+            seqs = [torch.cat([s, a]) for s, a in zip(seqs, accepted)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5", "fla"])
+def test_ragged_batch_is_drafted_together_and_equals_each_row_alone(kind):
+    """Rows of different lengths committing different numbers of tokens: the batched drafts equal each
+    row drafted as a batch of one, with one forward per draft level plus one per distinct count of new
+    tokens (catch-up)."""
+    if kind == "llama":
+        model, vocab = tiny_lm(vocab=VOCAB, seed=8, init_std=0.3), VOCAB
+    else:
+        models = pytest.importorskip("models")
+        model, vocab = models.tiny_model(kind, layers=2, seed=8), models.VOCAB
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    gen = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, vocab, (n,), generator=gen) for n in (3, 8, 5, 6)]
+    rows = list(range(len(seqs)))
+    batched, alone = ModelDrafter(model), [ModelDrafter(model) for _ in seqs]
+    batched.begin(seqs)
+    for drafter, seq in zip(alone, seqs):
+        drafter.begin([seq])
+    committed = [0] * len(seqs)
+    for config in (SpecConfig(mode="chain", depth=3), SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)):
+        for _ in range(2):
+            seqs = [torch.cat([s, torch.randint(0, vocab, (1,), generator=gen)]) for s in seqs]
+            forwards.clear()
+            draft = batched.propose(DraftRequest(rows, seqs), config)
+            new_counts = {len(s) - c for s, c in zip(seqs, committed)}
+            assert len(forwards) == len(new_counts) + config.depth - 1
+            for b, (drafter, seq) in enumerate(zip(alone, seqs)):
+                one = drafter.propose(DraftRequest([0], [seq]), config)
+                n = one.tokens.shape[1]
+                assert torch.equal(draft.tokens[b, :n], one.tokens[0])
+                assert torch.equal(draft.parents[b, :n], one.parents[0])
+                assert (draft.parents[b, n:] == PAD).all()
+            committed = [len(s) for s in seqs]
+            # Commit 0 to 2 more tokens per row, so the next propose has ragged new tokens.
+            counts = torch.randint(0, 3, (len(rows),), generator=gen).tolist()
+            accepted = [torch.randint(0, vocab, (n,), generator=gen) for n in counts]
+            batched.commit(rows, [torch.cat([s[-1:], a]) for s, a in zip(seqs, accepted)])
+            for drafter, s, a in zip(alone, seqs, accepted):
+                drafter.commit([0], [torch.cat([s[-1:], a])])
             seqs = [torch.cat([s, a]) for s, a in zip(seqs, accepted)]

@@ -13,9 +13,11 @@ def tiny_lm(
     hidden: int = 32,
     layers: int = 2,
     seed: int = 0,
+    init_std: float = 0.02,
     dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """A random ``kind`` ("llama" or "qwen3") causal LM in eval mode."""
+    """A random ``kind`` ("llama" or "qwen3") causal LM in eval mode; weights drawn with ``init_std``
+    (a larger one makes attention sharp, so positions and masks change the logits visibly)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
@@ -25,6 +27,7 @@ def tiny_lm(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
+        initializer_range=init_std,
     )
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

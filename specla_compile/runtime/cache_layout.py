@@ -130,6 +130,29 @@ def stack_rows(caches: list, lengths: list[int]):
     return merged
 
 
+def left_padding_mask(lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, longest]``: which attention columns of a :func:`stack_rows` cache hold tokens (``lengths [B]``)."""
+    longest = int(lengths.max())
+    return torch.arange(longest, device=lengths.device)[None] >= (longest - lengths)[:, None]
+
+
+def split_rows(cache, lengths: list[int]) -> list:
+    """The inverse of :func:`stack_rows`: one single-row cache per row of ``cache`` (attention K/V
+    left-padded; row ``b`` keeps its last ``lengths[b]`` columns)."""
+    slots = cache_slots(cache)
+    rows = []
+    for b, length in enumerate(lengths):
+        # Seeding deepcopy's memo with each row's tensors copies the cache's structure, not its batch.
+        memo = {}
+        for slot in slots:
+            t = slot.get()
+            memo[id(t)] = (t[b : b + 1, ..., t.shape[-2] - length :, :] if slot.kind == "kv" else t[b : b + 1]).clone()
+        row = copy.deepcopy(cache, memo)
+        set_seen_tokens(row, length)
+        rows.append(row)
+    return rows
+
+
 def compact_attention(cache, past: int, path: torch.Tensor, width: int) -> None:
     """After a verification appended N draft nodes to every attention layer: keep positions ``:past``
     and then, per row, the nodes ``path[b, :width]`` (the caller masks entries past a row's count)."""

@@ -28,6 +28,7 @@ from .cache_layout import (
     cache_argument,
     compact_attention,
     has_attention,
+    left_padding_mask,
     restore,
     set_seen_tokens,
     snapshot,
@@ -330,8 +331,7 @@ class _Run:
             self.committed = torch.tensor(lengths, device=self.device)
         self.attention = has_attention(self.cache)
         if self.attention:
-            longest = int(self.committed.max())
-            self.kv_valid = torch.arange(longest, device=self.device)[None] >= (longest - self.committed)[:, None]
+            self.kv_valid = left_padding_mask(self.committed)
         logits = torch.stack([o[0] for o in outs])
         first = self._sample(logits)
         features = [o[1] for o in outs] if self.drafter.needs_features else None
