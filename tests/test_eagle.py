@@ -119,6 +119,31 @@ def test_cache_rollback_matches_recomputing_from_scratch(config):
         seqs = new
 
 
+def test_drafting_some_rows_of_a_batch_equals_drafting_them_alone():
+    """Rows left out of a request (finished rows) keep their cache; the others draft as if alone."""
+    target, head = make(seed=2)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (6, 9)]
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)
+    both, alone = EagleDrafter(head, target), EagleDrafter(head, target)
+    both.begin(seqs, [features_of(target, s) for s in seqs])
+    alone.begin(seqs[1:], [features_of(target, seqs[1])])
+    seq = torch.cat([seqs[1], torch.tensor([5])])
+    for _ in range(3):
+        draft = both.propose(DraftRequest([1], [seq]), config)
+        expected = alone.propose(DraftRequest([0], [seq]), config)
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+        new = torch.cat([seq, draft.tokens[0, 1:2]])
+        for drafter, row in ((both, 1), (alone, 0)):
+            drafter.commit([row], [new[len(seq) - 1 :]], [features_of(target, new)[len(seq) - 1 :]])
+        seq = torch.cat([new, torch.tensor([7])])
+    first = EagleDrafter(head, target)
+    first.begin(seqs[:1], [features_of(target, seqs[0])])
+    seq = torch.cat([seqs[0], torch.tensor([3])])
+    draft, expected = both.propose(DraftRequest([0], [seq]), config), first.propose(DraftRequest([0], [seq]), config)
+    assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+
+
 def test_save_load_round_trip(tmp_path):
     target, head = make(seed=4, dtype=torch.float32)
     drafter = EagleDrafter(head, target)
