@@ -1,10 +1,12 @@
 import json
 import os
+from collections import Counter
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_lm import features_of, tiny_lm
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
@@ -101,7 +103,7 @@ def test_cache_rollback_matches_recomputing_from_scratch(config):
         for got, want in zip(seen, oracle):
             torch.testing.assert_close(got, want)
         # Nothing speculative stays cached: one pair per committed token but the first.
-        assert [drafter._rows[b].cached for b in (0, 1)] == [len(s) - 1 for s in seqs]
+        assert [drafter._cached[b] for b in (0, 1)] == [len(s) - 1 for s in seqs]
         # Accept part of the draft's first branch for row 0, reject everything for row 1.
         kept = int(torch.randint(0, draft.tokens.shape[1], (1,), generator=gen))
         accepted = [
@@ -115,6 +117,31 @@ def test_cache_rollback_matches_recomputing_from_scratch(config):
             [features_of(target, n)[len(s) - 1 :] for s, n in zip(seqs, new)],
         )
         seqs = new
+
+
+def test_drafting_some_rows_of_a_batch_equals_drafting_them_alone():
+    """Rows left out of a request (finished rows) keep their cache; the others draft as if alone."""
+    target, head = make(seed=2)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (6, 9)]
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)
+    both, alone = EagleDrafter(head, target), EagleDrafter(head, target)
+    both.begin(seqs, [features_of(target, s) for s in seqs])
+    alone.begin(seqs[1:], [features_of(target, seqs[1])])
+    seq = torch.cat([seqs[1], torch.tensor([5])])
+    for _ in range(3):
+        draft = both.propose(DraftRequest([1], [seq]), config)
+        expected = alone.propose(DraftRequest([0], [seq]), config)
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+        new = torch.cat([seq, draft.tokens[0, 1:2]])
+        for drafter, row in ((both, 1), (alone, 0)):
+            drafter.commit([row], [new[len(seq) - 1 :]], [features_of(target, new)[len(seq) - 1 :]])
+        seq = torch.cat([new, torch.tensor([7])])
+    first = EagleDrafter(head, target)
+    first.begin(seqs[:1], [features_of(target, seqs[0])])
+    seq = torch.cat([seqs[0], torch.tensor([3])])
+    draft, expected = both.propose(DraftRequest([0], [seq]), config), first.propose(DraftRequest([0], [seq]), config)
+    assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
 
 
 def test_save_load_round_trip(tmp_path):
@@ -155,3 +182,47 @@ def test_feature_bookkeeping_errors():
         drafter.propose(DraftRequest([0], [torch.cat([seq, seq[:1]])]), SpecConfig())
     with pytest.raises(ValueError, match=r"\[positions, 32\]"):
         drafter.begin([seq], [torch.randn(5, 31, dtype=torch.float64)])
+
+
+class _Dispatches(TorchDispatchMode):
+    """Counts aten ops by name and records the (query, key) shapes of every attention call."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.attention = Counter(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        if "scaled_dot_product" in str(func):
+            self.attention.add((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "config", [SpecConfig(mode="chain", depth=5), SpecConfig(mode="tree", depth=4, tree_top_k=3, budget=8)]
+)
+def test_propose_cost_does_not_grow_with_the_sequence(config):
+    """Past the first propose (the prompt's pairs), a propose runs the same ops at any sequence length,
+    reads at most one number back from the device (a tree's width), and its attention keeps its shapes
+    from one iteration to the next (on H100/H200 each new masked attention shape is a cuDNN plan build
+    of tens of ms)."""
+    target, head = make(seed=5)
+    drafter = EagleDrafter(head, target)
+    gen = torch.Generator().manual_seed(6)
+    ops, shapes = {}, {}
+    for length in (12, 150):
+        seq = torch.randint(0, VOCAB, (length,), generator=gen)
+        drafter.begin([seq[:-1]], [torch.randn(length - 1, 32, dtype=torch.float64, generator=gen)])
+        for step in range(4):
+            counter = _Dispatches()
+            with counter:
+                draft = drafter.propose(DraftRequest([0], [seq]), config)
+            ops[length, step], shapes[length, step] = counter.ops, counter.attention
+            committed = torch.cat([seq[-1:], draft.tokens[0, 1:2]])  # the pending token and one draft
+            drafter.commit([0], [committed], [torch.randn(2, 32, dtype=torch.float64, generator=gen)])
+            seq = torch.cat([seq, draft.tokens[0, 1:3]])
+    steady = [(length, step) for length in (12, 150) for step in (1, 2, 3)]
+    assert all(ops[key] == ops[steady[0]] for key in steady), "ops per propose depend on the sequence length"
+    assert ops[steady[0]]["aten._local_scalar_dense"] == (config.mode == "tree")
+    for length in (12, 150):
+        assert shapes[length, 1] == shapes[length, 2] == shapes[length, 3], "attention shapes changed"

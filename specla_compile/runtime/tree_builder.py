@@ -113,21 +113,20 @@ def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig) -> Draft:
 def _select(parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, config: SpecConfig) -> torch.Tensor:
     """Kept candidates ``[R, M]``: within ``tau`` of the best at their depth, closed under ancestors,
     truncated to the ``budget`` best."""
+    # Depths are 1..config.depth and the budget cut below is unconditional: no device-to-host read here.
     rows, m = scores.shape
-    best = torch.full((rows, int(depth.max()) + 1), float("-inf"), device=scores.device)
+    best = torch.full((rows, config.depth + 1), float("-inf"), device=scores.device)
     best = best.scatter_reduce(1, depth.expand(rows, m), scores, reduce="amax")
     keep = scores >= best.gather(1, depth.expand(rows, m)) - config.tau
     # Ancestor closure, deepest level first: a kept node keeps its parent.
-    for level in range(int(depth.max()), 1, -1):
+    for level in range(config.depth, 1, -1):
         at = ((depth == level)[None] & keep).to(torch.uint8)
         keep = keep.to(torch.uint8).scatter_reduce(1, parents.clamp(min=0), at, reduce="amax").bool()
-    if int(keep.sum(-1).max()) > config.budget:
-        # Stable sort on score (candidates are in depth order) ranks ancestors before descendants.
-        masked = scores.masked_fill(~keep, float("-inf"))
-        order = masked.sort(dim=-1, descending=True, stable=True).indices[:, : config.budget]
-        top = torch.zeros_like(keep).scatter(1, order, True)
-        keep &= top
-    return keep
+    # The ``budget`` best kept nodes (all of them in a row that keeps fewer): kept nodes by score, best
+    # first, then the dropped ones (NaN sorts last). Stable (candidates are in depth order), so ancestors
+    # rank before descendants.
+    order = (-scores).masked_fill(~keep, float("nan")).sort(dim=-1, stable=True).indices[:, : config.budget]
+    return keep & torch.zeros_like(keep).scatter(1, order, True)
 
 
 def _pack(

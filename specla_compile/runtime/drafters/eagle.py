@@ -4,9 +4,13 @@ Pair ``t`` of a row is (target feature f_t, token x_{t+1}). A row's cache only e
 real target features and committed tokens: at each ``propose`` the pairs not cached yet are run (the
 last one pairs the newest feature with the pending token, which the target sampled itself, so it is
 committed too). Draft nodes beyond the pending token use the head's own predicted features; they live
-in a scratch buffer for the duration of one ``propose`` and are dropped afterwards, which is the
+in scratch columns for the duration of one ``propose`` and are overwritten by the next, which is the
 rollback: whatever the target rejects never reaches the cache, and accepted tokens are re-run with the
 target's real features at the next ``propose``.
+
+Cost: a ``propose`` moves its inputs to the device in one copy, runs the head once for the new pairs
+and once per draft level over fixed-shape buffers (no copy that grows with the sequence), and reads
+one number back (the draft's width, in the tree builder).
 """
 
 from __future__ import annotations
@@ -23,25 +27,61 @@ from ..tree_builder import Frontier, build_draft
 from .eagle_head import EagleHead
 
 
+class _Buffers:
+    """Keys and values of every row, ``[B, H, capacity + scratch, d]``: columns ``[0, capacity)`` hold a
+    row's cached pairs from column 0 on, the ``scratch`` columns after them one ``propose``'s draft nodes.
+
+    Pairs are written in place, never concatenated, and the attention always reads the whole buffer
+    under a mask, so its shapes change only when the capacity doubles: nothing is copied per pair, and
+    attention kernels that plan per shape (cuDNN's, which PyTorch prefers for masked half-precision
+    attention on H100/H200) plan once per capacity, not at every call of a growing sequence.
+    """
+
+    def __init__(self, rows: int, heads: int, dim: int, device: torch.device, dtype: torch.dtype):
+        self.keys = self.values = torch.zeros(rows, heads, 0, dim, device=device, dtype=dtype)
+        self.capacity = self.scratch = 0
+
+    def reserve(self, pairs: int, scratch: int) -> None:
+        """Room for ``pairs`` cached pairs per row and ``scratch`` draft nodes."""
+        capacity = self.capacity if pairs <= self.capacity else max(256, 1 << (pairs - 1).bit_length())
+        scratch = max(scratch, self.scratch)
+        if (capacity, scratch) == (self.capacity, self.scratch):
+            return
+        rows, heads, _, dim = self.keys.shape
+        grown = []
+        for old in (self.keys, self.values):
+            # zeros, not empty: masked columns still enter the attention's products (with weight 0)
+            new = old.new_zeros(rows, heads, capacity + scratch, dim)
+            new[:, :, : self.capacity] = old[:, :, : self.capacity]
+            grown.append(new)
+        self.keys, self.values = grown
+        self.capacity, self.scratch = capacity, scratch
+
+    def rows(self, index: torch.Tensor, every_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the rows at ``index``: the buffers themselves when that is every row."""
+        if every_row:
+            return self.keys, self.values
+        return self.keys[index], self.values[index]
+
+
 @dataclass
-class _Row:
-    keys: torch.Tensor  # [H, cached pairs, d]
-    values: torch.Tensor
-    features: torch.Tensor  # [not yet paired, D]: committed features waiting for their pair
-    last_hidden: torch.Tensor | None = None  # head output at the newest cached pair
+class _Plan:
+    """One ``propose``. On the host: the requested rows, their new pair counts, whether they are every
+    row of the batch. On the device, per requested row: its batch index, cached pairs before and after
+    the catch-up, its new pairs' tokens ``[R, width]`` (padded) and its pending token."""
+
+    row_ids: list[int]
+    new: list[int]
+    every_row: bool
+    rows: torch.Tensor
+    cached: torch.Tensor
+    lengths: torch.Tensor
+    tokens: torch.Tensor
+    pending: torch.Tensor
 
     @property
-    def cached(self) -> int:
-        return self.keys.shape[1]
-
-
-def _stack(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cached keys and values of ``rows`` right-padded into ``[R, H, L, d]``, and the ``[R, L]`` validity mask."""
-    length = max(r.cached for r in rows)
-    keys = torch.stack([nn.functional.pad(r.keys, (0, 0, 0, length - r.cached)) for r in rows])
-    values = torch.stack([nn.functional.pad(r.values, (0, 0, 0, length - r.cached)) for r in rows])
-    lengths = torch.tensor([r.cached for r in rows], device=keys.device)
-    return keys, values, torch.arange(length, device=keys.device) < lengths[:, None]
+    def counts(self) -> torch.Tensor:
+        return self.lengths - self.cached
 
 
 def _gather_slots(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -66,7 +106,10 @@ class EagleDrafter(Drafter):
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.vocab_size = head.config.vocab_size
-        self._rows: dict[int, _Row] = {}
+        self._cached: list[int] = []  # per row: pairs in the buffers
+        self._features: list[torch.Tensor] = []  # per row: committed features waiting for their pair
+        self._buffers = _Buffers(0, 1, 1, head.fuse.weight.device, self._dtype)
+        self._last_hidden = torch.empty(0)  # [B, D]: head output at each row's newest cached pair
 
     @classmethod
     def from_pretrained(
@@ -90,35 +133,34 @@ class EagleDrafter(Drafter):
         if features is None or len(features) != len(sequences):
             raise ValueError("EagleDrafter.begin needs the target's features over every prompt (needs_features=True)")
         cfg, device = self.head.config, self.head.fuse.weight.device
-        empty = torch.empty(cfg.num_heads, 0, cfg.head_dim, device=device, dtype=self._dtype)
-        self._rows = {}
         for b, feats in enumerate(features):
             self._check_features(feats, f"features[{b}]")
-            self._rows[b] = _Row(empty, empty, feats.to(device, self._dtype))
+        self._cached = [0] * len(sequences)
+        self._features = [feats.to(device, self._dtype) for feats in features]
+        self._buffers = _Buffers(len(sequences), cfg.num_heads, cfg.head_dim, device, self._dtype)
+        self._last_hidden = torch.zeros(len(sequences), cfg.hidden_size, device=device, dtype=self._dtype)
 
     def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         if features is None or len(features) != len(rows):
             raise ValueError("EagleDrafter.commit needs the target's features at the committed positions")
         for b, toks, feats in zip(rows, tokens, features):
+            self._check_row(b)
             self._check_features(feats, f"features of row {b}")
             if feats.shape[0] != len(toks):
                 raise ValueError(f"row {b}: {len(toks)} committed tokens but {feats.shape[0]} feature rows")
-            row = self._row(b)
-            row.features = torch.cat([row.features, feats.to(row.features)])
+            self._features[b] = torch.cat([self._features[b], feats.to(self._features[b])])
 
     def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
         if not request.rows:
             raise ValueError("DraftRequest has no rows to draft for")
-        rows = [self._row(b) for b in request.rows]
         with torch.no_grad():
-            self._catch_up(rows, request)
-            pending = torch.stack([seq[-1] for seq in request.sequences]).to(self.head.fuse.weight.device)
-            return build_draft(_TreeRollout(self, rows), pending, config)
+            plan = self._plan(request, config)
+            self._catch_up(plan)
+            return build_draft(_TreeRollout(self, plan), plan.pending, config)
 
-    def _row(self, b: int) -> _Row:
-        if b not in self._rows:
+    def _check_row(self, b: int) -> None:
+        if not 0 <= b < len(self._cached):
             raise ValueError(f"row {b} was not started with begin()")
-        return self._rows[b]
 
     def _check_features(self, feats: torch.Tensor, what: str) -> None:
         if feats.dim() != 2 or feats.shape[1] != self.head.config.hidden_size:
@@ -128,59 +170,76 @@ class EagleDrafter(Drafter):
         """Target LM head over predicted features."""
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
-    def _catch_up(self, rows: list[_Row], request: DraftRequest) -> None:
-        """Cache every pair up to the one holding the pending token, all rows in one head call."""
-        todo = []
-        for b, row, seq in zip(request.rows, rows, request.sequences):
-            new = seq.shape[0] - 1 - row.cached  # pairs (f_t, x_{t+1}) for t = cached .. len - 2
-            if new > row.features.shape[0]:
+    def _plan(self, request: DraftRequest, config: SpecConfig) -> _Plan:
+        """Check the rows' bookkeeping, make room in the buffers, and move what the device needs there in
+        one copy: per row its index, cached and new pair counts, new tokens and pending token."""
+        new = []
+        for b, seq in zip(request.rows, request.sequences):
+            self._check_row(b)
+            n = seq.shape[0] - 1 - self._cached[b]  # pairs (f_t, x_{t+1}) for t = cached .. len - 2
+            if n > self._features[b].shape[0]:
                 raise ValueError(
-                    f"row {b}: the sequence has {seq.shape[0]} tokens but only {row.cached + row.features.shape[0]} "
+                    f"row {b}: the sequence has {seq.shape[0]} tokens but only {self._cached[b] + self._features[b].shape[0]} "
                     "target features were given (begin/commit must cover every token but the pending one)"
                 )
-            if new < 0:
+            if n < 0:
                 raise ValueError(f"row {b}: the sequence ({seq.shape[0]} tokens) is shorter than its committed history")
-            if new == 0 and row.last_hidden is None:
+            if n == 0 and self._cached[b] == 0:
                 raise ValueError(
                     f"row {b}: EAGLE needs at least one committed token (and its feature) before the pending one"
                 )
-            if new:
-                todo.append((row, seq[row.cached + 1 :].to(row.keys.device), new))
-        if not todo:
+            new.append(n)
+        width = max(new)
+        beam = 1 if config.mode == "chain" else min(config.tree_top_k, self.vocab_size)
+        self._buffers.reserve(max(self._cached[b] for b in request.rows) + width, (config.depth - 1) * beam)
+        seqs = request.sequences
+        meta = torch.tensor([[b, self._cached[b], n] for b, n in zip(request.rows, new)], device=seqs[0].device)
+        tokens = [
+            torch.cat([seq[self._cached[b] + 1 :], seq.new_zeros(width - n), seq[-1:]])
+            for b, seq, n in zip(request.rows, seqs, new)
+        ]
+        plan = torch.cat([meta, torch.stack(tokens)], dim=1).to(self._buffers.keys.device)
+        rows, cached, counts = plan[:, 0], plan[:, 1], plan[:, 2]
+        every_row = list(request.rows) == list(range(len(self._cached)))
+        return _Plan(list(request.rows), new, every_row, rows, cached, cached + counts, plan[:, 3:-1], plan[:, -1])
+
+    def _catch_up(self, plan: _Plan) -> None:
+        """Cache every pair up to the one holding the pending token, all rows in one head call."""
+        width = plan.tokens.shape[1]
+        if width == 0:
             return
-        keys, values, valid = _stack([row for row, _, _ in todo])
-        width = max(new for _, _, new in todo)
-        device = keys.device
-        tokens = torch.stack([nn.functional.pad(t, (0, width - n)) for _, t, n in todo])
-        feats = torch.stack([nn.functional.pad(r.features[:n], (0, 0, 0, width - n)) for r, _, n in todo])
-        offsets = torch.tensor([r.cached for r, _, _ in todo], device=device)
-        counts = torch.tensor([n for _, _, n in todo], device=device)
-        slot = torch.arange(width, device=device)
-        # New pairs see the row's valid cache and earlier new pairs; padding pairs also see themselves.
-        own = (slot[None, None, :] <= slot[None, :, None]) & (
-            (slot[None, None, :] < counts[:, None, None]) | torch.eye(width, dtype=torch.bool, device=device)
+        feats = torch.stack(
+            [nn.functional.pad(self._features[b][:n], (0, 0, 0, width - n)) for b, n in zip(plan.row_ids, plan.new)]
         )
-        mask = torch.cat([valid[:, None, :].expand(-1, width, -1), own], dim=-1)
-        hidden, k, v = self.head(
-            feats, self.embed(tokens).to(self._dtype), offsets[:, None] + slot, mask, (keys, values)
-        )
-        for i, (row, _, n) in enumerate(todo):
-            row.keys = torch.cat([row.keys, k[i, :, :n]], dim=1)
-            row.values = torch.cat([row.values, v[i, :, :n]], dim=1)
-            row.features = row.features[n:]
-            row.last_hidden = hidden[i, n - 1]
+        positions = plan.cached[:, None] + torch.arange(width, device=feats.device)
+        x, q, k, v = self.head.project(feats, self.embed(plan.tokens).to(self._dtype), positions)
+        buffers = self._buffers
+        # Written at the rows' next columns; padding pairs land past a row's valid columns (never read).
+        buffers.keys[plan.rows[:, None], :, positions] = k.transpose(1, 2)
+        buffers.values[plan.rows[:, None], :, positions] = v.transpose(1, 2)
+        keys, values = buffers.rows(plan.rows, plan.every_row)
+        # A pair sees its row's cached pairs, the new pairs before it and itself (padding ones too).
+        columns = torch.arange(keys.shape[2], device=feats.device)
+        hidden = self.head.attend(x, q, keys, values, columns <= positions[..., None])
+        newest = hidden[torch.arange(len(plan.row_ids), device=feats.device), (plan.counts - 1).clamp(min=0)]
+        self._last_hidden[plan.rows] = torch.where(plan.counts[:, None] > 0, newest, self._last_hidden[plan.rows])
+        for b, n in zip(plan.row_ids, plan.new):
+            self._cached[b] += n
+            self._features[b] = self._features[b][n:]
 
 
 class _TreeRollout:
     """The tree builder's step function over one ``propose``: frontier nodes attend to the rows'
-    cached pairs and to their own draft ancestors, held in a scratch buffer."""
+    cached pairs and to their own draft ancestors, written to the buffers' scratch columns."""
 
-    def __init__(self, drafter: EagleDrafter, rows: list[_Row]):
+    def __init__(self, drafter: EagleDrafter, plan: _Plan):
         self.drafter = drafter
-        self.keys, self.values, self.valid = _stack(rows)  # valid covers the cached pairs only
-        self.hidden = torch.stack([r.last_hidden for r in rows])[:, None]  # [R, W, D] of the current frontier
-        self.base = torch.tensor([r.cached - 1 for r in rows], device=self.keys.device)  # pending pair's position
-        self.seen = torch.zeros(len(rows), 1, 0, dtype=torch.bool, device=self.keys.device)  # [R, W, scratch]
+        self.keys, self.values = drafter._buffers.rows(plan.rows, plan.every_row)
+        self.column = drafter._buffers.capacity  # the next free scratch column
+        columns = torch.arange(self.keys.shape[2], device=self.keys.device)
+        self.seen = (columns < plan.lengths[:, None])[:, None]  # [R, W, columns] each frontier node may attend to
+        self.hidden = drafter._last_hidden[plan.rows][:, None]  # [R, W, D] of the current frontier
+        self.base = plan.lengths - 1  # the pending pair's position
 
     def __call__(self, frontier: Frontier) -> torch.Tensor:
         if frontier.depth > 0:
@@ -188,13 +247,14 @@ class _TreeRollout:
         return self.drafter.logits(self.hidden)
 
     def _advance(self, frontier: Frontier) -> None:
-        rows, width = frontier.tokens.shape
+        width = frontier.tokens.shape[1]
         slots = frontier.parent_slots
-        parent_hidden, ancestors = _gather_slots(self.hidden, slots), _gather_slots(self.seen, slots)
-        eye = torch.eye(width, dtype=torch.bool, device=slots.device).expand(rows, -1, -1)
-        mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), ancestors, eye], dim=-1)
+        parent_hidden, mask = _gather_slots(self.hidden, slots), _gather_slots(self.seen, slots)
+        own = slice(self.column, self.column + width)
+        mask[:, :, own].logical_or_(torch.eye(width, dtype=torch.bool, device=mask.device))
         positions = (self.base + frontier.depth)[:, None].expand(-1, width)
         embeds = self.drafter.embed(frontier.tokens).to(self.drafter._dtype)
-        self.hidden, k, v = self.drafter.head(parent_hidden, embeds, positions, mask, (self.keys, self.values))
-        self.keys, self.values = torch.cat([self.keys, k], 2), torch.cat([self.values, v], 2)
-        self.seen = torch.cat([ancestors, eye], dim=-1)
+        x, q, k, v = self.drafter.head.project(parent_hidden, embeds, positions)
+        self.keys[:, :, own], self.values[:, :, own] = k, v
+        self.hidden = self.drafter.head.attend(x, q, self.keys, self.values, mask)
+        self.seen, self.column = mask, self.column + width

@@ -79,12 +79,16 @@ class EagleConfig:
             )
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """RoPE (rotate-half layout) of ``x [R, H, S, d]`` at integer ``positions [R, S]``."""
+def _rope(positions: torch.Tensor, half: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's ``cos, sin [R, 1, S, half]`` at integer ``positions [R, S]`` (angles in float64)."""
+    inv_freq = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float64) / half)
+    angle = (positions[:, None, :, None].double() * inv_freq).to(dtype)
+    return angle.cos(), angle.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half layout) of ``x [R, H, S, d]``."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
-    angle = (positions[:, None, :, None].double() * inv_freq).to(x.dtype)  # [R, 1, S, half]
-    cos, sin = angle.cos(), angle.sin()
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -119,20 +123,35 @@ class EagleHead(nn.Module):
         ``S`` pairs. Returns the predicted next features ``[R, S, D]`` and these pairs' keys and values
         ``[R, H, S, d]`` (RoPE applied) for the caller's cache.
         """
+        x, q, k, v = self.project(features, embeds, positions)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        return self.attend(x, q, keys, values, mask), k, v
+
+    def project(
+        self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """First half of :meth:`forward`: the fused input ``x [R, S, D]`` and the pairs' queries, keys and
+        values ``[R, H, S, d]`` (RoPE applied), for a caller that keeps its keys in its own buffers."""
         rows, s, _ = features.shape
         heads, dim = self.config.num_heads, self.config.head_dim
         x = self.fuse(torch.cat([embeds, features], dim=-1))
         h = self.attn_norm(x)
         split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)  # noqa: E731
-        q = _rotate(split(self.q_proj(h)), positions, self.config.rope_theta)
-        k = _rotate(split(self.k_proj(h)), positions, self.config.rope_theta)
-        v = split(self.v_proj(h))
-        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        cos, sin = _rope(positions, dim // 2, self.config.rope_theta, x.dtype)
+        # queries and keys rotated together: one set of elementwise ops, not two
+        q, k = _rotate(torch.stack([split(self.q_proj(h)), split(self.k_proj(h))]), cos, sin).unbind(0)
+        return x, q, k, split(self.v_proj(h))
+
+    def attend(
+        self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Second half of :meth:`forward`: ``q`` attends over ``keys, values [R, H, T, d]`` under ``mask
+        [R or 1, S, T]``; returns the predicted next features ``[R, S, D]``."""
+        rows, s, _ = x.shape
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(rows, s, heads * dim))
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(rows, s, -1))
         h = self.mlp_norm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return x, k, v
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head's own weights only) to ``path``."""
