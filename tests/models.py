@@ -50,3 +50,16 @@ def tiny_model(
     # random weights emit fla's default EOS (2) by chance: tests name their EOS token explicitly
     model.generation_config.eos_token_id = None
     return model.to(dtype).eval()
+
+
+def left_padded_batch(lengths: tuple[int, ...], seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Random prompts of ``lengths`` tokens, and the batch of them left-padded to a common width with its
+    attention mask: ``(prompts, input_ids, mask)``."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
+    width = max(lengths)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - p.numel() :], mask[b, width - p.numel() :] = p, 1
+    return prompts, input_ids, mask

@@ -284,6 +284,12 @@ def test_plain_eager_compiles_only_the_verification_twin(monkeypatch):
     assert torch.equal(logits["eager"], logits["compiled"])
 
 
+def run_script_expecting_ok(script: str) -> None:
+    """Run ``script`` in a fresh interpreter (nothing imported yet); it must print ``ok`` last."""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
 def test_backend_is_registered_without_importing_the_package():
     script = (
         "import sys, torch\n"
@@ -300,8 +306,7 @@ def test_backend_is_registered_without_importing_the_package():
         "assert 'specla_compile' in sys.modules and out.logits.shape == (1, 4, 50)\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+    run_script_expecting_ok(script)
 
 
 def test_generator_compiles_from_a_source_checkout_without_the_entry_point():
@@ -316,8 +321,7 @@ def test_generator_compiles_from_a_source_checkout_without_the_entry_point():
         "compile_for_verification(torch.nn.Linear(2, 2))\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+    run_script_expecting_ok(script)
 
 
 def test_inductor_inner_compiler_verifies_a_chain():

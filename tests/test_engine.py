@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cache_utils import max_cache_diff
-from models import FAMILIES, VOCAB, tiny_model
+from models import FAMILIES, VOCAB, left_padded_batch, tiny_model
 from test_generator import COMPILE, OracleDrafter, plain
 
 from specla_compile import SpecConfig, SpeculativeGenerator
@@ -18,17 +18,6 @@ CONFIGS = {
 }
 
 
-def _ragged_batch(seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (4, 1, 6)]
-    width = max(p.numel() for p in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for b, p in enumerate(prompts):
-        input_ids[b, width - p.numel() :], mask[b, width - p.numel() :] = p, 1
-    return prompts, input_ids, mask
-
-
 def _states(cache) -> list[torch.Tensor]:
     return [s.get() for s in cache_slots(cache) if s.kind == "state"]
 
@@ -37,7 +26,7 @@ def _states(cache) -> list[torch.Tensor]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_engine_gives_the_dynamic_paths_tokens_and_cache(family, mode):
     model = tiny_model(family)
-    prompts, input_ids, mask = _ragged_batch(seed=11)
+    prompts, input_ids, mask = left_padded_batch((4, 1, 6), seed=11)
     refs = [plain(model, p, 14)[0][0, p.numel() :].tolist() for p in prompts]
     eos = refs[0][5]  # row 0 stops inside a draft; other rows may meet it too
     runs = {}

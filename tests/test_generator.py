@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from cache_utils import cache_tensors, max_cache_diff
-from models import FAMILIES, VOCAB, tiny_model
+from models import FAMILIES, VOCAB, left_padded_batch, tiny_model
 from scipy.stats import chi2_contingency
 
 from specla_compile import GenerationStats, SpecConfig, SpeculativeGenerator
@@ -140,13 +140,8 @@ def test_model_drafter_on_a_ragged_batch_equals_plain_decoding():
     with torch.no_grad():
         head = drafter_model.lm_head.weight
         head.add_(0.5 * head.std() * torch.randn(head.shape, generator=torch.Generator().manual_seed(3)))
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (1, 5, 3)]
-    width = max(p.numel() for p in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for b, p in enumerate(prompts):
-        input_ids[b, width - p.numel() :], mask[b, width - p.numel() :] = p, 1
+    prompts, input_ids, mask = left_padded_batch((1, 5, 3), seed=1)
+    width = input_ids.shape[1]
     spec = SpeculativeGenerator(model, ModelDrafter(drafter_model), SETTINGS[2], compile_options=COMPILE)
     out = spec.generate(input_ids, max_new_tokens=10, attention_mask=mask)
     for b, p in enumerate(prompts):
