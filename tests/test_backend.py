@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 import torch.fx as fx
-from cache_utils import max_cache_diff
-from models import FAMILIES, VOCAB, tiny_model
+from cache_utils import cache_tensors, max_cache_diff
+from models import FAMILIES, VOCAB, left_padded_batch, tiny_model
 
 from specla_compile.lowering.graph_analysis import (
     INPLACE_WRITE_METHODS,
@@ -282,6 +282,23 @@ def test_plain_eager_compiles_only_the_verification_twin(monkeypatch):
     assert twins["eager"] == twins["compiled"] >= 1
     assert others["compiled"] - others["eager"] == twins["compiled"], (twins, others)
     assert torch.equal(logits["eager"], logits["compiled"])
+
+
+def test_padded_fla_batch_equals_each_row_alone_eager_and_compiled():
+    """fla turns a batch with padding in ``attention_mask`` into packed rows (``cu_seqlens``): the capture
+    runs them one at a time (eagerly: a graph break when compiled), so every row's logits and cache equal
+    the row run alone."""
+    model = tiny_model("fla", layers=2)
+    prompts, input_ids, mask = left_padded_batch((3, 6, 5), seed=5)
+    with torch.no_grad():
+        alone = [model(p[None], use_cache=True) for p in prompts]
+        compiled = torch.compile(model, backend="specla", options={"inner": "eager"})
+        for run in (model, compiled):
+            out = run(input_ids, attention_mask=mask, use_cache=True)
+            for b, (p, ref) in enumerate(zip(prompts, alone)):
+                assert torch.allclose(out.logits[b, -p.numel() :], ref.logits[0], atol=1e-5)
+                row = [t[b : b + 1] for t in cache_tensors(out.past_key_values)]
+                assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(row, cache_tensors(ref.past_key_values), strict=True))
 
 
 def run_script_expecting_ok(script: str) -> None:

@@ -17,17 +17,6 @@ def _one_line(error: pytest.ExceptionInfo) -> str:
     return message
 
 
-def test_padded_fla_batch_varlen_call_names_cu_seqlens():
-    """fla turns a padded batch into packed rows with cu_seqlens, which the capture does not support."""
-    model = tiny_model("fla", layers=2)
-    input_ids = torch.ones(2, 4, dtype=torch.long)
-    mask = torch.ones_like(input_ids)
-    mask[0, :2] = 0
-    with pytest.raises(NotImplementedError) as error:
-        model(input_ids, attention_mask=mask, use_cache=True)
-    assert "does not support cu_seqlens (packed variable-length rows" in _one_line(error)
-
-
 def test_fla_cache_with_attention_layers_is_refused():
     layer = type("FlaLayer", (), {"state": {"recurrent_state": torch.zeros(1), "attn_state": (torch.zeros(1),)}})()
     cache = type("FlaCache", (), {"layers": [layer]})()

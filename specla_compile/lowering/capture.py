@@ -13,6 +13,7 @@ Users with their own GDN code name their recurrence with :func:`register_recurre
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -52,6 +53,7 @@ class RecurrenceCall:
     scale: float | None = None
     use_qk_l2norm: bool = False
     state_v_first: bool = False
+    cu_seqlens: torch.Tensor | None = None  # packed variable-length rows (batch 1): row i is tokens [c_i, c_i+1)
 
 
 RecurrenceAdapter = Callable[..., RecurrenceCall]
@@ -73,21 +75,33 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
 
 
-_HINTS = {
-    "cu_seqlens": " (packed variable-length rows: fla passes it for a batch with padding in attention_mask; "
-    "call rows of equal length without attention_mask, or one row at a time)"
-}
-
-
 def _reject(what: str, **unsupported: Any) -> None:
     used = [name for name, value in unsupported.items() if value is not None and value is not False]
     if used:
-        hints = "".join(_HINTS.get(name, "") for name in used)
-        raise NotImplementedError(f"specla capture of {what} does not support {', '.join(used)}{hints}")
+        raise NotImplementedError(f"specla capture of {what} does not support {', '.join(used)}")
+
+
+@torch.compiler.disable
+def run_packed_rows(run_row: Callable[[slice, int], tuple], cu_seqlens: torch.Tensor) -> tuple:
+    """Packed variable-length rows (fla unpads a batch called with a padding ``attention_mask`` into one
+    row and ``cu_seqlens``), one row at a time: ``run_row(tokens, i)`` returns ``(out [1, T_i, ...],
+    final state [1, ...] or None)``; outputs are joined along the tokens, states along the rows. Eager
+    (a graph break under ``torch.compile``): the offsets are data, and such calls are plain calls (never
+    a verification pass)."""
+    bounds = cu_seqlens.tolist()
+    outs, states = zip(*(run_row(slice(a, b), i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))))
+    return torch.cat(outs, dim=1), (None if states[0] is None else torch.cat(states, dim=0))
 
 
 def run_recurrence(call: RecurrenceCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a canonical call through ``specla::gdn_recurrence``; returns ``(o, final_state or None)``."""
+    if call.cu_seqlens is not None:
+        def row(tokens: slice, i: int) -> tuple:
+            state = None if call.initial_state is None else call.initial_state[i : i + 1]
+            part = {name: getattr(call, name)[:, tokens] for name in ("q", "k", "v", "g", "beta")}
+            return run_recurrence(dataclasses.replace(call, **part, initial_state=state, cu_seqlens=None))
+
+        return run_packed_rows(row, call.cu_seqlens)
     q, v = call.q, call.v
     state = call.initial_state
     if state is None:
@@ -166,7 +180,7 @@ def fla_recurrence_adapter(
     **ignored,
 ) -> RecurrenceCall:
     """fla's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (fla >= 0.6)."""
-    _reject("fla's gated delta rule", cu_seqlens=cu_seqlens, gk=gk, gv=gv)
+    _reject("fla's gated delta rule", gk=gk, gv=gv)
     if g is None:
         g = q.new_zeros(v.shape[:3], dtype=torch.float32)
     elif use_gate_in_kernel:  # the kernel's fused gate: g = -exp(A_log) * softplus(g + dt_bias)
@@ -178,7 +192,7 @@ def fla_recurrence_adapter(
         beta = beta.float().sigmoid()
         if allow_neg_eigval:
             beta = beta * 2
-    return RecurrenceCall(q, k, v, g, beta, initial_state, output_final_state, scale, use_qk_l2norm_in_kernel, state_v_first)
+    return RecurrenceCall(q, k, v, g, beta, initial_state, output_final_state, scale, use_qk_l2norm_in_kernel, state_v_first, cu_seqlens)
 
 
 def transformers_recurrence_adapter(
@@ -199,7 +213,13 @@ def fla_causal_conv1d(
     x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None, cu_seqlens=None, **kwargs
 ):
     """fla's ``causal_conv1d`` (``x [B, T, D]``, ``weight [D, W]``, state ``[B, D, W]``)."""
-    _reject("fla's causal_conv1d", residual=residual, cu_seqlens=cu_seqlens)
+    _reject("fla's causal_conv1d", residual=residual)
+    if cu_seqlens is not None:
+        def row(tokens: slice, i: int) -> tuple:
+            state = None if initial_state is None else initial_state[i : i + 1]
+            return fla_causal_conv1d(x[:, tokens], weight, bias, None, state, output_final_state, activation)
+
+        return run_packed_rows(row, cu_seqlens)
     if initial_state is None:
         initial_state = x.new_zeros(x.shape[0], x.shape[2], weight.shape[-1])
     silu = _silu_flag(activation)
