@@ -149,6 +149,25 @@ def test_model_drafter_on_a_ragged_batch_equals_plain_decoding():
     assert len(set(out.stats.accepted_drafts)) > 1  # rows committed different numbers of tokens
 
 
+@pytest.mark.parametrize("engine", ["static", "dynamic"])
+def test_continuing_a_ragged_hybrid_batch_equals_plain_decoding_of_each_row(engine):
+    """A second call on the cache of a first one (left-padded rows of different lengths that accepted
+    different numbers of drafts, so each row's attention columns have gaps) goes on exactly as plain
+    decoding of each row's whole history."""
+    model = tiny_model("qwen3_5", layers=2)
+    prompts, input_ids, mask = left_padded_batch((3, 6, 5), seed=21)
+    expected = [plain(model, p, 14)[0][0, p.numel() :].tolist() for p in prompts]
+    config = SpecConfig(mode="chain", depth=4, bucket=8, engine=engine)
+    spec = SpeculativeGenerator(model, OracleDrafter(expected, error_rate=0.4, seed=2), config, compile_options=COMPILE)
+    first = spec.generate(input_ids, max_new_tokens=8, attention_mask=mask)
+    assert len(set(first.stats.accepted_drafts)) > 1  # rows committed different numbers of tokens: gaps
+    spec.drafter = OracleDrafter([e[8:] for e in expected], error_rate=0.4, seed=3)
+    width = input_ids.shape[1]
+    second = spec.generate(first.sequences[:, -1:], max_new_tokens=6, past_key_values=first.past_key_values)
+    for b in range(len(prompts)):
+        assert first.sequences[b, width:].tolist() + second.sequences[b, 1:].tolist() == expected[b]
+
+
 def test_acceptance_rate_counts_every_drafted_node_and_speed_the_whole_call():
     stats = GenerationStats(new_tokens=9, accepted_drafts=[3, 0, 1], tree_sizes=[5, 7, 1], seconds=1.5)
     assert stats.acceptance_rate == 4 / 10  # a tree's rejected branches were drafted too

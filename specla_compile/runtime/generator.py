@@ -120,6 +120,9 @@ class SpeculativeOutput:
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# cache returned by a call on a model with attention -> [B, W]: which of its attention columns hold tokens
+# (rows of a batch commit different numbers of tokens per pass, so each row's columns have gaps)
+_KV_VALID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compile_for_verification(model: torch.nn.Module, options: dict | None = None) -> torch.nn.Module:
@@ -232,7 +235,7 @@ class SpeculativeGenerator:
         ``num_return_sequences``, ``logits_processor``, ...) raises ``ValueError`` naming it. Without
         either, greedy decoding of 32 new tokens. ``attention_mask`` marks each row's real tokens (left or
         right padding). ``past_key_values`` continues from a cache that an earlier call returned (rows
-        then all have the same new length)."""
+        then all have the same new length; a batched hybrid cache must come from this generator)."""
         explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                     "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
         rows = self._check_inputs(input_ids, attention_mask, streamer, past_key_values)
@@ -301,6 +304,22 @@ class _Run:
 
     # --- prefill ---------------------------------------------------------------------------------
 
+    def _past_columns(self, cache) -> torch.Tensor:
+        """``[B, W]``: which attention columns of a cache to continue from hold tokens. A batched cache must
+        come from this generator (rows of a batch leave gaps between their columns); one row's holds no gap."""
+        width = _committed_length(cache)
+        valid = _KV_VALID.get(cache)
+        if valid is None and self.batch > 1:
+            raise NotImplementedError(
+                "continuing a batched hybrid-model cache needs the cache that a call of this generator returned "
+                "(which attention columns of each row hold tokens is known only for those); continue rows one by one"
+            )
+        if valid is None:
+            valid = torch.ones(1, width, dtype=torch.bool, device=self.device)
+        if valid.shape != (self.batch, width):
+            raise ValueError(f"the cache holds {width} attention columns for {valid.shape[0]} rows, not {self.batch} rows")
+        return valid.to(self.device)
+
     def _model_kwargs(self) -> dict:
         return {"use_cache": True, "output_hidden_states": self.drafter.needs_features}
 
@@ -310,14 +329,20 @@ class _Run:
         row. Rows of equal length run as one batch; ragged rows run one at a time (exact lengths, no
         padding inside GDN states) and are stacked into one batched cache."""
         outs = []
+        past_valid = None
+        if past_key_values is not None and has_attention(past_key_values):
+            past_valid = self._past_columns(past_key_values)
         if past_key_values is not None or len({r.numel() for r in self.rows}) == 1:
-            if past_key_values is not None and self.batch > 1 and has_attention(past_key_values):
-                raise NotImplementedError("continuing a batched hybrid-model cache is not supported; continue rows one by one")
-            before = _committed_length(past_key_values) if past_key_values is not None else 0
-            out = self.owner.model(input_ids=torch.stack(self.rows), **{self.cache_arg: past_key_values}, **self._model_kwargs())
+            new_tokens = torch.stack(self.rows)
+            kwargs = self._model_kwargs()
+            if past_valid is not None:  # the new tokens see each row's own columns, at each row's own positions
+                kwargs["attention_mask"] = torch.cat([past_valid, torch.ones_like(new_tokens, dtype=torch.bool)], 1).long()
+                kwargs["position_ids"] = past_valid.sum(-1, keepdim=True) + torch.arange(new_tokens.shape[1], device=self.device)
+            out = self.owner.model(input_ids=new_tokens, **{self.cache_arg: past_key_values}, **kwargs)
             self.stats.prefill_passes = 1
             self.cache = out.past_key_values
-            self.committed = torch.tensor([before + r.numel() for r in self.rows], device=self.device)
+            before = past_valid.sum(-1) if past_valid is not None else _committed_length(past_key_values) if past_key_values is not None else 0
+            self.committed = before + torch.tensor([r.numel() for r in self.rows], device=self.device)
             outs = [(out.logits[b, -1], out.hidden_states[-1][b] if self.drafter.needs_features else None) for b in range(self.batch)]
         else:
             caches = []
@@ -330,7 +355,9 @@ class _Run:
             self.cache = caches[0] if self.batch == 1 else stack_rows(caches, lengths)
             self.committed = torch.tensor(lengths, device=self.device)
         self.attention = has_attention(self.cache)
-        if self.attention:
+        if past_valid is not None:
+            self.kv_valid = torch.cat([past_valid, torch.ones(self.batch, self.rows[0].numel(), dtype=torch.bool, device=self.device)], 1)
+        elif self.attention:
             self.kv_valid = left_padding_mask(self.committed)
         logits = torch.stack([o[0] for o in outs])
         first = self._sample(logits)
@@ -476,7 +503,12 @@ class _Run:
         new = torch.full((self.batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
         for b, toks in enumerate(self.new_tokens):
             new[b, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
+        if self.attention:
+            _KV_VALID[self.cache] = self._final_columns().clone()
         return SpeculativeOutput(torch.cat([input_ids, new], dim=1), self.stats, self.cache)
+
+    def _final_columns(self) -> torch.Tensor:
+        return self.kv_valid
 
     def _loop(self, input_ids: torch.Tensor, past_key_values) -> None:
         with self._timed("prefill_seconds"):
@@ -512,9 +544,9 @@ class _StaticRun(_Run):
 
     def _start(self) -> None:
         self.engine = self.owner.engine(self.device, self.owner.engine_features(self.drafter))
-        longest = int(self.committed.max())
+        columns = self.kv_valid.shape[1] if self.attention else 0
         # attention columns: powers of two from 256, so that calls of similar lengths share graphs
-        capacity = max(256, 1 << (longest + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0
+        capacity = max(256, 1 << (columns + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0
         self.engine.start(self.cache, self.committed, self.kv_valid if self.attention else None, capacity)
         self.engine_finished = [False] * self.batch
         # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
@@ -544,6 +576,9 @@ class _StaticRun(_Run):
 
     def _finish(self) -> None:
         self.cache = self.engine.finish()
+
+    def _final_columns(self) -> torch.Tensor:
+        return self.engine.kv_valid[:, : self.engine.columns]
 
 
 class _PlainDrafter(Drafter):
