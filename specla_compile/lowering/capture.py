@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ def run_packed_rows(run_row: Callable[[slice, int], tuple], cu_seqlens: torch.Te
     (a graph break under ``torch.compile``): the offsets are data, and such calls are plain calls (never
     a verification pass)."""
     bounds = cu_seqlens.tolist()
-    outs, states = zip(*(run_row(slice(a, b), i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))))
+    outs, states = zip(*(run_row(slice(a, b), i) for i, (a, b) in enumerate(itertools.pairwise(bounds))))
     return torch.cat(outs, dim=1), (None if states[0] is None else torch.cat(states, dim=0))
 
 

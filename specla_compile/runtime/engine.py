@@ -24,9 +24,9 @@ from torch.fx.experimental import _config as fx_config
 
 from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.session import VerifySession
+from ..tree import PAD, ancestor_mask_device
 from .acceptance import Acceptance, greedy_accept_device
 from .cache_layout import cache_argument, load_static, same_layout, set_seen_tokens, static_twin, store_static
-from ..tree import PAD, ancestor_mask_device
 
 log = logging.getLogger("specla_compile")
 

@@ -133,7 +133,7 @@ def _pack(
     pending: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, keep: torch.Tensor, row_ix: torch.Tensor
 ) -> Draft:
     """Kept candidates as draft rows (node 0 = pending token), in candidate order, padded with PAD."""
-    rows, m = keep.shape
+    rows = keep.shape[0]
     n = 1 + int(keep.sum(-1).max())
     # Node index of each kept candidate: 1 + number of kept candidates before it.
     node_of = keep.long().cumsum(-1)
