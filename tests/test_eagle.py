@@ -32,10 +32,12 @@ def test_head_shapes_and_cache_consistency():
     pos = torch.arange(7).expand(2, 7)
     hidden, k, v = head(feats, embeds, pos, causal_mask(7))
     assert hidden.shape == (2, 7, 32) and k.shape == v.shape == (2, 4, 7, 8)
-    # The same pairs fed as 4 cached + 3 new give the same outputs.
+    # The same pairs fed as 4 cached + 3 new (project, then attend over the cached keys too: the
+    # drafter's path) give the same outputs.
     h1, k1, v1 = head(feats[:, :4], embeds[:, :4], pos[:, :4], causal_mask(4))
+    x, q, k2, v2 = head.project(feats[:, 4:], embeds[:, 4:], pos[:, 4:])
     tail_mask = torch.ones(3, 7, dtype=torch.bool).tril(4)[None]
-    h2, _, _ = head(feats[:, 4:], embeds[:, 4:], pos[:, 4:], tail_mask, (k1, v1))
+    h2 = head.attend(x, q, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), tail_mask)
     torch.testing.assert_close(torch.cat([h1, h2], 1), hidden)
 
 

@@ -136,6 +136,15 @@ def left_padding_mask(lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(longest, device=lengths.device)[None] >= (longest - lengths)[:, None]
 
 
+def past_columns_inputs(valid: torch.Tensor, new: int) -> dict[str, torch.Tensor]:
+    """Model inputs for ``new`` tokens per row appended to a cache whose attention columns ``valid [B, W]``
+    mark each row's tokens: the ``attention_mask`` over past and new columns, and each row's own
+    ``position_ids`` (its token count goes on, whatever the padding or gaps before)."""
+    mask = torch.cat([valid, valid.new_ones(valid.shape[0], new)], dim=1)
+    positions = valid.sum(-1, keepdim=True) + torch.arange(new, device=valid.device)
+    return {"attention_mask": mask.long(), "position_ids": positions}
+
+
 def split_rows(cache, lengths: list[int]) -> list:
     """The inverse of :func:`stack_rows`: one single-row cache per row of ``cache`` (attention K/V
     left-padded; row ``b`` keeps its last ``lengths[b]`` columns)."""

@@ -29,6 +29,7 @@ from .cache_layout import (
     compact_attention,
     has_attention,
     left_padding_mask,
+    past_columns_inputs,
     restore,
     set_seen_tokens,
     snapshot,
@@ -336,12 +337,14 @@ class _Run:
             new_tokens = torch.stack(self.rows)
             kwargs = self._model_kwargs()
             if past_valid is not None:  # the new tokens see each row's own columns, at each row's own positions
-                kwargs["attention_mask"] = torch.cat([past_valid, torch.ones_like(new_tokens, dtype=torch.bool)], 1).long()
-                kwargs["position_ids"] = past_valid.sum(-1, keepdim=True) + torch.arange(new_tokens.shape[1], device=self.device)
+                kwargs.update(past_columns_inputs(past_valid, new_tokens.shape[1]))
             out = self.owner.model(input_ids=new_tokens, **{self.cache_arg: past_key_values}, **kwargs)
             self.stats.prefill_passes = 1
             self.cache = out.past_key_values
-            before = past_valid.sum(-1) if past_valid is not None else _committed_length(past_key_values) if past_key_values is not None else 0
+            if past_valid is not None:
+                before = past_valid.sum(-1)
+            else:
+                before = _committed_length(past_key_values) if past_key_values is not None else 0
             self.committed = before + torch.tensor([r.numel() for r in self.rows], device=self.device)
             outs = [(out.logits[b, -1], out.hidden_states[-1][b] if self.drafter.needs_features else None) for b in range(self.batch)]
         else:
@@ -356,7 +359,7 @@ class _Run:
             self.committed = torch.tensor(lengths, device=self.device)
         self.attention = has_attention(self.cache)
         if past_valid is not None:
-            self.kv_valid = torch.cat([past_valid, torch.ones(self.batch, self.rows[0].numel(), dtype=torch.bool, device=self.device)], 1)
+            self.kv_valid = kwargs["attention_mask"].bool()
         elif self.attention:
             self.kv_valid = left_padding_mask(self.committed)
         logits = torch.stack([o[0] for o in outs])

@@ -109,23 +109,14 @@ class EagleHead(nn.Module):
         self.down_proj = nn.Linear(i, d, bias=False)
 
     def forward(
-        self,
-        features: torch.Tensor,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run ``S`` pairs per row.
-
-        ``features, embeds [R, S, D]``; ``positions [R, S]``; ``past`` = cached keys and values
-        ``[R, H, P, d]``; ``mask [R or 1, S, P + S]`` (True = may attend) over the past and then these
-        ``S`` pairs. Returns the predicted next features ``[R, S, D]`` and these pairs' keys and values
-        ``[R, H, S, d]`` (RoPE applied) for the caller's cache.
-        """
+        """Run ``S`` pairs per row: ``features, embeds [R, S, D]``; ``positions [R, S]``; ``mask [R or 1, S,
+        S]`` (True = may attend). Returns the predicted next features ``[R, S, D]`` and the pairs' keys and
+        values ``[R, H, S, d]`` (RoPE applied). A caller with cached keys uses :meth:`project` and
+        :meth:`attend` around its own buffers."""
         x, q, k, v = self.project(features, embeds, positions)
-        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        return self.attend(x, q, keys, values, mask), k, v
+        return self.attend(x, q, k, v, mask), k, v
 
     def project(
         self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor

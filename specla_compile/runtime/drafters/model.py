@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from ..cache_layout import cache_argument, has_attention, left_padding_mask, split_rows, stack_rows
+from ..cache_layout import cache_argument, has_attention, left_padding_mask, past_columns_inputs, split_rows, stack_rows
 from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest, output_vocab_size
 from ..tree_builder import Frontier, build_draft
@@ -69,10 +69,8 @@ class ModelDrafter(Drafter):
         kwargs = {self._cache_arg: cache, "use_cache": True}
         if self._keep_last:
             kwargs["logits_to_keep"] = 1
-        if valid is not None:
-            # Rows' K/V are left-padded to a common width: mask the padding, count positions per row.
-            kwargs["attention_mask"] = torch.cat([valid, torch.ones_like(input_ids, dtype=torch.bool)], dim=1).long()
-            kwargs["position_ids"] = valid.sum(-1, keepdim=True) + torch.arange(input_ids.shape[1], device=valid.device)
+        if valid is not None:  # rows' K/V are left-padded to a common width
+            kwargs.update(past_columns_inputs(valid, input_ids.shape[1]))
         out = self.model(input_ids=input_ids, **kwargs)
         cache = getattr(out, "cache", None)
         if cache is None or not hasattr(cache, "reorder_cache"):
