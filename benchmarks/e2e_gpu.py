@@ -189,12 +189,17 @@ def run_route(gen, prompts, new_tokens: int, drafter=None, config=None, plain: b
     }
 
 
+def bucket_key(nodes: int, chain: bool = True) -> tuple:
+    """The engine's key of a bucket: plain decoding's 1-node pass loops on the device, drafts accept greedily."""
+    return (nodes, chain, "loop" if nodes == 1 else "accept")
+
+
 def pass_ms(gen, nodes: int, pending: int = 0, repeats: int = 50, chain: bool = True) -> float:
     """Median replay time of one captured pass of the ``nodes``-node chain (or tree) bucket that first
     commits ``pending`` records (CUDA events; the records' values do not matter for the time, and the
     next call's ``start`` reloads the cache)."""
     engine = next(iter(gen._engines.values()))
-    bucket = engine.buckets[(nodes, chain)]
+    bucket = engine.buckets[bucket_key(nodes, chain)]
     graph = bucket.graph
     times = []
     for _ in range(repeats):
@@ -232,6 +237,20 @@ def kernel_profile(graph, replays: int = 5, trace_path: str | None = None) -> di
     prof.export_chrome_trace(path)
     with open(path) as f:
         return summarize_kernels(json.load(f)["traceEvents"], replays)
+
+
+def op_profile(engine, bucket, top: int = 20) -> list[dict]:
+    """Which operators launch a pass's GPU work: one uncaptured run of ``bucket``'s step (the same
+    kernels its graph replays) under the profiler, grouped by operator and input shapes, costliest
+    first (``specla::`` ops own the Triton kernels they launch). Attributes the copies of a profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True) as prof:
+        engine._step(bucket, accept=True)
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_device_time_total)[:top]
+    return [{"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count, "device_ms": round(e.self_device_time_total / 1000, 4)}
+            for e in rows]
 
 
 def summarize_kernels(trace_events: list[dict], replays: int) -> dict:
@@ -386,9 +405,11 @@ def fla_quick(args, results: dict) -> None:
         write_report(results, args.out)
     engine = next(iter(gen._engines.values()))
     try:  # what bounds a pass (a failure here keeps the figures above)
-        section["profile"] = {f"{n}_{'chain' if chain else 'tree'}": kernel_profile(engine.buckets[(n, chain)].graph)
-                              for n, chain in ((1, True), (16, True)) if (n, chain) in engine.buckets}
+        section["profile"] = {f"{n}_{'chain' if chain else 'tree'}": kernel_profile(engine.buckets[bucket_key(n, chain)].graph)
+                              for n, chain in ((1, True), (16, True)) if bucket_key(n, chain) in engine.buckets}
         print("profile", json.dumps(section["profile"], indent=1), flush=True)
+        section["op_profile"] = {f"{n}_chain": op_profile(engine, engine.buckets[bucket_key(n)]) for n in (1, 16)}
+        print("op profile", json.dumps(section["op_profile"], indent=1), flush=True)
     except Exception:
         section["profile_error"] = traceback.format_exc()
 

@@ -57,7 +57,39 @@ def test_plain_decoding_through_the_engine_equals_eager_decoding(family, caplog)
     assert out.stats.iterations == 8 and out.stats.mean_accepted == 0  # one token per pass
     assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
     engine = gen.engine(prompt.device, features=False)
-    assert list(engine.buckets) == [(1, True)]
+    assert list(engine.buckets) == [(1, True, "loop")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_decoding_loops_on_the_device_and_stops_rows_at_eos(family, monkeypatch):
+    """Greedy plain decoding replays PLAIN_STEPS passes per synchronisation; a row that emits EOS inside
+    a block commits nothing more, so tokens and final cache equal the host loop's (dynamic engine)."""
+    from specla_compile.runtime.engine import PLAIN_STEPS, StaticEngine
+
+    model = tiny_model(family)
+    prompts, input_ids, mask = left_padded_batch((5, 2, 7), seed=21)
+    new = PLAIN_STEPS + 6  # two blocks
+    refs = [plain(model, p, new)[0][0, p.numel() :].tolist() for p in prompts]
+    eos = refs[1][3]  # row 1 stops inside the first block
+    blocks = []
+    real = StaticEngine.decode_steps
+    monkeypatch.setattr(StaticEngine, "decode_steps", lambda self, *a: blocks.append(a[1]) or real(self, *a))
+    runs = {}
+    for engine in ("static", "dynamic"):
+        gen = SpeculativeGenerator(model, OracleDrafter([[0] * 40]), SpecConfig(engine=engine), compile_options=COMPILE)
+        runs[engine] = gen.decode(input_ids, max_new_tokens=new, eos_token_id=eos, attention_mask=mask, pad_token_id=VOCAB + 1)
+    static, dynamic = runs["static"], runs["dynamic"]
+    assert static.sequences.tolist() == dynamic.sequences.tolist()
+    assert max((a - b).abs().max().item() for a, b in zip(_states(static.past_key_values), _states(dynamic.past_key_values))) <= 1e-5
+    width = input_ids.shape[1]
+    for b, p in enumerate(prompts):
+        expected, expected_cache = plain(model, p, new, eos)
+        expected = expected[0, p.numel() :].tolist()
+        assert static.sequences[b, width : width + len(expected)].tolist() == expected
+        if b == 1:  # the row that stopped early: the passes after its EOS left its states alone
+            assert max((a[b] - e[0]).abs().max().item() for a, e in zip(_states(static.past_key_values), _states(expected_cache))) <= 1e-5
+    still_running = not all(eos in r[: new - 1] for r in refs)
+    assert blocks == ([PLAIN_STEPS, new - 1 - PLAIN_STEPS] if still_running else [PLAIN_STEPS])  # the prefill gave token 1
 
 
 def test_chain_and_tree_drafts_of_one_size_use_separate_buckets_and_stay_exact():
@@ -71,7 +103,7 @@ def test_chain_and_tree_drafts_of_one_size_use_separate_buckets_and_stay_exact()
     out = gen.generate(prompt, max_new_tokens=24)
     assert out.sequences.tolist() == expected.tolist()
     assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
-    assert set(gen.engine(prompt.device, features=False).buckets) == {(8, True), (8, False)}
+    assert set(gen.engine(prompt.device, features=False).buckets) == {(8, True, "accept"), (8, False, "accept")}
 
 
 def test_engine_reuses_its_static_buffers_across_calls_and_leaves_callers_caches_alone():
@@ -170,5 +202,5 @@ def test_shared_features_engine_serves_every_route_with_one_compile(compiles):
         assert gen.decode(prompt, max_new_tokens=10).sequences.tolist() == expected
         assert set(gen._engines) == engines and len(compiles) == compiled, (shared, len(compiles))
         if shared:  # one engine: the EAGLE route's bucket (its pass, its CUDA graph) served the oracle too
-            assert list(gen._engines[True].buckets) == [(8, True), (1, True)]
+            assert list(gen._engines[True].buckets) == [(8, True, "accept"), (1, True, "loop")]
     assert handed and all(f is None for f in handed)

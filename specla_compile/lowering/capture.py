@@ -244,6 +244,17 @@ def transformers_causal_conv1d_fn(hidden_states, weight, bias=None, activation=N
     return torch.ops.specla.causal_conv1d(hidden_states, weight, bias, _silu_flag(activation))
 
 
+def transformers_causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None):
+    """transformers' ``causal_conv1d_update`` (a cached decode step, ``hidden_states [B, D, T]``) as its
+    multi-token path computes it: the window ``cat([conv_state, x])``, its tail written into the conv
+    state, the conv over the window. Capture then sees the conv and its state write in both paths (the
+    verification twin commits the state per accepted token instead of writing every token)."""
+    window = torch.cat([conv_state, hidden_states], dim=-1)
+    conv_state.copy_(window[..., -conv_state.shape[-1] :])
+    y = torch.ops.specla.causal_conv1d(window, weight, bias, _silu_flag(activation))
+    return y[..., -hidden_states.shape[-1] :]
+
+
 def transformers_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """transformers' ``eager_attention_forward`` (additive mask, explicit softmax) as the same attention
     through ``scaled_dot_product_attention``, whose mask argument the verification twin replaces by the
@@ -345,6 +356,7 @@ KNOWN_ENTRY_POINTS: list[EntryPoint] = [
             ("torch_chunk_gated_delta_rule", _recurrence(transformers_recurrence_adapter)),
             ("torch_recurrent_gated_delta_rule", _recurrence(transformers_recurrence_adapter)),
             ("causal_conv1d_fn", _plain_wrapper(transformers_causal_conv1d_fn)),
+            ("causal_conv1d_update", _plain_wrapper(transformers_causal_conv1d_update)),
             ("eager_attention_forward", _plain_wrapper(transformers_eager_attention)),
         )
     ),

@@ -6,8 +6,9 @@ size N runs the compiled model's verification twin on them and, when greedy, acc
 gathers the accepted factor records into the static pending buffers (committed inside the next pass),
 compacts attention K/V and advances the committed lengths. On CUDA that step is captured as a CUDA graph
 at its first use and replayed afterwards; a smaller tree replays its bucket's graph with inert padding.
-The host synchronises once per pass, to read the accepted path. Plain decoding through the same engine
-is the bucket N = 1 (:meth:`StaticEngine.decode`).
+The host synchronises once per pass, to read the accepted path. Plain greedy decoding runs the loop on
+the device (:meth:`StaticEngine.decode_steps`): each replay of the 1-node graph feeds its token to the
+next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per synchronisation.
 
 A pass with no active row commits nothing (count 0), which makes the warm-up and capture runs of a new
 bucket side-effect free once the pending records are flushed.
@@ -36,6 +37,11 @@ log = logging.getLogger("specla_compile")
 # 2048 not divisible by 2048*s27"); CPU inductor (C++) and aot_eager handle it. Each size compiles apart.
 ONE_GRAPH = False
 
+# Plain greedy decoding: passes replayed between two host synchronisations (gpt-fast reads its tokens
+# once per call; this keeps streaming and EOS within a few tokens), and EOS ids the device checks.
+PLAIN_STEPS = 16
+EOS_SLOTS = 8
+
 
 def size_oblivious(on: bool):
     """While on, Dynamo traces size-1 dimensions marked dynamic as general sizes (no 0/1 specialisation)."""
@@ -53,9 +59,12 @@ class StepResult:
 class _Bucket:
     """Static inputs and outputs of the passes of one node count, and their captured graph."""
 
-    def __init__(self, batch: int, nodes: int, chain: bool, device: torch.device):
+    def __init__(self, batch: int, nodes: int, chain: bool, device: torch.device, loop: bool = False):
         self.nodes = nodes
         self.chain = chain  # every draft of this bucket is a chain: accepted paths are prefixes
+        self.loop = loop  # plain decoding on the device: the pass feeds its token to the next pass
+        self.log = torch.zeros(2, batch, PLAIN_STEPS, dtype=torch.long, device=device)  # tokens, counts per step
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
         self.session = VerifySession(static=True)
         self.draft = torch.zeros(2, batch, nodes, dtype=torch.long, device=device)  # tokens, parents
         self.draft[1] = PAD
@@ -84,7 +93,7 @@ class StaticEngine:
         self.cache = None
         self.capacity = 0
         self.last: _Bucket | None = None
-        self.buckets: dict[tuple[int, bool], _Bucket] = {}
+        self.buckets: dict[tuple[int, bool, str], _Bucket] = {}
         self.compile_seconds: dict[str, float] = {}
 
     # --- the cache ---------------------------------------------------------------------------------
@@ -108,6 +117,7 @@ class StaticEngine:
             self.buckets = {}
             self.committed = torch.zeros_like(committed)
             self.active = torch.ones(committed.shape[0], dtype=torch.bool, device=committed.device)
+            self.eos = torch.full((EOS_SLOTS,), -1, dtype=torch.long, device=committed.device)
             self.kv_valid = None if kv_valid is None else torch.zeros(committed.shape[0], capacity, dtype=torch.bool, device=committed.device)
         self.user_cache = cache
         self.last = None
@@ -139,23 +149,42 @@ class StaticEngine:
         nodes = tokens.shape[1]
         if self.kv_valid is not None and self.columns + nodes > self.capacity:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
-        bucket = self._bucket(nodes, parents)
-        if self.last is not None and self.last is not bucket:
-            self._flush(self.last)  # another bucket's graph commits only its own pending records
-        self.last = bucket
+        bucket = self._switch_to(nodes, parents, "accept" if accept else "host")
         bucket.draft.copy_(torch.stack([tokens, parents]), non_blocking=True)
         if not bucket.prepared:
             self._prepare(bucket, accept)
-        if bucket.graph is not None:
-            bucket.graph.replay()
-        else:
-            bucket.result = self._step(bucket, accept)
+        self._run(bucket, accept)
         if not accept:
             return bucket.result, None
         summary = bucket.summary.cpu()  # the one synchronisation of the pass
         acceptance = Acceptance(summary[:, :nodes], summary[:, nodes], summary[:, nodes + 1])
         self.columns += int(acceptance.num_accepted.max())
         return bucket.result, acceptance
+
+    def decode_steps(self, pending: torch.Tensor, steps: int, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain greedy decoding of ``steps`` (<= ``PLAIN_STEPS``) passes with one synchronisation: each pass
+        verifies the token the pass before emitted (the first, ``pending [B]``); a row that emits one of
+        ``eos`` commits nothing more. Returns host ``(tokens, counts) [B, steps]``: the token each pass
+        emitted and the tokens it committed (0 once a row stopped)."""
+        if not 1 <= steps <= PLAIN_STEPS:
+            raise ValueError(f"steps must be in [1, {PLAIN_STEPS}], got {steps}")
+        if len(eos) > EOS_SLOTS:
+            raise ValueError(f"at most {EOS_SLOTS} EOS ids are checked on the device, got {len(eos)}")
+        if self.kv_valid is not None and self.columns + steps > self.capacity:
+            raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
+        batch = self.committed.shape[0]
+        bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop")
+        if not bucket.prepared:
+            self._prepare(bucket, accept=True)  # (before the inputs are set: its capture runs feed tokens back)
+        self.eos.fill_(-1)
+        self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
+        bucket.draft[0, :, 0].copy_(pending, non_blocking=True)
+        bucket.step.zero_()
+        for _ in range(steps):
+            self._run(bucket, accept=True)
+        tokens, counts = bucket.log[:, :, :steps].cpu()  # the one synchronisation
+        self.columns += int(counts.max(0).values.sum())
+        return tokens, counts
 
     def commit(self, path: torch.Tensor, counts: torch.Tensor) -> None:
         """Keep each row's first ``counts[b]`` nodes of ``path [B, N]`` (after a pass without ``accept``)."""
@@ -183,15 +212,28 @@ class StaticEngine:
 
     # --- inside the step -------------------------------------------------------------------------
 
-    def _bucket(self, nodes: int, parents: torch.Tensor) -> _Bucket:
-        """The bucket of a draft: its node count, and whether it is a chain (checked on the host copy)."""
+    def _switch_to(self, nodes: int, parents: torch.Tensor, mode: str) -> _Bucket:
+        """The bucket of a draft, keyed by its node count, whether it is a chain (checked on the host copy)
+        and ``mode`` (``accept``: greedy acceptance in the step; ``host``: the caller accepts; ``loop``:
+        plain decoding on the device), each its own captured graph; the bucket used before it is flushed."""
         parents = parents.cpu()
         chain = bool(((parents == torch.arange(nodes) - 1) | (parents == PAD)).all())
-        key = (nodes, chain)
+        key = (nodes, chain, mode)
         if key not in self.buckets:
-            self.buckets[key] = _Bucket(self.committed.shape[0], nodes, chain, self.committed.device)
+            self.buckets[key] = _Bucket(self.committed.shape[0], nodes, chain, self.committed.device, loop=mode == "loop")
             self.buckets[key].hint = TopologyHint.from_parents(parents)  # the route is fixed per captured graph
-        return self.buckets[key]
+        bucket = self.buckets[key]
+        if self.last is not None and self.last is not bucket:
+            self._flush(self.last)  # another bucket's graph commits only its own pending records
+        self.last = bucket
+        return bucket
+
+    def _run(self, bucket: _Bucket, accept: bool) -> None:
+        """One pass of a prepared ``bucket`` over its static draft: a replay where it was captured."""
+        if bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            bucket.result = self._step(bucket, accept)
 
     def _forward(self, bucket: _Bucket) -> StepResult:
         tokens, parents = bucket.draft[0], bucket.draft[1]
@@ -232,7 +274,17 @@ class StaticEngine:
             bucket.summary[:, :n].copy_(acceptance.path)
             bucket.summary[:, n].copy_(counts)
             bucket.summary[:, n + 1].copy_(acceptance.next_token)
+            if bucket.loop:
+                self._feed_back(bucket, acceptance.next_token, counts)
         return result
+
+    def _feed_back(self, bucket: _Bucket, token: torch.Tensor, counts: torch.Tensor) -> None:
+        """Plain decoding on the device: log the pass's token, make it the next pass's input, and stop
+        the rows that emitted EOS (their later passes commit nothing, as the host loop would trim them)."""
+        bucket.log.index_copy_(2, bucket.step, torch.stack([token, counts])[..., None])
+        bucket.step += 1
+        bucket.draft[0, :, 0].copy_(token)
+        self.active &= ~(token[:, None] == self.eos).any(-1)
 
     def _commit(self, bucket: _Bucket, path: torch.Tensor, counts: torch.Tensor) -> None:
         bucket.session.accept(path, counts, prefix=bucket.chain)

@@ -38,7 +38,7 @@ from .cache_layout import (
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
-from .engine import StaticEngine
+from .engine import EOS_SLOTS, PLAIN_STEPS, StaticEngine
 from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .topology import PAD, ancestor_mask, bucket_size, depth
@@ -247,7 +247,10 @@ class SpeculativeGenerator:
         try:
             drafter = _PlainDrafter() if _plain else self.drafter
             engine = self.engine(input_ids.device, self.engine_features(drafter))
-            run = (_StaticRun if engine is not None else _Run)(self, drafter, rows, args, streamer, generator)
+            run_type = _Run if engine is None else _StaticRun
+            if engine is not None and _plain and not args.do_sample and len(args.eos_token_ids) <= EOS_SLOTS:
+                run_type = _PlainDeviceRun
+            run = run_type(self, drafter, rows, args, streamer, generator)
             return run.run(input_ids, past_key_values)
         except BaseException:
             if saved is not None:
@@ -435,14 +438,16 @@ class _Run:
                 emitted.append([])
                 continue
             row = [drafted[b][j] for j in paths[b][1 : counts[b]]] + [next_tokens[b]]
-            row = row[: self.max_new_tokens - len(self.new_tokens[b])]
-            for i, t in enumerate(row):
-                if t in self.eos:
-                    row = row[: i + 1]
-                    break
+            row = self._cut_at_eos(row[: self.max_new_tokens - len(self.new_tokens[b])])
             self.stats.accepted_drafts.append(counts[b] - 1)
             emitted.append(row)
         return emitted
+
+    def _cut_at_eos(self, row: list[int]) -> list[int]:
+        for i, token in enumerate(row):
+            if token in self.eos:
+                return row[: i + 1]
+        return row
 
     def _record(self, emitted: list[list[int]]) -> None:
         for b, row in enumerate(emitted):
@@ -582,6 +587,39 @@ class _StaticRun(_Run):
 
     def _final_columns(self) -> torch.Tensor:
         return self.engine.kv_valid[:, : self.engine.columns]
+
+
+class _PlainDeviceRun(_StaticRun):
+    """Plain greedy decoding through the engine with the loop on the device: up to ``PLAIN_STEPS``
+    passes per host synchronisation (:meth:`~.engine.StaticEngine.decode_steps`), never past the token
+    budget; a row stops at EOS on the device. The strongest plain baseline the engine offers."""
+
+    def _loop(self, input_ids: torch.Tensor, past_key_values) -> None:
+        with self._timed("prefill_seconds"):
+            self.pending = self._prefill(past_key_values)
+        if self.streamer is not None:
+            self.streamer.put(input_ids[0].cpu())
+        self._record([[t] for t in self.pending.tolist()])
+        self._start()
+        pending = self.pending
+        while not all(self.finished):
+            left = self.max_new_tokens - max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
+            steps = min(PLAIN_STEPS, left)
+            with self._timed("verify_seconds"):
+                tokens, counts = self.engine.decode_steps(pending, steps, self.eos)
+            with self._timed("commit_seconds"):
+                emitted = [[] if done else self._cut_at_eos(row) for row, done in zip(tokens.tolist(), self.finished)]
+                for b, row in enumerate(emitted):
+                    if row:
+                        pending[b] = row[-1]
+                        self.stats.accepted_drafts += [0] * len(row)
+                        self.stats.tree_sizes += [1] * len(row)
+                self._record(emitted)
+            self.stats.iterations += steps
+        with self._timed("commit_seconds"):
+            self._finish()
+        if self.streamer is not None:
+            self.streamer.end()
 
 
 class _PlainDrafter(Drafter):
