@@ -77,14 +77,20 @@ def test_verify(case, route):
     assert torch.equal(state, x["state"])  # verify never writes the durable state
 
 
+def in_layout(state: torch.Tensor, layout: str) -> torch.Tensor:
+    """A copy of ``state [B, HV, K, V]`` stored K-major ("kv", contiguous) or V-major ("vk", as fla keeps it)."""
+    return state.clone() if layout == "kv" else state.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 @interpreted
+@pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("case", ["chain", "tree_padded", "star_padded", "tree_16"])
-def test_fused_commit_verify(case, route):
+def test_fused_commit_verify(case, route, layout):
     parents, x, l2, config = case_inputs(case, seed=7)
     prev_parents, prev = case_inputs(case, seed=8)[:2]
     records, num = accepted_records(prev, prev_parents, max_accepted=6, seed=9)
-    state = x["state"].clone()
+    state = in_layout(x["state"], layout)
     with poisoned_allocations():
         o, k_hat = tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route=route, config=config,
                                   pending=tv.Pending(*records, num))
@@ -95,12 +101,13 @@ def test_fused_commit_verify(case, route):
 
 
 @interpreted
+@pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("block_v", [16, 32])
-def test_commit(block_v):
+def test_commit(block_v, layout):
     parents, x, _, _ = case_inputs("tree_padded", seed=3)
     records, num = accepted_records(x, parents, max_accepted=8, seed=4)
     assert num.min() < num.max()  # rows commit different lengths
-    state = x["state"].clone()
+    state = in_layout(x["state"], layout)
     tv.commit_(state, *records, num, config=KernelConfig(block_v=block_v))
     expected = ref.gdn_commit_reference(x["state"].double(), ref.FactorRecords(*(t.double() for t in records)), num)
     assert rel_err(state, expected) <= 1e-6

@@ -19,9 +19,15 @@ def _reference_of(op: torch.library.CustomOpDef) -> Callable:
     return op._init_fn  # the pure-PyTorch implementation ops.py defined the op with
 
 
-def _in_place(state: torch.Tensor, update: Callable[[torch.Tensor], object]) -> object:
-    """Run ``update`` on a contiguous view of ``state`` and make sure ``state`` itself ends up updated."""
-    work = state if state.is_contiguous() else state.contiguous()
+def _kernel_layout(state: torch.Tensor) -> bool:
+    """Whether the recurrent kernels update ``state`` where it lies."""
+    return triton_verify.state_strides(state) is not None
+
+
+def _in_place(state: torch.Tensor, update: Callable[[torch.Tensor], object], fits: Callable[[torch.Tensor], bool]) -> object:
+    """Run ``update`` on ``state`` if its layout ``fits`` the kernel, else on a contiguous copy that is
+    written back (two copies of the state: avoid them)."""
+    work = state if fits(state) else state.contiguous()
     out = update(work)
     if work is not state:
         state.copy_(work)
@@ -39,14 +45,14 @@ def _verify(q, k, v, g, beta, parents, state, scale, use_qk_l2norm, pending=None
 def _gdn_tree_verify(q, k, v, g, beta, parents, state, scale, use_qk_l2norm):
     if state.dtype != torch.float32:
         return _reference_of(ops.gdn_tree_verify)(q, k, v, g, beta, parents, state, scale, use_qk_l2norm)
-    return _verify(q, k, v, g, beta, parents, state.contiguous(), scale, use_qk_l2norm)  # read only
+    return _verify(q, k, v, g, beta, parents, state if _kernel_layout(state) else state.contiguous(), scale, use_qk_l2norm)
 
 
 @ops.gdn_commit_.register_kernel("cuda")
 def _gdn_commit_(state, k, v, g, beta, num_accepted):
     if state.dtype != torch.float32:
         return _reference_of(ops.gdn_commit_)(state, k, v, g, beta, num_accepted)
-    _in_place(state, lambda s: triton_verify.commit_(s, k, v, g, beta, num_accepted))
+    _in_place(state, lambda s: triton_verify.commit_(s, k, v, g, beta, num_accepted), _kernel_layout)
 
 
 @ops.gdn_commit_verify_.register_kernel("cuda")
@@ -56,7 +62,7 @@ def _gdn_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, nu
         return _reference_of(ops.gdn_commit_verify_)(state, pending_k, pending_v, pending_g, pending_beta, num_pending,
                                                      q, k, v, g, beta, parents, scale, use_qk_l2norm)
     pending = triton_verify.Pending(pending_k, pending_v, pending_g, pending_beta, num_pending)
-    return _in_place(state, lambda s: _verify(q, k, v, g, beta, parents, s, scale, use_qk_l2norm, pending))
+    return _in_place(state, lambda s: _verify(q, k, v, g, beta, parents, s, scale, use_qk_l2norm, pending), _kernel_layout)
 
 
 @ops.tree_conv.register_kernel("cuda")
@@ -68,4 +74,4 @@ def _tree_conv(x, conv_state, weight, bias, parents, silu):
 
 @ops.conv_state_commit_.register_kernel("cuda")
 def _conv_state_commit_(conv_state, x, num_accepted):
-    _in_place(conv_state, lambda s: triton_conv.conv_state_commit_(s, x, num_accepted))
+    _in_place(conv_state, lambda s: triton_conv.conv_state_commit_(s, x, num_accepted), torch.Tensor.is_contiguous)

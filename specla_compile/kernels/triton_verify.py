@@ -149,7 +149,7 @@ def _recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKF: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr,
     USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, VERIFY: tl.constexpr, HYBRID: tl.constexpr,
-    SNAPSHOT: tl.constexpr,
+    SNAPSHOT: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
 ):
     """Serial route (grid z = 1), hybrid route (grid z = N, one program per chain) and the standalone
     commit (VERIFY = False). Grid: (V tiles, B * HV, z)."""
@@ -163,7 +163,7 @@ def _recurrent_kernel(
     mk = rk < K
     rv = i_v * BV + tl.arange(0, BV)
     mv = rv < V
-    tile_off = i_bh.to(tl.int64) * K * V + rk[:, None] * V + rv[None, :]
+    tile_off = i_bh.to(tl.int64) * K * V + rk[:, None] * SK + rv[None, :] * SV  # the durable state's layout
     tile_mask = mk[:, None] & mv[None, :]
     rn = tl.arange(0, BN)
     n_chains = 1
@@ -244,7 +244,7 @@ def _parallel_kernel(
     scale, N, A,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2BT: tl.constexpr,
-    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr,
+    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
 ):
     """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING).
     Grid: (V tiles, B * HV). The K dimension streams in chunks of BK; raw dot products are
@@ -259,7 +259,7 @@ def _parallel_kernel(
     state_tile = state + i_bh.to(tl.int64) * K * V
     if HAS_PENDING:
         rkf = tl.arange(0, BKF)
-        full_off = rkf[:, None] * V + rv[None, :]
+        full_off = rkf[:, None] * SK + rv[None, :] * SV
         full_mask = (rkf < K)[:, None] & mv[None, :]
         s0 = tl.load(state_tile + full_off, mask=full_mask, other=0.0)
         s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
@@ -290,7 +290,7 @@ def _parallel_kernel(
         node_mask = mt[:, None] & mk[None, :]
         kc = tl.load(k + node_off, mask=node_mask, other=0.0).to(tl.float32)
         qc = tl.load(q + node_off, mask=node_mask, other=0.0).to(tl.float32)
-        sc = tl.load(state_tile + rk[:, None] * V + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        sc = tl.load(state_tile + rk[:, None] * SK + rv[None, :] * SV, mask=mk[:, None] & mv[None, :], other=0.0)
         kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
         qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
         ks += tl.dot(kc, sc, input_precision=PREC)
@@ -334,6 +334,24 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+def state_strides(state: torch.Tensor) -> tuple[int, int] | None:
+    """``(K stride, V stride)`` of a ``[B, HV, K, V]`` state that the kernels read and update where it
+    lies: contiguous, or the transpose of a contiguous ``[B, HV, V, K]`` (as fla keeps it); else None."""
+    dk, dv = state.shape[-2:]
+    if state.is_contiguous():
+        return dv, 1
+    if state.transpose(-1, -2).is_contiguous():
+        return 1, dk
+    return None
+
+
+def _strides(state: torch.Tensor) -> tuple[int, int]:
+    strides = state_strides(state)
+    if strides is None:
+        raise ValueError(f"the GDN state must be contiguous as [B, HV, K, V] or [B, HV, V, K], got strides {state.stride()}")
+    return strides
+
+
 def _pending_args(pending: Pending | None, state: torch.Tensor) -> tuple[list[torch.Tensor], int, bool]:
     if pending is None or pending.k.shape[1] == 0:
         return [state] * 5, 0, False  # never read: HAS_PENDING is off
@@ -375,8 +393,9 @@ def tree_verify(
     if route == "parallel":
         block_v = max(block_v, 16)  # tensor-core products need 16 columns
     grid_v = triton.cdiv(dv, block_v)
+    sk, sv = _strides(state)
     shape = dict(H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
-                 HAS_PENDING=has_pending, num_warps=config.num_warps)
+                 HAS_PENDING=has_pending, SK=sk, SV=sv, num_warps=config.num_warps)
     if route == "parallel":
         bt = _pow2_at_least(n, 16)
         _parallel_kernel[(grid_v, batch * hv)](
@@ -418,6 +437,7 @@ def commit_(
         return
     batch, _, heads, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
+    sk, sv = _strides(state)
     block_v = min(config.block_v, _pow2_at_least(dv, 16))
     grid_v = triton.cdiv(dv, block_v)
     unused = state  # verify-only pointers: VERIFY is off
@@ -425,5 +445,5 @@ def commit_(
         unused, unused, unused, unused, unused, num, state, unused, unused, unused, num,
         pk, pv, pg, pb, num, 1.0, 0, n_pending,
         H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, BN=16, LOG2BN=4, USE_L2=False,
-        HAS_PENDING=True, VERIFY=False, HYBRID=False, SNAPSHOT=False, num_warps=config.num_warps,
+        HAS_PENDING=True, VERIFY=False, HYBRID=False, SNAPSHOT=False, SK=sk, SV=sv, num_warps=config.num_warps,
     )
