@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exact-layers", type=int, default=4, help="depth of the fp32 copy")
     parser.add_argument("--exact-prompts", type=int, default=16)
     parser.add_argument("--exact-tokens", type=int, default=64)
+    parser.add_argument("--plan", choices=("gathered", "heads"), default="gathered",
+                        help="GDN plan of the tp2 section: transformers' (projections gathered) or head-sharded")
     parser.add_argument("--checkpoint-dir", default="/tmp/specla_tp_gpu", help="where the random checkpoints are saved once")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON (no GPU)")
     args = parser.parse_args(argv)
@@ -119,6 +121,8 @@ def write_report(results: dict, out_dir: str) -> None:
         lines += ["", f"One captured {PASS_NODES}-node verify pass, ms: {results['plans']}"]
     if results.get("exact_fp32"):
         lines += ["", f"fp32 greedy output at TP={results.get('world')} against TP=1 (identical / prompts): {results['exact_fp32']}"]
+    lines += [""] + [f"- run `{name}`: {how}" for name, how in results.get("runs", {}).items()] if results.get("runs") else []
+    lines += [f"- {note}" for note in results.get("notes", [])]
     for name, error in results.get("errors", {}).items():
         lines += ["", f"Section `{name}` failed: `{error.strip().splitlines()[-1]}`"]
     with open(os.path.join(out_dir, "tp_gpu.md"), "w") as f:
@@ -211,7 +215,12 @@ def tp1(args, results: dict) -> None:
 
 
 def tp2(args, results: dict) -> None:
+    from specla_compile.parallel import shard_gdn_heads
+
     model = load(checkpoint(args, torch.bfloat16, args.layers), torch.bfloat16, parallel=True)
+    if args.plan == "heads":
+        shard_gdn_heads(model)
+    results["tp2_plan"] = args.plan
     gen, plain, prompts = measure_plain(model, args)
     section = results.setdefault("tp2", {})
     section["plain"] = {k: v for k, v in plain.items() if k != "sequences"}

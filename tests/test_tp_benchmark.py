@@ -61,7 +61,8 @@ def test_arguments():
     args = tp_gpu.parse_args([])
     assert (args.sections, args.layers, args.exact_layers, args.exact_prompts, args.exact_tokens) == (list(tp_gpu.SECTIONS), None, 4, 16, 64)
     assert tp_gpu.parse_args(["--sections", "tp2", "plans", "--layers", "8"]).sections == ["tp2", "plans"]
-    for bad in (["--layers", "6"], ["--exact-layers", "0"], ["--sections", "eager"]):
+    assert (args.plan, tp_gpu.parse_args(["--plan", "heads"]).plan) == ("gathered", "heads")
+    for bad in (["--layers", "6"], ["--exact-layers", "0"], ["--sections", "eager"], ["--plan", "rows"]):
         with pytest.raises(SystemExit):
             tp_gpu.parse_args(bad)
 
