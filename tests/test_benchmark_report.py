@@ -44,6 +44,22 @@ def test_targets_from_partial_results(results):
     assert not any(t["met"] for t in targets.values() if t["measured"] is None)
 
 
+def test_plain_target_prefers_the_profile_run_and_its_operators_reach_the_report(tmp_path):
+    """``fla_profile`` runs alone on its machine: its plain figure is the headline, and its operator table
+    (``aten::`` and ``specla::`` rows only) is written under the kernel profile."""
+    ops = [{"op": "aten::copy_", "shapes": "[[1, 8, 256, 256]]", "calls": 48, "device_ms": 0.235},
+           {"op": "nvjet_sm90_gemm", "shapes": "[]", "calls": 24, "device_ms": 0.3}]
+    results = {"fla_b1": {"plain": {"ms_per_token": 2.8}},
+               "fla_profile": {"plain": {"ms_per_token": 0.95}, "op_profile": {"1_chain": ops},
+                               "replay": {"1_chain": {"launch_ms": 0.006, "wall_ms_per_replay": 2.3}}}}
+    plain = {t["name"]: t for t in e2e_gpu.targets(results)}["plain graphed decoding, ms/token"]
+    assert (plain["measured"], plain["met"]) == (0.95, True)
+    e2e_gpu.write_report(results, str(tmp_path))
+    table = (tmp_path / "e2e_gpu.md").read_text()
+    assert "| `aten::copy_` | [[1, 8, 256, 256]] | 48 | 0.235 |" in table and "nvjet" not in table
+    assert "launch 0.006 ms of host time, 2.300 ms per back-to-back replay" in table
+
+
 def test_report_files_from_a_partial_heatmap(tmp_path):
     pytest.importorskip("matplotlib")
     e2e_gpu.write_report(dict(PARTIAL[3]), str(tmp_path))
