@@ -106,7 +106,7 @@ def test_rewrite_structure_and_durable_writes(family):
     assert not any(is_call(n, RECURRENCE) for n in graph.nodes)
     verifies = [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.specla.gdn_commit_verify_.default]
     assert len(verifies) == n_layers == len(program.layers)
-    tree_convs = [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.specla.tree_conv.default]
+    tree_convs = [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.specla.commit_tree_conv_.default]
     assert len(tree_convs) == n_layers * (3 if family == "fla" else 1)
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -128,7 +128,7 @@ def test_rewrite_structure_and_durable_writes(family):
             assert view_chain(node.args[0])[0] not in durable, f"model write into durable state: {node.format_node()}"
         if node.op == "call_function" and node.target in (
             torch.ops.specla.gdn_commit_verify_.default,
-            torch.ops.specla.conv_state_commit_.default,
+            torch.ops.specla.commit_tree_conv_.default,
         ):
             assert view_chain(node.args[0])[0] in durable
             committed_from = node.args[1:6] if "gdn" in str(node.target) else node.args[1:3]

@@ -60,15 +60,20 @@ def test_gdn_commit_verify_(x):
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_tree_conv(with_bias):
+def test_commit_tree_conv_(with_bias):
+    """The delayed conv-state commit, then the tree conv from the committed state, in one op."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 6, 5, generator=gen)
     conv_state = torch.randn(2, 5, 4, generator=gen)
+    pending_x, num = torch.randn(2, 6, 5, generator=gen), torch.tensor([2, 0])
     weight = torch.randn(5, 4, generator=gen)
     bias = torch.randn(5, generator=gen) if with_bias else None
-    args = (x, conv_state, weight, bias, PARENTS, True)
-    torch.library.opcheck(ops.tree_conv, args)
-    assert torch.equal(ops.tree_conv(*args), tree_conv_reference(x, conv_state, weight, bias, PARENTS))
+    torch.library.opcheck(ops.commit_tree_conv_, (conv_state.clone(), pending_x, num, x, weight, bias, PARENTS, True))
+    committed = conv_state_commit_reference(conv_state, pending_x, num)
+    state = conv_state.clone()
+    y = ops.commit_tree_conv_(state, pending_x, num, x, weight, bias, PARENTS, True)
+    assert torch.equal(state, committed) and not torch.equal(state[0], conv_state[0]) and torch.equal(state[1], conv_state[1])
+    assert torch.equal(y, tree_conv_reference(x, committed, weight, bias, PARENTS))
 
 
 def test_conv_state_commit_():

@@ -172,12 +172,16 @@ def test_tree_conv_and_commit(case, state_len, with_bias):
     conv_state = torch.randn(batch, channels, state_len, generator=gen).bfloat16().cuda()
     weight = torch.randn(channels, 4, generator=gen).bfloat16().cuda()
     bias = torch.randn(channels, generator=gen).bfloat16().cuda() if with_bias else None
+    num = torch.tensor([min(n, 5), 0][:batch], device="cuda")
+    pending_x = torch.randn(batch, n, channels, generator=gen).bfloat16().cuda()
+    committed = ref.conv_state_commit_reference(conv_state, pending_x, num)
+    updated = conv_state.clone()
     with poisoned_allocations():
-        y = ops.tree_conv(x, conv_state, weight, bias, parents, True)
-    expected = ref.tree_conv_reference(x.double(), conv_state.double(), weight.double(),
+        y = ops.commit_tree_conv_(updated, pending_x, num, x, weight, bias, parents, True)
+    assert torch.equal(updated, committed)
+    expected = ref.tree_conv_reference(x.double(), committed.double(), weight.double(),
                                        None if bias is None else bias.double(), parents)
     assert rel_err(y, expected) <= O_TOL
-    num = torch.tensor([min(n, 5), 0][:batch], device="cuda")
     updated = conv_state.clone()
     ops.conv_state_commit_(updated, x, num)
     assert torch.equal(updated, ref.conv_state_commit_reference(conv_state, x, num))

@@ -155,6 +155,23 @@ def test_tree_conv(kind, width, state_len, with_bias, silu):
 
 @interpreted
 @pytest.mark.parametrize("state_len, accepted", [(3, [0, 2]), (3, [5, 1]), (6, [4, 4])])
+def test_commit_then_tree_conv_in_one_launch(state_len, accepted):
+    gen = torch.Generator().manual_seed(state_len + 1)
+    parents = random_parents(2, 9, seed=state_len, kind="tree", padding=2)
+    x, pending_x = torch.randn(2, 11, 40, generator=gen), torch.randn(2, max(accepted) + 1, 40, generator=gen)
+    conv_state, weight, bias = torch.randn(2, 40, state_len, generator=gen), torch.randn(40, 4, generator=gen), torch.randn(40, generator=gen)
+    num = torch.tensor(accepted)
+    updated = conv_state.clone()
+    with poisoned_allocations():
+        y = tc.tree_conv(x, updated, weight, bias, parents, True, pending=(pending_x, num), block_d=16)
+    committed = ref.conv_state_commit_reference(conv_state, pending_x, num)
+    assert torch.equal(updated, committed)
+    expected = ref.tree_conv_reference(x.double(), committed.double(), weight.double(), bias.double(), parents, silu=True)
+    assert rel_err(y, expected) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("state_len, accepted", [(3, [0, 2]), (3, [5, 1]), (6, [4, 4])])
 def test_conv_state_commit(state_len, accepted):
     gen = torch.Generator().manual_seed(state_len)
     conv_state = torch.randn(2, 40, state_len, generator=gen)

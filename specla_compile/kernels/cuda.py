@@ -65,11 +65,12 @@ def _gdn_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, nu
     return _in_place(state, lambda s: _verify(q, k, v, g, beta, parents, s, scale, use_qk_l2norm, pending), _kernel_layout)
 
 
-@ops.tree_conv.register_kernel("cuda")
-def _tree_conv(x, conv_state, weight, bias, parents, silu):
+@ops.commit_tree_conv_.register_kernel("cuda")
+def _commit_tree_conv_(conv_state, pending_x, num_pending, x, weight, bias, parents, silu):
     if torch.float64 in (x.dtype, conv_state.dtype, weight.dtype):
-        return _reference_of(ops.tree_conv)(x, conv_state, weight, bias, parents, silu)
-    return triton_conv.tree_conv(x, conv_state, weight, bias, parents, silu)
+        return _reference_of(ops.commit_tree_conv_)(conv_state, pending_x, num_pending, x, weight, bias, parents, silu)
+    return _in_place(conv_state, lambda s: triton_conv.tree_conv(x, s, weight, bias, parents, silu, pending=(pending_x, num_pending)),
+                     torch.Tensor.is_contiguous)
 
 
 @ops.conv_state_commit_.register_kernel("cuda")

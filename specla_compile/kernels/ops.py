@@ -151,16 +151,25 @@ def _(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v
 # --- short convolution ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("specla::tree_conv", mutates_args=())
-def tree_conv(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parents: torch.Tensor, silu: bool
+@torch.library.custom_op("specla::commit_tree_conv_", mutates_args=("conv_state",))
+def commit_tree_conv_(
+    conv_state: torch.Tensor,
+    pending_x: torch.Tensor,
+    num_pending: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parents: torch.Tensor,
+    silu: bool,
 ) -> torch.Tensor:
-    """Tree short convolution (see :func:`~specla_compile.kernels.reference.tree_conv_reference`)."""
+    """Delayed update then tree conv, one launch on GPUs: shift each row's first ``num_pending[b]``
+    inputs of ``pending_x [B, A, D]`` into ``conv_state`` in place, then :func:`tree_conv` from it."""
+    conv_state.copy_(ref.conv_state_commit_reference(conv_state, pending_x, num_pending))
     return ref.tree_conv_reference(x, conv_state, weight, bias, parents, silu=silu)
 
 
-@tree_conv.register_fake
-def _(x, conv_state, weight, bias, parents, silu):
+@commit_tree_conv_.register_fake
+def _(conv_state, pending_x, num_pending, x, weight, bias, parents, silu):
     ref.check_conv_shapes(x, conv_state, weight, parents)
     return x.new_empty(x.shape)
 

@@ -13,16 +13,35 @@ import triton.language as tl
 
 
 @triton.jit
+def _shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr):
+    """Row b's channels ``rd``: new column c is column num + c of (old state ++ accepted inputs), in place."""
+    rs = tl.arange(0, BS)
+    m2 = md[:, None] & (rs < S)[None, :]
+    src = tl.minimum(tl.load(num_accepted + b).to(tl.int32), A) + rs
+    in_state = (src < S)[None, :]
+    old = tl.load(conv_state + (b * D + rd[:, None]) * S + src[None, :], mask=m2 & in_state, other=0.0)
+    new = tl.load(x + (b * A + (src - S)[None, :]) * D + rd[:, None], mask=m2 & (in_state == 0), other=0.0)
+    shifted = tl.where(in_state, old, new.to(old.dtype))
+    tl.debug_barrier()  # in place: every read of this block lands before any write
+    tl.store(conv_state + (b * D + rd[:, None]) * S + rs[None, :], shifted, mask=m2)
+
+
+@triton.jit
 def _tree_conv_kernel(
-    x, conv_state, weight, bias, parents, y, N, D, S,
+    x, conv_state, weight, bias, parents, y, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
-    """Grid: (B, channel blocks)."""
+    """Grid: (B, channel blocks). With COMMIT, the program first shifts its channels' pending accepted
+    inputs into the conv state (the delayed update), then convolves from the updated state."""
     b = tl.program_id(0)
     rn = tl.arange(0, BN)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     mn = rn < N
     md = rd < D
+    if COMMIT:
+        _shift_in(conv_state, pending_x, num_pending, b, rd, md, A, D, S, BS)
+        tl.debug_barrier()  # the taps below read columns other threads of this program just wrote
     m2 = mn[:, None] & md[None, :]
     acc = tl.load(x + (b * N + rn[:, None]) * D + rd[None, :], mask=m2, other=0.0).to(tl.float32)
     acc = acc * tl.load(weight + rd * W + (W - 1), mask=md, other=0.0).to(tl.float32)[None, :]
@@ -50,18 +69,9 @@ def _tree_conv_kernel(
 
 @triton.jit
 def _conv_commit_kernel(conv_state, x, num_accepted, A, D, S, BS: tl.constexpr, BD: tl.constexpr):
-    """Grid: (B, channel blocks). New column c is column num + c of (old state ++ accepted inputs)."""
-    b = tl.program_id(0)
-    rs = tl.arange(0, BS)
+    """Grid: (B, channel blocks)."""
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    m2 = (rd < D)[:, None] & (rs < S)[None, :]
-    src = tl.minimum(tl.load(num_accepted + b).to(tl.int32), A) + rs
-    in_state = (src < S)[None, :]
-    old = tl.load(conv_state + (b * D + rd[:, None]) * S + src[None, :], mask=m2 & in_state, other=0.0)
-    new = tl.load(x + (b * A + (src - S)[None, :]) * D + rd[:, None], mask=m2 & (in_state == 0), other=0.0)
-    shifted = tl.where(in_state, old, new.to(old.dtype))
-    tl.debug_barrier()  # in place: every read of this block lands before any write
-    tl.store(conv_state + (b * D + rd[:, None]) * S + rs[None, :], shifted, mask=m2)
+    _shift_in(conv_state, x, num_accepted, tl.program_id(0), rd, rd < D, A, D, S, BS)
 
 
 def tree_conv(
@@ -72,16 +82,24 @@ def tree_conv(
     parents: torch.Tensor,
     silu: bool = True,
     *,
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_d: int = 128,
 ) -> torch.Tensor:
-    """Tree short convolution, ``x [B, N, D]`` -> ``[B, N, D]`` (see ``specla::tree_conv``)."""
+    """Tree short convolution, ``x [B, N, D]`` -> ``[B, N, D]`` (``reference.tree_conv_reference``). With
+    ``pending = (inputs [B, A, D], num_accepted [B])`` the same launch first commits them into
+    ``conv_state`` in place (``specla::commit_tree_conv_``)."""
+    if pending is not None and not conv_state.is_contiguous():
+        raise ValueError("conv_state must be contiguous: it is updated in place")
     x, conv_state, weight, parents = (t.contiguous() for t in (x, conv_state, weight, parents))
     batch, n, d = x.shape
     y = torch.empty_like(x)
     block_n = max(16, triton.next_power_of_2(n))
+    pending_x, num = (pending[0].contiguous(), pending[1]) if pending is not None else (x, parents)  # (unread without COMMIT)
     _tree_conv_kernel[(batch, triton.cdiv(d, block_d))](
         x, conv_state, weight, bias if bias is not None else weight, parents, y, n, d, conv_state.shape[2],
+        pending_x, num, pending_x.shape[1],
         W=weight.shape[1], BN=block_n, BD=block_d, HAS_BIAS=bias is not None, SILU=silu,
+        COMMIT=pending is not None, BS=triton.next_power_of_2(conv_state.shape[2]),
     )
     return y
 

@@ -5,9 +5,9 @@ Per GDN layer (found by :func:`~.graph_analysis.find_gdn_layers`):
 * the recurrence becomes ``specla::gdn_commit_verify_``: it first commits the layer's pending accepted
   factor records into the durable state in place (delayed update), then verifies the draft tree from
   it; whatever the model wrote back as its "final state" is now that committed state;
-* each short convolution commits its pending accepted inputs into the conv state
-  (``specla::conv_state_commit_``) and then runs ``specla::tree_conv`` over the tree; the model's own
-  conv-state writes are dropped;
+* each short convolution commits its pending accepted inputs into the conv state and then runs the
+  tree conv over the draft, one op (``specla::commit_tree_conv_``); the model's own conv-state writes
+  are dropped;
 * the layer's new factor records ``(k_hat, v, g, beta)`` and conv inputs become extra graph outputs.
 
 Full-attention layers (``scaled_dot_product_attention``) get the tree mask instead of the causal mask.
@@ -131,8 +131,7 @@ class _Rewriter:
         if conv.kind == "short_conv":
             x, state, weight, bias, silu = node.args
             with self.graph.inserting_before(node):
-                self.call(torch.ops.specla.conv_state_commit_.default, state, pending_x, num_pending)
-                y = self.call(torch.ops.specla.tree_conv.default, x, state, weight, bias, parents, silu)
+                y = self.call(torch.ops.specla.commit_tree_conv_.default, state, pending_x, num_pending, x, weight, bias, parents, silu)
             for index, users in getitem_users(node).items():
                 for user in users:
                     user.replace_all_uses_with(y if index == 0 else state)
@@ -141,11 +140,9 @@ class _Rewriter:
             return x
         # transformers: window = cat([state, x [B, D, N]], -1); y_window = causal_conv1d(window, ...)
         window, weight, bias, silu = node.args
-        with self.graph.inserting_before(conv.window):
-            self.call(torch.ops.specla.conv_state_commit_.default, conv.state, pending_x, num_pending)
         with self.graph.inserting_before(node):
             x_rows = self.graph.call_method("transpose", (conv.x, 1, 2))
-            y = self.call(torch.ops.specla.tree_conv.default, x_rows, conv.state, weight, bias, parents, silu)
+            y = self.call(torch.ops.specla.commit_tree_conv_.default, conv.state, pending_x, num_pending, x_rows, weight, bias, parents, silu)
             # keep the window's shape so the model's own slice of the last N columns still applies
             y_window = self.call(torch.cat, [self.call(torch.zeros_like, conv.state), self.graph.call_method("transpose", (y, 1, 2))], -1)
         node.replace_all_uses_with(y_window)
