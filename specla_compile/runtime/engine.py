@@ -34,7 +34,8 @@ log = logging.getLogger("specla_compile")
 
 # One compiled graph for every bucket size (the node dimension dynamic from the first pass). Off: on the
 # H200 (torch 2.11, Triton 3.6) inductor's Triton code generation fails on it at batch 1 ("CantSplit:
-# 2048 not divisible by 2048*s27"); CPU inductor (C++) and aot_eager handle it. Each size compiles apart.
+# 2048 not divisible by 2048*s27"); CPU inductor (C++) and aot_eager handle it. Off, the 1-node pass is one
+# graph and Dynamo makes the node dimension dynamic at the second size: one more graph for every larger size.
 ONE_GRAPH = False
 
 # Plain greedy decoding: passes replayed between two host synchronisations (gpt-fast reads its tokens
