@@ -60,7 +60,7 @@ def test_plain_decoding_through_the_engine_equals_eager_decoding(family, caplog)
     assert list(engine.buckets) == [(1, True, "loop")]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["fla", "qwen3_5"])  # (Qwen3-Next decodes one token through the same routed conv update)
 def test_plain_decoding_loops_on_the_device_and_stops_rows_at_eos(family, monkeypatch):
     """Greedy plain decoding replays PLAIN_STEPS passes per synchronisation; a row that emits EOS inside
     a block commits nothing more, so tokens and final cache equal the host loop's (dynamic engine)."""

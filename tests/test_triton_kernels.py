@@ -82,10 +82,12 @@ def in_layout(state: torch.Tensor, layout: str) -> torch.Tensor:
     return state.clone() if layout == "kv" else state.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
+FUSED_CASES = [(case, route, "kv") for case in ("chain", "tree_padded", "star_padded", "tree_16") for route in ROUTES]
+FUSED_CASES += [("tree_padded", route, "vk") for route in ROUTES]  # fla's V-major state, updated where it lies
+
+
 @interpreted
-@pytest.mark.parametrize("layout", ["kv", "vk"])
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("case", ["chain", "tree_padded", "star_padded", "tree_16"])
+@pytest.mark.parametrize("case, route, layout", FUSED_CASES)
 def test_fused_commit_verify(case, route, layout):
     parents, x, l2, config = case_inputs(case, seed=7)
     prev_parents, prev = case_inputs(case, seed=8)[:2]
@@ -101,8 +103,7 @@ def test_fused_commit_verify(case, route, layout):
 
 
 @interpreted
-@pytest.mark.parametrize("layout", ["kv", "vk"])
-@pytest.mark.parametrize("block_v", [16, 32])
+@pytest.mark.parametrize("block_v, layout", [(16, "kv"), (32, "kv"), (16, "vk")])
 def test_commit(block_v, layout):
     parents, x, _, _ = case_inputs("tree_padded", seed=3)
     records, num = accepted_records(x, parents, max_accepted=8, seed=4)
