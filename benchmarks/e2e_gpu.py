@@ -217,7 +217,7 @@ def pass_ms(gen, nodes: int, pending: int = 0, repeats: int = 50, chain: bool = 
 
 KERNEL_KINDS = (  # kernel name fragment -> kind, first match wins (inductor's names hold op names such as _to_copy)
     ("gemm", "gemm"), ("gemv", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("xmma", "gemm"), ("triton_", "inductor"),
-    ("recurrent", "recurrence"), ("_parallel_kernel", "recurrence"), ("chunk", "recurrence"), ("delta", "recurrence"),
+    ("nccl", "collective"), ("recurrent", "recurrence"), ("_parallel_kernel", "recurrence"), ("chunk", "recurrence"), ("delta", "recurrence"),
     ("conv", "conv"), ("copy", "copy"), ("memcpy", "copy"), ("memset", "copy"),
 )
 

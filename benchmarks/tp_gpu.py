@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 from e2e_gpu import (
     OracleDrafter,
+    bucket_key,
     chain_config,
+    kernel_profile,
     controlled_route,
     make_generator,
     pass_ms,
@@ -117,8 +119,11 @@ def write_report(results: dict, out_dir: str) -> None:
         lines += ["", "| run | route | ms/token | tokens/pass | speedup over plain | identical to plain |", "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {tp} | {key} | {r['ms_per_token']:.3f} | {r['tokens_per_pass']:.2f} | {r.get('speedup', 1.0):.2f} | {r.get('identical', '-')} |"
                   for tp, key, r in rows]
-    if results.get("plans"):
-        lines += ["", f"One captured {PASS_NODES}-node verify pass, ms: {results['plans']}"]
+    plans = results.get("plans", {})
+    if plans:
+        lines += ["", f"One captured {PASS_NODES}-node verify pass, ms: " + ", ".join(f"{k[:-3]} plan: {v:.3f}" for k, v in plans.items() if k.endswith("_ms"))]
+        lines += [f"- {k.split('_')[0]} plan, rank 0: {p['kernels_per_pass']:.0f} kernels, by kind (ms) {p['by_kind_ms']}"
+                  for k, p in plans.items() if k.endswith("_profile")]
     if results.get("exact_fp32"):
         lines += ["", f"fp32 greedy output at TP={results.get('world')} against TP=1 (identical / prompts): {results['exact_fp32']}"]
     lines += [""] + [f"- run `{name}`: {how}" for name, how in results.get("runs", {}).items()] if results.get("runs") else []
@@ -252,6 +257,9 @@ def plans(args, results: dict) -> None:
         gen.generate(prompt, 2)  # compiles and captures the pass
         section[f"{plan}_ms"] = pass_ms(gen, PASS_NODES)
         print(f"{plan} plan, one {PASS_NODES}-node pass: {section[f'{plan}_ms']:.3f} ms", flush=True)
+        # every rank replays (the collectives need all of them); rank 0's kernels are reported
+        graph = next(iter(gen._engines.values())).buckets[bucket_key(PASS_NODES)].graph
+        section[f"{plan}_profile"] = kernel_profile(graph, trace_path=f"/tmp/specla_tp_trace_{rank()}.json")
         report(results, args)
         del gen, model
         free()

@@ -71,8 +71,8 @@ def test_report_files_from_a_partial_heatmap(tmp_path):
 
 
 def test_kernel_summary_counts_time_and_calls_per_replay():
-    """Two replays of a pass of four kernels (a GEMM, two copies, an inductor kernel whose name holds
-    ``_to_copy``: not a copy), as the profiler's chrome trace lists them, among CPU events that do not count."""
+    """Two replays of a pass of five kernels (a GEMM, two copies, an inductor kernel whose name holds
+    ``_to_copy``: not a copy, an NCCL collective), as the profiler's chrome trace lists them, among CPU events that do not count."""
     def kernel(name, ts, dur):
         return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
 
@@ -80,11 +80,13 @@ def test_kernel_summary_counts_time_and_calls_per_replay():
     for start in (0, 1000):
         events += [kernel("nvjet_sm90_gemm", start, 300), kernel("elementwise_kernel copy", start + 300, 20),
                    {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": start + 400, "dur": 10},
-                   kernel("triton_poi_fused__to_copy_add_0", start + 410, 40)]
+                   kernel("triton_poi_fused__to_copy_add_0", start + 410, 40),
+                   kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", start + 450, 15)]
     summary = e2e_gpu.summarize_kernels(events, replays=2)
-    assert summary["kernels_per_pass"] == 4
-    assert summary["busy_ms"] == pytest.approx(0.37)
-    assert summary["span_ms"] == pytest.approx(1.45 / 2)  # 0 to 1450 us over two replays: gaps included
-    assert summary["by_kind_ms"] == {"gemm": 0.3, "inductor": 0.04, "copy": 0.03}
+    assert summary["kernels_per_pass"] == 5
+    assert summary["busy_ms"] == pytest.approx(0.385)
+    assert summary["span_ms"] == pytest.approx(1.465 / 2)  # 0 to 1465 us over two replays: gaps included
+    assert summary["by_kind_ms"] == {"gemm": 0.3, "inductor": 0.04, "copy": 0.03, "collective": 0.015}
     assert summary["top_kernels_calls"] == {"nvjet_sm90_gemm": 1, "triton_poi_fused__to_copy_add_0": 1,
-                                            "elementwise_kernel copy": 1, "Memcpy DtoD": 1}
+                                            "elementwise_kernel copy": 1, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 1,
+                                            "Memcpy DtoD": 1}

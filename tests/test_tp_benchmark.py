@@ -42,7 +42,9 @@ def test_targets_from_partial_results(results):
 
 
 def test_report_files_from_partial_results(tmp_path):
-    results = {**PARTIAL[2], "world": 2, "errors": {"plans": "Traceback ...\nRuntimeError: NCCL error"}}
+    profile = {"kernels_per_pass": 900.0, "by_kind_ms": {"gemm": 2.5, "collective": 1.9}}
+    results = {**PARTIAL[2], "world": 2, "errors": {"plans": "Traceback ...\nRuntimeError: NCCL error"},
+               "plans": {"gathered_ms": 7.3, "gathered_profile": profile}}
     tp_gpu.main(["--plot", str(_write(tmp_path / "in.json", results)), "--out", str(tmp_path / "out")])
     written = json.loads((tmp_path / "out" / "tp_gpu.json").read_text())
     assert [t["measured"] for t in written["targets"]] == [None, 0.55, None, None]
@@ -50,6 +52,7 @@ def test_report_files_from_partial_results(tmp_path):
     assert "| plain graphed decoding, 9B shape: TP=2 ms/token over TP=1 | 0.55 | <= 0.6 | yes |" in table
     assert "| TP=2 | chain_p1.0_L8 | 1.500 | 3.00 | 3.70 | - |" in table
     assert "Section `plans` failed: `RuntimeError: NCCL error`" in table
+    assert "gathered plan: 7.300" in table and "- gathered plan, rank 0: 900 kernels, by kind (ms) {'gemm': 2.5, 'collective': 1.9}" in table
 
 
 def _write(path: Path, results: dict) -> Path:
