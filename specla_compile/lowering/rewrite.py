@@ -139,7 +139,7 @@ class _Rewriter:
             self.graph.erase_node(node)
             return x
         # transformers: window = cat([state, x [B, D, N]], -1); y_window = causal_conv1d(window, ...)
-        window, weight, bias, silu = node.args
+        _, weight, bias, silu = node.args
         with self.graph.inserting_before(node):
             x_rows = self.graph.call_method("transpose", (conv.x, 1, 2))
             y = self.call(torch.ops.specla.commit_tree_conv_.default, conv.state, pending_x, num_pending, x_rows, weight, bias, parents, silu)

@@ -606,7 +606,7 @@ class _PlainDeviceRun(_StaticRun):
             left = self.max_new_tokens - max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
             steps = min(PLAIN_STEPS, left)
             with self._timed("verify_seconds"):
-                tokens, counts = self.engine.decode_steps(pending, steps, self.eos)
+                tokens, _ = self.engine.decode_steps(pending, steps, self.eos)  # (the commit counts: the engine advances its columns by them)
             with self._timed("commit_seconds"):
                 emitted = [[] if done else self._cut_at_eos(row) for row, done in zip(tokens.tolist(), self.finished)]
                 for b, row in enumerate(emitted):
