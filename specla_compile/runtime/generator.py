@@ -527,22 +527,26 @@ class _Run:
         self._record([[t] for t in first.tolist()])
         self._start()
         while not all(self.finished):
-            active = [b for b in range(self.batch) if not self.finished[b]]
-            with self._timed("draft_seconds"):
-                tokens, parents, probs = self._draft(active)
-            with self._timed("verify_seconds"):
-                acceptance, hidden = self._pass(tokens, parents, probs)
-            with self._timed("commit_seconds"):
-                emitted = self._emit(acceptance, tokens)
-                self._record(emitted)
-                self._commit(acceptance, tokens, emitted, hidden)
-            self.stats.iterations += 1
-            sizes = (parents != PAD).sum(-1).tolist()
-            self.stats.tree_sizes += [sizes[b] for b in active]
+            self._iteration()
         with self._timed("commit_seconds"):
             self._finish()
         if self.streamer is not None:
             self.streamer.end()
+
+    def _iteration(self) -> None:
+        """Draft, verify, accept and commit once for every active row."""
+        active = [b for b in range(self.batch) if not self.finished[b]]
+        with self._timed("draft_seconds"):
+            tokens, parents, probs = self._draft(active)
+        with self._timed("verify_seconds"):
+            acceptance, hidden = self._pass(tokens, parents, probs)
+        with self._timed("commit_seconds"):
+            emitted = self._emit(acceptance, tokens)
+            self._record(emitted)
+            self._commit(acceptance, tokens, emitted, hidden)
+        self.stats.iterations += 1
+        sizes = (parents != PAD).sum(-1).tolist()
+        self.stats.tree_sizes += [sizes[b] for b in active]
 
 
 class _StaticRun(_Run):
@@ -594,32 +598,21 @@ class _PlainDeviceRun(_StaticRun):
     passes per host synchronisation (:meth:`~.engine.StaticEngine.decode_steps`), never past the token
     budget; a row stops at EOS on the device. The strongest plain baseline the engine offers."""
 
-    def _loop(self, input_ids: torch.Tensor, past_key_values) -> None:
-        with self._timed("prefill_seconds"):
-            self.pending = self._prefill(past_key_values)
-        if self.streamer is not None:
-            self.streamer.put(input_ids[0].cpu())
-        self._record([[t] for t in self.pending.tolist()])
-        self._start()
-        pending = self.pending
-        while not all(self.finished):
-            left = self.max_new_tokens - max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
-            steps = min(PLAIN_STEPS, left)
-            with self._timed("verify_seconds"):
-                tokens, _ = self.engine.decode_steps(pending, steps, self.eos)  # (the commit counts: the engine advances its columns by them)
-            with self._timed("commit_seconds"):
-                emitted = [[] if done else self._cut_at_eos(row) for row, done in zip(tokens.tolist(), self.finished)]
-                for b, row in enumerate(emitted):
-                    if row:
-                        pending[b] = row[-1]
-                        self.stats.accepted_drafts += [0] * len(row)
-                        self.stats.tree_sizes += [1] * len(row)
-                self._record(emitted)
-            self.stats.iterations += steps
+    def _iteration(self) -> None:
+        """Up to ``PLAIN_STEPS`` passes on the device, then the host reads what they emitted."""
+        left = self.max_new_tokens - max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
+        steps = min(PLAIN_STEPS, left)
+        with self._timed("verify_seconds"):
+            tokens, _ = self.engine.decode_steps(self.pending, steps, self.eos)  # (the commit counts: the engine advances its columns by them)
         with self._timed("commit_seconds"):
-            self._finish()
-        if self.streamer is not None:
-            self.streamer.end()
+            emitted = [[] if done else self._cut_at_eos(row) for row, done in zip(tokens.tolist(), self.finished)]
+            for b, row in enumerate(emitted):
+                if row:
+                    self.pending[b] = row[-1]
+                    self.stats.accepted_drafts += [0] * len(row)
+                    self.stats.tree_sizes += [1] * len(row)
+            self._record(emitted)
+        self.stats.iterations += steps
 
 
 class _PlainDrafter(Drafter):
