@@ -598,6 +598,11 @@ class _PlainDeviceRun(_StaticRun):
     passes per host synchronisation (:meth:`~.engine.StaticEngine.decode_steps`), never past the token
     budget; a row stops at EOS on the device. The strongest plain baseline the engine offers."""
 
+    def _start(self) -> None:
+        super()._start()
+        # a row whose first token (the prefill's) was EOS enters no pass; later EOS stop rows on the device
+        self.engine.active.copy_(~torch.tensor(self.finished, device=self.engine.active.device))
+
     def _iteration(self) -> None:
         """Up to ``PLAIN_STEPS`` passes on the device, then the host reads what they emitted."""
         left = self.max_new_tokens - max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
