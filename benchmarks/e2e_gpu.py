@@ -281,7 +281,12 @@ def summarize_kernels(trace_events: list[dict], replays: int) -> dict:
         calls[name] = calls.get(name, 0) + 1 / replays
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1000 / replays if events else 0.0
     top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+    # one layer's kernels in launch order: from one recurrence kernel to the next
+    ordered = sorted(events, key=lambda e: e["ts"])
+    marks = [i for i, e in enumerate(ordered) if any(f in e.get("name", "") for f in ("_recurrent_kernel", "_parallel_kernel"))]
+    layer = ordered[marks[0] : marks[1]] if len(marks) > 1 else []
     return {
+        "one_layer": [[e.get("name", "")[:60], round(e["dur"], 2)] for e in layer],
         "kernels_per_pass": len(events) / replays, "busy_ms": sum(kinds.values()), "span_ms": span,
         "by_kind_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: round(v, 4) for k, v in top},

@@ -13,6 +13,7 @@ from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
 from specla_compile.runtime.drafters.eagle_head import causal_mask
 from specla_compile.runtime.drafting import DraftRequest
 from specla_compile.runtime.tree_builder import build_draft
+from specla_compile.tree import PAD
 
 VOCAB = 300
 
@@ -83,12 +84,22 @@ def scratch_step(drafter: EagleDrafter, target, sequences, record: list):
     return step
 
 
+def assert_same_draft(draft, expected):
+    """Equal drafts, where ``draft`` may carry extra padding nodes (static shapes: ``budget + 1`` nodes)."""
+    n = expected.tokens.shape[1]
+    assert torch.equal(draft.tokens[:, :n], expected.tokens) and torch.equal(draft.parents[:, :n], expected.parents)
+    assert (draft.parents[:, n:] == PAD).all()
+
+
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize(
     "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)]
 )
-def test_cache_rollback_matches_recomputing_from_scratch(config):
+def test_cache_rollback_matches_recomputing_from_scratch(config, static):
+    """Static shapes (new pairs padded to depth + 1, the tree to budget + 1 nodes: what the CUDA graph
+    of a propose runs) draft the same trees."""
     target, head = make(seed=2)
-    drafter = EagleDrafter(head, target)
+    drafter = EagleDrafter(head, target, static_shapes=static)
     seen = []
     drafter.logits = lambda hidden: seen.append(EagleDrafter.logits(drafter, hidden)) or seen[-1]
     gen = torch.Generator().manual_seed(3)
@@ -100,7 +111,9 @@ def test_cache_rollback_matches_recomputing_from_scratch(config):
         draft = drafter.propose(DraftRequest([0, 1], seqs), config)
         oracle = []
         expected = build_draft(scratch_step(drafter, target, seqs, oracle), torch.stack([s[-1] for s in seqs]), config)
-        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+        assert_same_draft(draft, expected)
+        if static:
+            assert draft.tokens.shape[1] == (config.depth if config.mode == "chain" else config.budget) + 1
         assert len(seen) == len(oracle) == config.depth
         for got, want in zip(seen, oracle):
             torch.testing.assert_close(got, want)
@@ -200,16 +213,17 @@ class _Dispatches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize(
     "config", [SpecConfig(mode="chain", depth=5), SpecConfig(mode="tree", depth=4, tree_top_k=3, budget=8)]
 )
-def test_propose_cost_does_not_grow_with_the_sequence(config):
+def test_propose_cost_does_not_grow_with_the_sequence(config, static):
     """Past the first propose (the prompt's pairs), a propose runs the same ops at any sequence length,
-    reads at most one number back from the device (a tree's width), and its attention keeps its shapes
-    from one iteration to the next (on H100/H200 each new masked attention shape is a cuDNN plan build
-    of tens of ms)."""
+    reads at most one number back from the device (a tree's width; none with static shapes, whose
+    device work is then one CUDA graph), and its attention keeps its shapes from one iteration to the
+    next (on H100/H200 each new masked attention shape is a cuDNN plan build of tens of ms)."""
     target, head = make(seed=5)
-    drafter = EagleDrafter(head, target)
+    drafter = EagleDrafter(head, target, static_shapes=static)
     gen = torch.Generator().manual_seed(6)
     ops, shapes = {}, {}
     for length in (12, 150):
@@ -225,6 +239,6 @@ def test_propose_cost_does_not_grow_with_the_sequence(config):
             seq = torch.cat([seq, draft.tokens[0, 1:3]])
     steady = [(length, step) for length in (12, 150) for step in (1, 2, 3)]
     assert all(ops[key] == ops[steady[0]] for key in steady), "ops per propose depend on the sequence length"
-    assert ops[steady[0]]["aten._local_scalar_dense"] == (config.mode == "tree")
+    assert ops[steady[0]]["aten._local_scalar_dense"] == (config.mode == "tree" and not static)
     for length in (12, 150):
         assert shapes[length, 1] == shapes[length, 2] == shapes[length, 3], "attention shapes changed"

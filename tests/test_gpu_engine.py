@@ -38,3 +38,38 @@ def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode):
     ours = [s.get() for s in cache_slots(outs[True].past_key_values) if s.kind == "state"]
     theirs = [s.get() for s in cache_slots(outs[False].past_key_values) if s.kind == "state"]
     assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)]
+)
+def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
+    """An EAGLE propose replayed from its CUDA graph drafts what the same fixed shapes draft uncaptured,
+    over propose/commit rounds that accept different lengths, and two rows drafted alone (other keys)."""
+    from tiny_lm import features_of, tiny_lm
+
+    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+    from specla_compile.runtime.drafting import DraftRequest
+
+    target = tiny_lm(vocab=VOCAB, seed=2).cuda()
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.for_target(target, intermediate_size=48)).cuda()
+    graphed, uncaptured = EagleDrafter(head, target), EagleDrafter(head, target, static_shapes=True)
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).cuda() for n in (12, 7)]
+    for d in (graphed, uncaptured):
+        d.begin(seqs, [features_of(target, s) for s in seqs])
+    for round in range(6):
+        rows = [0, 1] if round < 4 else [round - 4]
+        for b in rows:  # the pending tokens
+            seqs[b] = torch.cat([seqs[b], torch.randint(0, VOCAB, (1,), generator=gen).cuda()])
+        request = DraftRequest(rows, [seqs[b] for b in rows])
+        draft, expected = graphed.propose(request, config), uncaptured.propose(request, config)
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+        kept = round % (config.depth + 1)
+        for b, i in zip(rows, range(len(rows))):
+            new = torch.cat([seqs[b], draft.tokens[i, 1 : 1 + kept] if config.mode == "chain" else draft.tokens[i, 1:2]])
+            for d in (graphed, uncaptured):
+                d.commit([b], [new[len(seqs[b]) - 1 :]], [features_of(target, new)[len(seqs[b]) - 1 :]])
+            seqs[b] = new
+    assert graphed._graphs and not graphed._graph_error, "the proposes were replayed from captured graphs"

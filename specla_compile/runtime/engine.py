@@ -28,6 +28,7 @@ from ..lowering.session import VerifySession
 from ..tree import PAD, ancestor_mask_device
 from .acceptance import Acceptance, greedy_accept_device
 from .cache_layout import cache_argument, load_static, same_layout, set_seen_tokens, static_twin, store_static
+from .graph_capture import capture
 
 log = logging.getLogger("specla_compile")
 
@@ -353,21 +354,10 @@ class StaticEngine:
         active = self.active.clone()
         self.active.fill_(False)
         columns = self.columns
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(bucket, accept)
-        torch.cuda.current_stream().wait_stream(stream)
-        bucket.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(bucket.graph):
-            bucket.result = self._step(bucket, accept)
-        # the flush too (about 100 launches, once per call): nothing is pending yet, so this eager run
+        bucket.graph, bucket.result = capture(lambda: self._step(bucket, accept))
+        # the flush too (about 100 launches, once per call): nothing is pending yet, so its warm-up
         # only compiles its kernels
-        bucket.session.flush()
-        bucket.flush_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(bucket.flush_graph):
-            bucket.session.flush()
+        bucket.flush_graph, _ = capture(bucket.session.flush, warmups=1)
         self.active.copy_(active)
         if self.kv_valid is not None:
             self._set_attention_length(columns)

@@ -48,17 +48,19 @@ class Frontier:
 StepFn = Callable[[Frontier], torch.Tensor]
 
 
-def build_draft(step: StepFn, pending: torch.Tensor, config: SpecConfig) -> Draft:
+def build_draft(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: bool = False) -> Draft:
     """Roll out ``step`` from the pending tokens ``[R]`` and pack the draft (chain or tree per ``config``).
 
-    Returns a :class:`Draft` with ``probs=None``: children are chosen deterministically (top-k).
+    Returns a :class:`Draft` with ``probs=None``: children are chosen deterministically (top-k). A tree
+    has as many nodes as its widest row keeps, which the host reads from the device; ``fixed_size``: it
+    has ``budget + 1`` nodes instead (padded), read nothing back (what a CUDA graph of it needs).
     """
     if pending.dim() != 1 or pending.numel() == 0:
         raise ValueError(f"pending must be a non-empty 1-D tensor of token ids, got shape {tuple(pending.shape)}")
     pending = pending.long()
     if config.mode == "chain":
         return _chain(step, pending, config.depth)
-    return _tree(step, pending, config)
+    return _tree(step, pending, config, fixed_size)
 
 
 def _log_probs(step: StepFn, frontier: Frontier) -> torch.Tensor:
@@ -80,7 +82,7 @@ def _chain(step: StepFn, pending: torch.Tensor, depth: int) -> Draft:
     return Draft(tokens=torch.cat(tokens, dim=1), parents=parents)
 
 
-def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig) -> Draft:
+def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: bool) -> Draft:
     rows, device = pending.shape[0], pending.device
     row_ix = torch.arange(rows, device=device)[:, None]
     # Candidates of every level, concatenated level after level (so parents precede children).
@@ -107,7 +109,7 @@ def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig) -> Draft:
         offset += width * k
     tokens, parents, scores = (torch.cat(x, dim=1) for x in (cand_token, cand_parent, cand_score))
     keep = _select(parents, scores, torch.cat(cand_depth), config)
-    return _pack(pending, tokens, parents, keep, row_ix)
+    return _pack(pending, tokens, parents, keep, row_ix, config.budget + 1 if fixed_size else None)
 
 
 def _select(parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, config: SpecConfig) -> torch.Tensor:
@@ -130,11 +132,13 @@ def _select(parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, co
 
 
 def _pack(
-    pending: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, keep: torch.Tensor, row_ix: torch.Tensor
+    pending: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, keep: torch.Tensor, row_ix: torch.Tensor,
+    nodes: int | None,
 ) -> Draft:
-    """Kept candidates as draft rows (node 0 = pending token), in candidate order, padded with PAD."""
+    """Kept candidates as draft rows (node 0 = pending token), in candidate order, padded with PAD to
+    ``nodes`` (at least 1 + the kept count of every row; None: exactly the widest row)."""
     rows = keep.shape[0]
-    n = 1 + int(keep.sum(-1).max())
+    n = nodes if nodes is not None else 1 + int(keep.sum(-1).max())
     # Node index of each kept candidate: 1 + number of kept candidates before it.
     node_of = keep.long().cumsum(-1)
     node_of = torch.where(keep, node_of, 0)

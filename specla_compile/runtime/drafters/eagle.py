@@ -10,11 +10,16 @@ target's real features at the next ``propose``.
 
 Cost: a ``propose`` moves its inputs to the device in one copy, runs the head once for the new pairs
 and once per draft level over fixed-shape buffers (no copy that grows with the sequence), and reads
-one number back (the draft's width, in the tree builder).
+one number back (the draft's width, in the tree builder). With static shapes (on CUDA, unless
+``SpecConfig(cuda_graphs=False)``) it reads nothing back: the new pairs are padded to ``depth + 1``
+(the most one iteration commits), a tree is padded to ``budget + 1`` nodes, and the device work of a
+propose (catch-up, every draft level, the tree's selection) is one captured CUDA graph, replayed;
+a propose with more new pairs than that (the prompt's) runs uncaptured.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -23,8 +28,11 @@ from torch import nn
 
 from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest
+from ..graph_capture import capture
 from ..tree_builder import Frontier, build_draft
 from .eagle_head import EagleHead
+
+log = logging.getLogger("specla_compile")
 
 
 class _Buffers:
@@ -41,12 +49,19 @@ class _Buffers:
         self.keys = self.values = torch.zeros(rows, heads, 0, dim, device=device, dtype=dtype)
         self.capacity = self.scratch = 0
 
-    def reserve(self, pairs: int, scratch: int) -> None:
-        """Room for ``pairs`` cached pairs per row and ``scratch`` draft nodes."""
+    def fits(self, rows: int, heads: int, dim: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether these buffers serve a batch of that shape (a new ``begin`` then keeps them, and the
+        graphs captured over them)."""
+        k = self.keys
+        return (k.shape[0], k.shape[1], k.shape[3], k.device, k.dtype) == (rows, heads, dim, torch.device(device), dtype)
+
+    def reserve(self, pairs: int, scratch: int) -> bool:
+        """Room for ``pairs`` cached pairs per row and ``scratch`` draft nodes; True if the buffers were
+        replaced (graphs captured over the old ones are stale)."""
         capacity = self.capacity if pairs <= self.capacity else max(256, 1 << (pairs - 1).bit_length())
         scratch = max(scratch, self.scratch)
         if (capacity, scratch) == (self.capacity, self.scratch):
-            return
+            return False
         rows, heads, _, dim = self.keys.shape
         grown = []
         for old in (self.keys, self.values):
@@ -56,6 +71,7 @@ class _Buffers:
             grown.append(new)
         self.keys, self.values = grown
         self.capacity, self.scratch = capacity, scratch
+        return True
 
     def rows(self, index: torch.Tensor, every_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the rows at ``index``: the buffers themselves when that is every row."""
@@ -67,21 +83,48 @@ class _Buffers:
 @dataclass
 class _Plan:
     """One ``propose``. On the host: the requested rows, their new pair counts, whether they are every
-    row of the batch. On the device, per requested row: its batch index, cached pairs before and after
-    the catch-up, its new pairs' tokens ``[R, width]`` (padded) and its pending token."""
+    row of the batch. ``inputs`` on the device, one line per requested row: its batch index, its cached
+    pairs before the catch-up, its new pair count, its new pairs' tokens (padded to the plan's width) and
+    its pending token."""
 
     row_ids: list[int]
     new: list[int]
     every_row: bool
-    rows: torch.Tensor
-    cached: torch.Tensor
-    lengths: torch.Tensor
-    tokens: torch.Tensor
-    pending: torch.Tensor
+    inputs: torch.Tensor
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.inputs[:, 0]
+
+    @property
+    def cached(self) -> torch.Tensor:
+        return self.inputs[:, 1]
 
     @property
     def counts(self) -> torch.Tensor:
-        return self.lengths - self.cached
+        return self.inputs[:, 2]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cached + self.counts
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.inputs[:, 3:-1]
+
+    @property
+    def pending(self) -> torch.Tensor:
+        return self.inputs[:, -1]
+
+
+@dataclass
+class _Captured:
+    """A propose's captured device work for one key, with its static inputs and its draft."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor
+    features: torch.Tensor
+    draft: Draft
 
 
 def _gather_slots(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -96,12 +139,19 @@ class EagleDrafter(Drafter):
     ``target`` supplies the (frozen) input embeddings and LM head; ``needs_features`` is True: the
     generator passes the target's last hidden state over the prompt to :meth:`begin` and at the newly
     committed positions to :meth:`commit`.
+
+    ``static_shapes``: draft in fixed shapes and, on CUDA, replay each propose's captured graph (module
+    docstring); None (default): on CUDA unless ``SpecConfig(cuda_graphs=False)``. The drafts are the
+    same either way, up to padding nodes.
     """
 
     needs_features = True
 
-    def __init__(self, head: EagleHead, target: nn.Module):
+    def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None):
         head.config.check_target(target)
+        self.static_shapes = static_shapes
+        self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
+        self._graph_error = ""
         self.head = head.eval()
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -137,8 +187,12 @@ class EagleDrafter(Drafter):
             self._check_features(feats, f"features[{b}]")
         self._cached = [0] * len(sequences)
         self._features = [feats.to(device, self._dtype) for feats in features]
+        if self._buffers.fits(len(sequences), cfg.num_heads, cfg.head_dim, device, self._dtype):
+            self._last_hidden.zero_()  # (the buffers' old pairs stay, masked, until overwritten)
+            return
         self._buffers = _Buffers(len(sequences), cfg.num_heads, cfg.head_dim, device, self._dtype)
         self._last_hidden = torch.zeros(len(sequences), cfg.hidden_size, device=device, dtype=self._dtype)
+        self._graphs.clear()
 
     def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         if features is None or len(features) != len(rows):
@@ -154,9 +208,25 @@ class EagleDrafter(Drafter):
         if not request.rows:
             raise ValueError("DraftRequest has no rows to draft for")
         with torch.no_grad():
-            plan = self._plan(request, config)
-            self._catch_up(plan)
-            return build_draft(_TreeRollout(self, plan), plan.pending, config)
+            static = self._static_shapes(config)
+            plan = self._plan(request, config, static)
+            features = self._new_features(plan)
+            graphed = static and plan.tokens.shape[1] == config.depth + 1 and self._graphs_on(config)
+            draft = self._replay(plan, features, config) if graphed else None
+            if draft is None:
+                draft = self._device_propose(plan, features, config, static)
+            for b, n in zip(plan.row_ids, plan.new):
+                self._cached[b] += n
+                self._features[b] = self._features[b][n:]
+            return draft
+
+    def _static_shapes(self, config: SpecConfig) -> bool:
+        if self.static_shapes is not None:
+            return self.static_shapes
+        return self._buffers.keys.is_cuda and config.cuda_graphs is not False
+
+    def _graphs_on(self, config: SpecConfig) -> bool:
+        return self._buffers.keys.is_cuda and config.cuda_graphs is not False and not self._graph_error
 
     def _check_row(self, b: int) -> None:
         if not 0 <= b < len(self._cached):
@@ -170,9 +240,10 @@ class EagleDrafter(Drafter):
         """Target LM head over predicted features."""
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
-    def _plan(self, request: DraftRequest, config: SpecConfig) -> _Plan:
+    def _plan(self, request: DraftRequest, config: SpecConfig, static: bool) -> _Plan:
         """Check the rows' bookkeeping, make room in the buffers, and move what the device needs there in
-        one copy: per row its index, cached and new pair counts, new tokens and pending token."""
+        one copy: per row its index, cached and new pair counts, new tokens and pending token. With
+        ``static`` shapes, the new pairs are padded to ``depth + 1`` when they fit."""
         new = []
         for b, seq in zip(request.rows, request.sequences):
             self._check_row(b)
@@ -190,42 +261,70 @@ class EagleDrafter(Drafter):
                 )
             new.append(n)
         width = max(new)
+        if static and width <= config.depth + 1:
+            width = config.depth + 1
         beam = 1 if config.mode == "chain" else min(config.tree_top_k, self.vocab_size)
-        self._buffers.reserve(max(self._cached[b] for b in request.rows) + width, (config.depth - 1) * beam)
+        if self._buffers.reserve(max(self._cached[b] for b in request.rows) + width, (config.depth - 1) * beam):
+            self._graphs.clear()
         seqs = request.sequences
         meta = torch.tensor([[b, self._cached[b], n] for b, n in zip(request.rows, new)], device=seqs[0].device)
         tokens = [
             torch.cat([seq[self._cached[b] + 1 :], seq.new_zeros(width - n), seq[-1:]])
             for b, seq, n in zip(request.rows, seqs, new)
         ]
-        plan = torch.cat([meta, torch.stack(tokens)], dim=1).to(self._buffers.keys.device)
-        rows, cached, counts = plan[:, 0], plan[:, 1], plan[:, 2]
-        every_row = list(request.rows) == list(range(len(self._cached)))
-        return _Plan(list(request.rows), new, every_row, rows, cached, cached + counts, plan[:, 3:-1], plan[:, -1])
+        inputs = torch.cat([meta, torch.stack(tokens)], dim=1).to(self._buffers.keys.device)
+        return _Plan(list(request.rows), new, list(request.rows) == list(range(len(self._cached))), inputs)
 
-    def _catch_up(self, plan: _Plan) -> None:
+    def _new_features(self, plan: _Plan) -> torch.Tensor:
+        """The new pairs' target features ``[R, width, D]``, padded with zeros."""
+        width = plan.tokens.shape[1]
+        return torch.stack(
+            [nn.functional.pad(self._features[b][:n], (0, 0, 0, width - n)) for b, n in zip(plan.row_ids, plan.new)]
+        )
+
+    def _device_propose(self, plan: _Plan, features: torch.Tensor, config: SpecConfig, fixed_size: bool) -> Draft:
+        """A propose's device work: the catch-up, then the draft levels and the tree's selection."""
+        self._catch_up(plan, features)
+        return build_draft(_TreeRollout(self, plan), plan.pending, config, fixed_size)
+
+    def _replay(self, plan: _Plan, features: torch.Tensor, config: SpecConfig) -> Draft | None:
+        """The propose's device work as a replay of its captured graph (captured at the key's first
+        use); None if it cannot be captured (the caller then runs it uncaptured)."""
+        key = (tuple(plan.row_ids), config.mode, config.depth, config.tree_top_k, config.budget, config.tau)
+        captured = self._graphs.get(key)
+        if captured is None:
+            inputs, static_features = plan.inputs.clone(), features.clone()
+            static = _Plan(plan.row_ids, plan.new, plan.every_row, inputs)
+            try:  # (the warm-up runs do the real catch-up: it writes the same pairs again when replayed)
+                graph, draft = capture(lambda: self._device_propose(static, static_features, config, fixed_size=True))
+            except RuntimeError as err:
+                self._graph_error = str(err).splitlines()[0]
+                log.warning("specla: EAGLE drafting runs without CUDA graphs: its capture failed (%s)", self._graph_error)
+                return None
+            captured = self._graphs[key] = _Captured(graph, inputs, static_features, draft)
+        captured.inputs.copy_(plan.inputs)
+        captured.features.copy_(features)
+        captured.graph.replay()
+        return Draft(captured.draft.tokens.clone(), captured.draft.parents.clone())
+
+    def _catch_up(self, plan: _Plan, features: torch.Tensor) -> None:
         """Cache every pair up to the one holding the pending token, all rows in one head call."""
         width = plan.tokens.shape[1]
         if width == 0:
             return
-        feats = torch.stack(
-            [nn.functional.pad(self._features[b][:n], (0, 0, 0, width - n)) for b, n in zip(plan.row_ids, plan.new)]
-        )
-        positions = plan.cached[:, None] + torch.arange(width, device=feats.device)
-        x, q, k, v = self.head.project(feats, self.embed(plan.tokens).to(self._dtype), positions)
+        positions = plan.cached[:, None] + torch.arange(width, device=features.device)
+        x, q, k, v = self.head.project(features, self.embed(plan.tokens).to(self._dtype), positions)
         buffers = self._buffers
         # Written at the rows' next columns; padding pairs land past a row's valid columns (never read).
         buffers.keys[plan.rows[:, None], :, positions] = k.transpose(1, 2)
         buffers.values[plan.rows[:, None], :, positions] = v.transpose(1, 2)
         keys, values = buffers.rows(plan.rows, plan.every_row)
         # A pair sees its row's cached pairs, the new pairs before it and itself (padding ones too).
-        columns = torch.arange(keys.shape[2], device=feats.device)
+        columns = torch.arange(keys.shape[2], device=features.device)
         hidden = self.head.attend(x, q, keys, values, columns <= positions[..., None])
-        newest = hidden[torch.arange(len(plan.row_ids), device=feats.device), (plan.counts - 1).clamp(min=0)]
-        self._last_hidden[plan.rows] = torch.where(plan.counts[:, None] > 0, newest, self._last_hidden[plan.rows])
-        for b, n in zip(plan.row_ids, plan.new):
-            self._cached[b] += n
-            self._features[b] = self._features[b][n:]
+        counts = plan.counts
+        newest = hidden[torch.arange(len(plan.row_ids), device=features.device), (counts - 1).clamp(min=0)]
+        self._last_hidden[plan.rows] = torch.where(counts[:, None] > 0, newest, self._last_hidden[plan.rows])
 
 
 class _TreeRollout:
