@@ -346,8 +346,8 @@ class StaticEngine:
             self._flush(other)
         bucket.prepared = True
         name = f"{bucket.nodes}{'-chain' if bucket.chain else '-tree'}"
-        capture = "; capturing its CUDA graph" if self.graphs else ""
-        log.warning("specla: compiling the %s pass (bucket %d) unless a compiled graph serves its size%s", name, bucket.nodes, capture)
+        also = "; capturing its CUDA graph" if self.graphs else ""
+        log.warning("specla: compiling the %s pass (bucket %d) unless a compiled graph serves its size%s", name, bucket.nodes, also)
         if not self.graphs:
             return
         started = time.perf_counter()
