@@ -13,14 +13,16 @@ and once per draft level over fixed-shape buffers (no copy that grows with the s
 one number back (the draft's width, in the tree builder). With static shapes (on CUDA, unless
 ``SpecConfig(cuda_graphs=False)``) it reads nothing back: the new pairs are padded to ``depth + 1``
 (the most one iteration commits), a tree is padded to ``budget + 1`` nodes, and the device work of a
-propose (catch-up, every draft level, the tree's selection) is one captured CUDA graph, replayed;
-a propose with more new pairs than that (the prompt's) runs uncaptured.
+propose (catch-up, every draft level, the tree's selection) is one captured CUDA graph, replayed,
+in which the head runs compiled by inductor (its elementwise work fused: the graph's kernel count
+bounds a propose); a propose with more new pairs than that (the prompt's) runs uncaptured and eager.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +154,7 @@ class EagleDrafter(Drafter):
         self.static_shapes = static_shapes
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
         self._graph_error = ""
+        self._compiled: tuple | None = None
         self.head = head.eval()
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -211,10 +214,10 @@ class EagleDrafter(Drafter):
             static = self._static_shapes(config)
             plan = self._plan(request, config, static)
             features = self._new_features(plan)
-            graphed = static and plan.tokens.shape[1] == config.depth + 1 and self._graphs_on(config)
-            draft = self._replay(plan, features, config) if graphed else None
+            fixed = static and plan.tokens.shape[1] == config.depth + 1  # (not the prompt's wider catch-up)
+            draft = self._replay(plan, features, config) if fixed and self._graphs_on(config) else None
             if draft is None:
-                draft = self._device_propose(plan, features, config, static)
+                draft = self._device_propose(plan, features, config, static, compiled=fixed and self._buffers.keys.is_cuda)
             for b, n in zip(plan.row_ids, plan.new):
                 self._cached[b] += n
                 self._features[b] = self._features[b][n:]
@@ -282,10 +285,21 @@ class EagleDrafter(Drafter):
             [nn.functional.pad(self._features[b][:n], (0, 0, 0, width - n)) for b, n in zip(plan.row_ids, plan.new)]
         )
 
-    def _device_propose(self, plan: _Plan, features: torch.Tensor, config: SpecConfig, fixed_size: bool) -> Draft:
-        """A propose's device work: the catch-up, then the draft levels and the tree's selection."""
-        self._catch_up(plan, features)
-        return build_draft(_TreeRollout(self, plan), plan.pending, config, fixed_size)
+    def _device_propose(self, plan: _Plan, features: torch.Tensor, config: SpecConfig, fixed_size: bool,
+                        compiled: bool) -> Draft:
+        """A propose's device work: the catch-up, then the draft levels and the tree's selection; with
+        ``compiled``, the head's two halves run compiled by inductor (fixed shapes on CUDA only)."""
+        head = self._compiled_head() if compiled else (self.head.project, self.head.attend)
+        self._catch_up(plan, features, *head)
+        return build_draft(_TreeRollout(self, plan, *head), plan.pending, config, fixed_size)
+
+    def _compiled_head(self) -> tuple:
+        """:meth:`EagleHead.project` and :meth:`EagleHead.attend` compiled by inductor, one program per
+        shape (the catch-up's and each draft level's, per buffer capacity): unfused, a draft level is
+        about 55 kernels, mostly elementwise, and a propose is bound by their count."""
+        if self._compiled is None:
+            self._compiled = tuple(torch.compile(f, dynamic=False) for f in (self.head.project, self.head.attend))
+        return self._compiled
 
     def _replay(self, plan: _Plan, features: torch.Tensor, config: SpecConfig) -> Draft | None:
         """The propose's device work as a replay of its captured graph (captured at the key's first
@@ -296,7 +310,7 @@ class EagleDrafter(Drafter):
             inputs, static_features = plan.inputs.clone(), features.clone()
             static = _Plan(plan.row_ids, plan.new, plan.every_row, inputs)
             try:  # (the warm-up runs do the real catch-up: it writes the same pairs again when replayed)
-                graph, draft = capture(lambda: self._device_propose(static, static_features, config, fixed_size=True))
+                graph, draft = capture(lambda: self._device_propose(static, static_features, config, True, compiled=True))
             except RuntimeError as err:
                 self._graph_error = str(err).splitlines()[0]
                 log.warning("specla: EAGLE drafting runs without CUDA graphs: its capture failed (%s)", self._graph_error)
@@ -307,13 +321,13 @@ class EagleDrafter(Drafter):
         captured.graph.replay()
         return Draft(captured.draft.tokens.clone(), captured.draft.parents.clone())
 
-    def _catch_up(self, plan: _Plan, features: torch.Tensor) -> None:
+    def _catch_up(self, plan: _Plan, features: torch.Tensor, project: Callable, attend: Callable) -> None:
         """Cache every pair up to the one holding the pending token, all rows in one head call."""
         width = plan.tokens.shape[1]
         if width == 0:
             return
         positions = plan.cached[:, None] + torch.arange(width, device=features.device)
-        x, q, k, v = self.head.project(features, self.embed(plan.tokens).to(self._dtype), positions)
+        x, q, k, v = project(features, self.embed(plan.tokens).to(self._dtype), positions)
         buffers = self._buffers
         # Written at the rows' next columns; padding pairs land past a row's valid columns (never read).
         buffers.keys[plan.rows[:, None], :, positions] = k.transpose(1, 2)
@@ -321,7 +335,7 @@ class EagleDrafter(Drafter):
         keys, values = buffers.rows(plan.rows, plan.every_row)
         # A pair sees its row's cached pairs, the new pairs before it and itself (padding ones too).
         columns = torch.arange(keys.shape[2], device=features.device)
-        hidden = self.head.attend(x, q, keys, values, columns <= positions[..., None])
+        hidden = attend(x, q, keys, values, columns <= positions[..., None])
         counts = plan.counts
         newest = hidden[torch.arange(len(plan.row_ids), device=features.device), (counts - 1).clamp(min=0)]
         self._last_hidden[plan.rows] = torch.where(counts[:, None] > 0, newest, self._last_hidden[plan.rows])
@@ -331,8 +345,8 @@ class _TreeRollout:
     """The tree builder's step function over one ``propose``: frontier nodes attend to the rows'
     cached pairs and to their own draft ancestors, written to the buffers' scratch columns."""
 
-    def __init__(self, drafter: EagleDrafter, plan: _Plan):
-        self.drafter = drafter
+    def __init__(self, drafter: EagleDrafter, plan: _Plan, project: Callable, attend: Callable):
+        self.drafter, self.project, self.attend = drafter, project, attend
         self.keys, self.values = drafter._buffers.rows(plan.rows, plan.every_row)
         self.column = drafter._buffers.capacity  # the next free scratch column
         columns = torch.arange(self.keys.shape[2], device=self.keys.device)
@@ -353,7 +367,7 @@ class _TreeRollout:
         mask[:, :, own].logical_or_(torch.eye(width, dtype=torch.bool, device=mask.device))
         positions = (self.base + frontier.depth)[:, None].expand(-1, width)
         embeds = self.drafter.embed(frontier.tokens).to(self.drafter._dtype)
-        x, q, k, v = self.drafter.head.project(parent_hidden, embeds, positions)
+        x, q, k, v = self.project(parent_hidden, embeds, positions)
         self.keys[:, :, own], self.values[:, :, own] = k, v
-        self.hidden = self.drafter.head.attend(x, q, self.keys, self.values, mask)
+        self.hidden = self.attend(x, q, self.keys, self.values, mask)
         self.seen, self.column = mask, self.column + width
