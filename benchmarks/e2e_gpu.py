@@ -683,6 +683,11 @@ def op_profile_markdown(section: dict) -> list[str]:
               for r in section["op_profile"]["1_chain"] if r["op"].startswith(("aten::", "specla::"))]
     for name, r in section.get("replay", {}).items():
         lines.append(f"- {name} graph: launch {r['launch_ms']:.3f} ms of host time, {r['wall_ms_per_replay']:.3f} ms per back-to-back replay")
+    layer = section.get("profile", {}).get("1_chain", {}).get("one_layer")
+    if layer:
+        lines += ["", f"One GDN layer of the 1-node pass, kernels in launch order (from one recurrence kernel to the next; "
+                      f"{len(layer)} kernels, {sum(us for _, us in layer):.1f} us of kernel time):", "", "| kernel | us |", "| --- | --- |"]
+        lines += [f"| `{name}` | {us:.2f} |" for name, us in layer]
     return lines
 
 
