@@ -100,6 +100,24 @@ def main() -> None:
         print(json.dumps(route["profile"], indent=1), flush=True)
     with open(os.path.join(args.out, "eagle_profile.json"), "w") as f:
         json.dump(results, f, indent=1)
+    write_markdown(results, args.out)
+
+
+def write_markdown(results: dict, out_dir: str) -> None:
+    """``eagle_profile.md``: per route, a propose's time graphed and uncaptured, and the graph's kernels."""
+    lines = ["# EAGLE propose on the GPU", "", f"device: {results.get('device')}, torch {results.get('torch')}, "
+             f"head and LM head at hidden {results['shape']['hidden']}, vocabulary {results['shape']['vocab']}, bf16, B=1, "
+             f"{results['shape']['prompt']}-token prompt", "",
+             "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | uncaptured, ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in results["routes"].items():
+        p = r["profile"]
+        lines.append(f"| {name} | {r['graphed']['ms_per_propose']:.3f} | {r['replay_ms']:.3f} | {r['host_ms']:.3f} | "
+                     f"{p['kernels_per_pass']:.0f} | {p['busy_ms']:.3f} | {p['by_kind_ms'].get('gemm', 0):.3f} | "
+                     f"{r['uncaptured']['ms_per_propose']:.3f} |")
+    lines += [f"- {note}" for note in results.get("notes", [])]
+    with open(os.path.join(out_dir, "eagle_profile.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
