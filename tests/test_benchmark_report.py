@@ -90,3 +90,18 @@ def test_kernel_summary_counts_time_and_calls_per_replay():
     assert summary["top_kernels_calls"] == {"nvjet_sm90_gemm": 1, "triton_poi_fused__to_copy_add_0": 1,
                                             "elementwise_kernel copy": 1, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 1,
                                             "Memcpy DtoD": 1}
+
+
+def test_one_layer_is_the_launch_order_from_one_recurrence_kernel_to_the_next(tmp_path):
+    """The trace lists kernels out of order; ``one_layer`` is sorted by start time and spans one layer,
+    and the report prints it under the operator table."""
+    def kernel(name, ts):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": 2.0}
+
+    order = ["triton_red_norm", "_recurrent_kernel", "nvjet_gemm", "_tree_conv_kernel", "_recurrent_kernel", "nvjet_gemm"]
+    events = [kernel(name, ts) for ts, name in reversed(list(enumerate(order)))]
+    layer = e2e_gpu.summarize_kernels(events, replays=1)["one_layer"]
+    assert [name for name, _ in layer] == ["_recurrent_kernel", "nvjet_gemm", "_tree_conv_kernel"]
+    results = {"fla_profile": {"op_profile": {"1_chain": []}, "profile": {"1_chain": {"one_layer": layer}}}}
+    e2e_gpu.write_report(results, str(tmp_path))
+    assert "3 kernels, 6.0 us of kernel time" in (tmp_path / "e2e_gpu.md").read_text()
