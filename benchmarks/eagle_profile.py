@@ -16,11 +16,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_gpu import kernel_profile  # noqa: E402
+from e2e_gpu import kernel_profile
 
-from specla_compile.runtime.config import SpecConfig  # noqa: E402
-from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead  # noqa: E402
-from specla_compile.runtime.drafting import DraftRequest  # noqa: E402
+from specla_compile.runtime.config import SpecConfig
+from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+from specla_compile.runtime.drafting import DraftRequest
 
 CONFIGS = {  # the routes of benchmarks/e2e_trained.py
     "chain_L8": SpecConfig(mode="chain", depth=8, bucket=16),
@@ -105,9 +105,10 @@ def main() -> None:
 
 def write_markdown(results: dict, out_dir: str) -> None:
     """``eagle_profile.md``: per route, a propose's time graphed and uncaptured, and the graph's kernels."""
-    lines = ["# EAGLE propose on the GPU", "", f"device: {results.get('device')}, torch {results.get('torch')}, "
-             f"head and LM head at hidden {results['shape']['hidden']}, vocabulary {results['shape']['vocab']}, bf16, B=1, "
-             f"{results['shape']['prompt']}-token prompt", "",
+    shape = results["shape"]
+    setup = (f"device: {results.get('device')}, torch {results.get('torch')}, head and LM head at hidden {shape['hidden']}, "
+             f"vocabulary {shape['vocab']}, bf16, B=1, {shape['prompt']}-token prompt")
+    lines = ["# EAGLE propose on the GPU", "", setup, "",
              "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | uncaptured, ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results["routes"].items():
