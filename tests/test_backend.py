@@ -360,3 +360,18 @@ def test_inductor_inner_compiler_verifies_a_chain():
         with session.verify(torch.arange(-1, 3)[None]):
             logits = compiled(input_ids=chain, past_key_values=cache, use_cache=True).logits
         assert (logits - torch.cat(expected, 1)).abs().max() <= 1e-5
+
+
+def test_fla_rearrange_is_routed_and_equals_einops():
+    """fla's GDN layer splits and merges heads with einops, whose pattern parsing Dynamo re-traced at every
+    call (most of a model's trace): the routed one reshapes for the layer's two patterns, else calls einops."""
+    import einops
+    import fla.layers.gated_deltanet as layer
+
+    from specla_compile.lowering.capture import fla_rearrange
+
+    assert layer.rearrange.__specla_original__ is einops.rearrange
+    x, y = torch.randn(2, 3, 12), torch.randn(2, 3, 4, 5)
+    for t, pattern, axes in ((x, "... (h d) -> ... h d", {"d": 4}), (y, "b t h d -> b t (h d)", {}),
+                             (y, "b t h d -> b h t d", {}), (x, "b t (h d) -> b h t d", {"h": 3})):
+        assert torch.equal(fla_rearrange(t, pattern, **axes), einops.rearrange(t, pattern, **axes))
