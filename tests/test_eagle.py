@@ -42,6 +42,20 @@ def test_head_shapes_and_cache_consistency():
     torch.testing.assert_close(torch.cat([h1, h2], 1), hidden)
 
 
+def test_packed_projections_give_the_same_outputs_and_are_never_saved():
+    """The drafter packs q/k/v and gate/up into one weight each (one GEMM per group at a draft level)."""
+    _, head = make()
+    feats, embeds = torch.randn(2, 7, 32, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64)
+    args = (feats, embeds, torch.arange(7).expand(2, 7), causal_mask(7))
+    keys = set(head.state_dict())
+    unpacked = head(*args)
+    head.pack_projections()
+    assert head.qkv_weight.shape == (96, 32) and head.gate_up_weight.shape == (96, 32)
+    for a, b in zip(head(*args), unpacked):
+        torch.testing.assert_close(a, b)
+    assert set(head.state_dict()) == keys
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="even size"):
         EagleConfig(hidden_size=30, vocab_size=10, num_heads=4, intermediate_size=8)

@@ -63,12 +63,16 @@ def build_draft(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_s
     return _tree(step, pending, config, fixed_size)
 
 
-def _log_probs(step: StepFn, frontier: Frontier) -> torch.Tensor:
+def _scores(step: StepFn, frontier: Frontier) -> torch.Tensor:
     rows, width = frontier.tokens.shape
     scores = step(frontier)
     if scores.dim() != 3 or scores.shape[:2] != (rows, width):
         raise ValueError(f"step function must return [R, W, V] = [{rows}, {width}, V], got {tuple(scores.shape)}")
-    return torch.log_softmax(scores.float(), dim=-1)
+    return scores
+
+
+def _log_probs(step: StepFn, frontier: Frontier) -> torch.Tensor:
+    return torch.log_softmax(_scores(step, frontier).float(), dim=-1)
 
 
 def _chain(step: StepFn, pending: torch.Tensor, depth: int) -> Draft:
@@ -76,7 +80,7 @@ def _chain(step: StepFn, pending: torch.Tensor, depth: int) -> Draft:
     slots = torch.zeros_like(tokens[0])
     for level in range(depth):
         frontier = Frontier(tokens[-1], None if level == 0 else slots, level)
-        tokens.append(_log_probs(step, frontier).argmax(-1))
+        tokens.append(_scores(step, frontier).argmax(-1))  # (a chain needs no normalisation: same argmax)
     rows, n = pending.shape[0], depth + 1
     parents = torch.arange(-1, n - 1, device=pending.device).expand(rows, n).clone()
     return Draft(tokens=torch.cat(tokens, dim=1), parents=parents)

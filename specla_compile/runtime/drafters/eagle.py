@@ -142,6 +142,7 @@ class EagleDrafter(Drafter):
     generator passes the target's last hidden state over the prompt to :meth:`begin` and at the newly
     committed positions to :meth:`commit`.
 
+    The head's q/k/v and gate/up weights are packed for inference (:meth:`EagleHead.pack_projections`).
     ``static_shapes``: draft in fixed shapes and, on CUDA, replay each propose's captured graph (module
     docstring); None (default): on CUDA unless ``SpecConfig(cuda_graphs=False)``. The drafts are the
     same either way, up to padding nodes.
@@ -151,6 +152,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None):
         head.config.check_target(target)
+        head.pack_projections()
         self.static_shapes = static_shapes
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
         self._graph_error = ""

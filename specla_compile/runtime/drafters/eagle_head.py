@@ -107,6 +107,18 @@ class EagleHead(nn.Module):
         self.mlp_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.gate_proj, self.up_proj = nn.Linear(d, i, bias=False), nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
+        # inference copies of q/k/v and gate/up as one weight each (pack_projections); never saved
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)
+
+    @torch.no_grad()
+    def pack_projections(self) -> None:
+        """For inference: copy the q/k/v weights into one and the gate/up weights into one, so that
+        :meth:`project` and :meth:`attend` run one GEMM for each group (a draft level reads these small
+        weights for a few rows: each GEMM is latency-bound). The parameters stay what training and
+        checkpoints use; call it again after changing them."""
+        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(
         self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
@@ -129,9 +141,13 @@ class EagleHead(nn.Module):
         h = self.attn_norm(x)
         split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)  # noqa: E731
         cos, sin = _rope(positions, dim // 2, self.config.rope_theta, x.dtype)
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        else:
+            q, k, v = F.linear(h, self.qkv_weight).chunk(3, dim=-1)
         # queries and keys rotated together: one set of elementwise ops, not two
-        q, k = _rotate(torch.stack([split(self.q_proj(h)), split(self.k_proj(h))]), cos, sin).unbind(0)
-        return x, q, k, split(self.v_proj(h))
+        q, k = _rotate(torch.stack([split(q), split(k)]), cos, sin).unbind(0)
+        return x, q, k, split(v)
 
     def attend(
         self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
@@ -142,7 +158,11 @@ class EagleHead(nn.Module):
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
         x = x + self.o_proj(attn.transpose(1, 2).reshape(rows, s, -1))
         h = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        if self.gate_up_weight is None:
+            gate, up = self.gate_proj(h), self.up_proj(h)
+        else:
+            gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head's own weights only) to ``path``."""
