@@ -65,9 +65,9 @@ def _fake_verify_inputs(program: VerifyProgram, example_inputs: Sequence) -> lis
     first_layer = next(n for n in program.graph_module.graph.nodes if "gdn_commit_verify_" in str(n.target))
     q = first_layer.args[6].meta["example_value"]
     batch, nodes = q.shape[0], q.shape[1]
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)
     device = q.device
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+
+    def make() -> list:
         extras = [
             torch.empty(batch, nodes, dtype=torch.long, device=device),
             torch.empty(batch, dtype=torch.long, device=device),
@@ -78,9 +78,37 @@ def _fake_verify_inputs(program: VerifyProgram, example_inputs: Sequence) -> lis
             extras.append(torch.empty(batch, 1, nodes, keys.shape[-2], dtype=torch.bool, device=device))
         for layer in program.layers:
             extras += [torch.empty(batch, nodes, *r.feature_shape, dtype=r.dtype, device=device) for r in layer.records]
-    for placeholder, value in zip(placeholders[program.num_model_inputs :], extras):
-        placeholder.meta["example_value"] = value
+        return extras
+
+    # the compiler's inputs live in the example inputs' fake mode, the graph's example values in the
+    # graph's own (Dynamo's): the extras are made once in each
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        extras = make()
+    graph_mode = getattr(q, "fake_mode", None)
+    with graph_mode if graph_mode is not None else contextlib.nullcontext():
+        for placeholder, value in zip(placeholders[program.num_model_inputs :], make()):
+            placeholder.meta["example_value"] = value
+    _fill_example_values(program.graph_module.graph, graph_mode)
     return extras
+
+
+def _fill_example_values(graph: fx.Graph, fake_mode) -> None:
+    """Give the nodes the rewrite added the example value Dynamo gives its own (run on their inputs'
+    fake values): AOTAutograd's cache refuses a graph that calls a tensor method on a node without one,
+    and without its cache a warm process re-traces every graph with AOTAutograd."""
+    if fake_mode is None:
+        return
+    value = lambda n: n.meta["example_value"]  # noqa: E731
+    with fake_mode:
+        for node in graph.nodes:
+            if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+            if node.op == "call_method":
+                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                node.meta["example_value"] = node.target(*args, **kwargs)
 
 
 class SpeculativeGraph:

@@ -375,3 +375,27 @@ def test_fla_rearrange_is_routed_and_equals_einops():
     for t, pattern, axes in ((x, "... (h d) -> ... h d", {"d": 4}), (y, "b t h d -> b t (h d)", {}),
                              (y, "b t h d -> b h t d", {}), (x, "b t (h d) -> b h t d", {"h": 3})):
         assert torch.equal(fla_rearrange(t, pattern, **axes), einops.rearrange(t, pattern, **axes))
+
+
+def test_verification_twin_is_cacheable_by_aot_autograd(family):
+    """Every node of the twin passes AOTAutograd's cacheability check (the rewrite's nodes carry example
+    values as Dynamo's do): otherwise a warm process re-traces every graph with AOTAutograd."""
+    from torch._functorch._aot_autograd.autograd_cache import check_node_safe
+
+    from specla_compile.backend import specla_backend
+
+    twins = []
+
+    def record(gm, example_inputs):
+        twins.append(specla_backend(gm, example_inputs, options={"inner": "eager"}))
+        return twins[-1]
+
+    model = tiny_model(family)
+    prompt = torch.randint(0, VOCAB, (BATCH, PROMPT))
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+        torch.compile(model, backend=record, fullgraph=True)(input_ids=prompt[:, :3], past_key_values=cache, use_cache=True)
+    nodes = list(twins[0].program.graph_module.graph.nodes)
+    assert any(n.target == torch.ops.specla.commit_tree_conv_.default for n in nodes)
+    for node in nodes:
+        check_node_safe(node)  # raises BypassAOTAutogradCache
