@@ -99,7 +99,9 @@ def _fill_example_values(graph: fx.Graph, fake_mode) -> None:
     and without its cache a warm process re-traces every graph with AOTAutograd."""
     if fake_mode is None:
         return
-    value = lambda n: n.meta["example_value"]  # noqa: E731
+    def value(n: fx.Node):
+        return n.meta["example_value"]
+
     with fake_mode:
         for node in graph.nodes:
             if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
