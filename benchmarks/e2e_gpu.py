@@ -528,7 +528,7 @@ def warm_start(args, results: dict) -> None:
         # hits: a reload, not a compile (AOTAutograd's cache, when it hits, also skips the AOT trace: on CPU that
         # trace is a third of a warm compile, Dynamo's trace of the model the rest)
         cache = {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
-        print(json.dumps({"warm_start_s": time.perf_counter() - started, "inductor_cache": cache,
+        print(json.dumps({"warm_start_s": time.perf_counter() - started, "compile_caches": cache,
                           "compile_seconds": next(iter(gen._engines.values())).compile_seconds}))
         return
     command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)]

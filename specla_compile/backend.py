@@ -60,7 +60,9 @@ def _inner_compiler(inner: str, mode: str | None) -> Callable:
 
 
 def _fake_verify_inputs(program: VerifyProgram, example_inputs: Sequence) -> list:
-    """Example values of the twin's extra inputs, in the graph's fake mode, for compiling it now."""
+    """Fake values of the twin's extra inputs, for compiling it now (in the example inputs' fake mode),
+    and, in the graph's own fake mode, as the example values of their placeholders and of every node
+    the rewrite added (:func:`_fill_example_values`)."""
     placeholders = [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
     first_layer = next(n for n in program.graph_module.graph.nodes if "gdn_commit_verify_" in str(n.target))
     q = first_layer.args[6].meta["example_value"]
@@ -99,6 +101,7 @@ def _fill_example_values(graph: fx.Graph, fake_mode) -> None:
     and without its cache a warm process re-traces every graph with AOTAutograd."""
     if fake_mode is None:
         return
+
     def value(n: fx.Node):
         return n.meta["example_value"]
 

@@ -15,7 +15,7 @@ import torch
 T = TypeVar("T")
 
 
-def capture(step: Callable[[], T], warmups: int = 2, pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(step: Callable[[], T], warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run ``step`` ``warmups`` times, then capture it; returns the graph and the captured call's output
     (tensors that every replay overwrites). The capture itself computes nothing: replay to run it."""
     stream = torch.cuda.Stream()
@@ -25,6 +25,6 @@ def capture(step: Callable[[], T], warmups: int = 2, pool=None) -> tuple[torch.c
             step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph):
         out = step()
     return graph, out
