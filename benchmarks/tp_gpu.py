@@ -124,6 +124,14 @@ def write_report(results: dict, out_dir: str) -> None:
         lines += ["", f"One captured {PASS_NODES}-node verify pass, ms: " + ", ".join(f"{k[:-3]} plan: {v:.3f}" for k, v in plans.items() if k.endswith("_ms"))]
         lines += [f"- {k.split('_')[0]} plan, rank 0: {p['kernels_per_pass']:.0f} kernels, by kind (ms) {p['by_kind_ms']}"
                   for k, p in plans.items() if k.endswith("_profile")]
+    steps = [(f"TP={results.get('world')}, {k.split('_')[0]} plan", v["ms"], v["profile"]) for k, v in plans.items() if k.endswith("_plain_step")]
+    if "tp1_profile_1" in results:
+        steps.insert(0, ("TP=1", None, results["tp1_profile_1"]))
+    if steps:
+        lines += ["", "One captured 1-node pass (plain decoding), rank 0's kernels:", "",
+                  "| run | replay ms | kernels | busy ms | span ms | by kind (ms) |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {'-' if ms is None else f'{ms:.3f}'} | {p['kernels_per_pass']:.0f} | {p['busy_ms']:.3f} | {p['span_ms']:.3f} | {p['by_kind_ms']} |"
+                  for name, ms, p in steps]
     if results.get("exact_fp32"):
         lines += ["", f"fp32 greedy output at TP={results.get('world')} against TP=1 (identical / prompts): {results['exact_fp32']}"]
     lines += [""] + [f"- run `{name}`: {how}" for name, how in results.get("runs", {}).items()] if results.get("runs") else []
@@ -195,6 +203,12 @@ def on_rank0(fn) -> None:
         raise RuntimeError("rank 0 failed in this section")
 
 
+def plain_step_profile(gen) -> dict:
+    """Kernels of one replay of the captured 1-node (plain decoding) pass, this rank's."""
+    graph = next(iter(gen._engines.values())).buckets[bucket_key(1)].graph
+    return kernel_profile(graph, trace_path=f"/tmp/specla_tp_trace_plain_{rank()}.json")
+
+
 def measure_plain(model, args) -> tuple[object, dict, list]:
     prompts = prompts_for(model, 1, args.prompts)
     gen = make_generator(model)
@@ -212,9 +226,10 @@ def tp1(args, results: dict) -> None:
 
     def run() -> None:
         model = load(path, torch.bfloat16, parallel=False)
-        _, plain, _ = measure_plain(model, args)
+        gen, plain, _ = measure_plain(model, args)
         results["tp1"] = {"plain": {k: v for k, v in plain.items() if k != "sequences"}}
         print(f"TP=1 plain graphed: {plain['ms_per_token']:.3f} ms/token", flush=True)
+        results["tp1_profile_1"] = plain_step_profile(gen)
 
     on_rank0(run)
 
@@ -254,8 +269,10 @@ def plans(args, results: dict) -> None:
             shard_gdn_heads(model)
         prompt = prompts_for(model, 1, 1)[0]
         gen = make_generator(model, OracleDrafter([[0] * 64], 1.0, 8), chain_config(8))
-        gen.generate(prompt, 2)  # compiles and captures the pass
+        gen.decode(prompt, 4)  # compiles and captures the 1-node pass
+        gen.generate(prompt, 2)  # compiles and captures the 16-node pass
         section[f"{plan}_ms"] = pass_ms(gen, PASS_NODES)
+        section[f"{plan}_plain_step"] = {"ms": pass_ms(gen, 1), "profile": plain_step_profile(gen)}
         print(f"{plan} plan, one {PASS_NODES}-node pass: {section[f'{plan}_ms']:.3f} ms", flush=True)
         # every rank replays (the collectives need all of them); rank 0's kernels are reported
         graph = next(iter(gen._engines.values())).buckets[bucket_key(PASS_NODES)].graph

@@ -42,9 +42,10 @@ def test_targets_from_partial_results(results):
 
 
 def test_report_files_from_partial_results(tmp_path):
-    profile = {"kernels_per_pass": 900.0, "by_kind_ms": {"gemm": 2.5, "collective": 1.9}}
+    profile = {"kernels_per_pass": 900.0, "by_kind_ms": {"gemm": 2.5, "collective": 1.9}, "busy_ms": 4.4, "span_ms": 5.1}
     results = {**PARTIAL[2], "world": 2, "errors": {"plans": "Traceback ...\nRuntimeError: NCCL error"},
-               "plans": {"gathered_ms": 7.3, "gathered_profile": profile}}
+               "plans": {"gathered_ms": 7.3, "gathered_profile": profile, "heads_plain_step": {"ms": 4.25, "profile": profile}},
+               "tp1_profile_1": {**profile, "kernels_per_pass": 600.0}}
     tp_gpu.main(["--plot", str(_write(tmp_path / "in.json", results)), "--out", str(tmp_path / "out")])
     written = json.loads((tmp_path / "out" / "tp_gpu.json").read_text())
     assert [t["measured"] for t in written["targets"]] == [None, 0.55, None, None]
@@ -52,6 +53,8 @@ def test_report_files_from_partial_results(tmp_path):
     assert "| plain graphed decoding, 9B shape: TP=2 ms/token over TP=1 | 0.55 | <= 0.6 | yes |" in table
     assert "| TP=2 | chain_p1.0_L8 | 1.500 | 3.00 | 3.70 | - |" in table
     assert "Section `plans` failed: `RuntimeError: NCCL error`" in table
+    assert "| TP=1 | - | 600 | 4.400 | 5.100 |" in table  # the 1-node passes: TP=1 first, then each plan
+    assert "| TP=2, heads plan | 4.250 | 900 | 4.400 | 5.100 |" in table
     assert "gathered plan: 7.300" in table and "- gathered plan, rank 0: 900 kernels, by kind (ms) {'gemm': 2.5, 'collective': 1.9}" in table
 
 
