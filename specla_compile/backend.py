@@ -22,12 +22,15 @@ fuse_projections.pack_projections`, which the generator runs) become one GEMM ea
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .kernels import dispatch
 from .lowering.capture import install
@@ -116,9 +119,18 @@ def _fill_example_values(graph: fx.Graph, fake_mode) -> None:
                 node.meta["example_value"] = node.target(*args, **kwargs)
 
 
+def _has_symbolic_size(value) -> bool:
+    return isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape))
+
+
 class SpeculativeGraph:
     """What the backend returns for one captured graph: runs the plain program, or the verification
-    twin while a :class:`VerifySession` is verifying."""
+    twin while a :class:`VerifySession` is verifying.
+
+    A graph with symbolic sizes (the engine's one graph for every bucket size) gets one static twin per
+    size, compiled at its first call from the call's own inputs (as vLLM compiles its sizes): Dynamo
+    traces the model once for every size, and inductor sees static shapes (its Triton code generation
+    fails on a dynamic node dimension on the H200)."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
                  plain: str = "compiled"):
@@ -136,6 +148,11 @@ class SpeculativeGraph:
             log.info("specla: graph %s compiled without a verification twin: %s", gm.__class__.__name__, err)
             return
         extras = _fake_verify_inputs(self.program, example_inputs)
+        self.compile_inner = compile_inner
+        self.size_inputs = [i for i, value in enumerate(example_inputs) if _has_symbolic_size(value)]
+        self.twins: dict[tuple, Callable] = {}  # static twin per size, of a graph with symbolic sizes
+        if self.size_inputs:
+            return
         started = time.perf_counter()
         self.verify_fn = compile_inner(self.program.graph_module, [*example_inputs, *extras])
         self.compile_seconds["verify"] = time.perf_counter() - started
@@ -146,9 +163,28 @@ class SpeculativeGraph:
         session = active_session()
         if session is None:
             return self.plain(*args)
-        if self.verify_fn is None:
+        if self.program is None:
             raise RuntimeError(f"specla cannot verify through this graph: {self.unverifiable}")
         return self._verify(session, args)
+
+    def _twin_for(self, inputs: list) -> Callable:
+        """The static twin of these inputs' sizes, compiled at the first call of a size."""
+        key = tuple(inputs[i] if isinstance(inputs[i], int) else tuple(inputs[i].shape) for i in self.size_inputs)
+        twin = self.twins.get(key)
+        if twin is None:
+            started = time.perf_counter()
+            program = self.program.graph_module  # (a copy per size: inductor's passes edit the graph they get)
+            gm = fx.GraphModule(program, copy.deepcopy(program.graph))
+            # fake inputs of static shapes in a mode with a shape env, as Dynamo hands them over: without
+            # one, AOTAutograd's and inductor's caches bypass the graph ("No shape env")
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+            fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
+            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                twin = self.twins[key] = self.compile_inner(gm, fakes)
+            self.compile_seconds[f"verify {key}"] = time.perf_counter() - started
+            log.info("specla: compiled the verification twin of a graph of %d GDN layers for sizes %s in %.1f s",
+                     len(self.program.layers), key, self.compile_seconds[f"verify {key}"])
+        return twin
 
     def _verify(self, session: VerifySession, args: Sequence) -> tuple:
         program = self.program
@@ -175,11 +211,13 @@ class SpeculativeGraph:
             session.layers[key] = LayerBinding(state, [args[i] for i in layer.conv_state_inputs])
             shapes = [(r.feature_shape, r.dtype) for r in layer.records]
             extras += session.take_pending(key, batch, nodes, shapes, device)
+        inputs = [*args, *extras]
+        verify_fn = self.verify_fn or self._twin_for(inputs)
         if self.verify_kernel == "auto":
-            outputs = self.verify_fn(*args, *extras)
+            outputs = verify_fn(*inputs)
         else:
             with dispatch.use_route(self.verify_kernel):
-                outputs = self.verify_fn(*args, *extras)
+                outputs = verify_fn(*inputs)
         records = outputs[program.num_model_outputs :]
         for key, layer in zip(keys, program.layers):
             session.records[key], records = list(records[: len(layer.records)]), records[len(layer.records) :]

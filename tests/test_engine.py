@@ -159,34 +159,55 @@ def compiles(monkeypatch) -> list[int]:
     return compiled
 
 
-def test_one_compile_serves_every_bucket_size_of_a_gdn_model(compiles, monkeypatch):
-    """With ``engine.ONE_GRAPH`` (off by default: see there) the engine marks the node dimension dynamic
-    from the first pass (size 1 included), so plain decoding's 1-node pass and the drafts' 8-node bucket
-    share one compiled graph, and stay exact. (Hybrids compile the 1-node pass apart: see StaticEngine._forward.)"""
-    import specla_compile.runtime.engine as engine
+def test_one_trace_serves_every_bucket_size_with_a_static_twin_per_size(compiles, monkeypatch):
+    """The engine marks the node dimension dynamic from the first pass (size 1 included), so Dynamo traces
+    the model once for plain decoding's 1-node pass and the drafts' 8-node bucket, and stays exact. The
+    backend compiles one twin per size from that graph, with static fake inputs in a mode that has a shape
+    env (as Dynamo hands them over: AOTAutograd's and inductor's caches bypass a graph without one).
+    (Hybrids compile the 1-node pass apart: see StaticEngine._forward.)"""
+    import specla_compile.backend as backend
 
-    monkeypatch.setattr(engine, "ONE_GRAPH", True)
-    family = "fla"
+    inner = backend._inner_compiler
+    twin_inputs = []
+
+    def recording(name, mode):
+        compile_inner = inner(name, mode)
+
+        def compile_and_record(gm, example_inputs):
+            if any("gdn_commit_verify_" in str(n.target) for n in gm.graph.nodes):
+                twin_inputs.append((list(example_inputs), torch._guards.TracingContext.try_get()))
+            return compile_inner(gm, example_inputs)
+
+        return compile_and_record
+
+    monkeypatch.setattr(backend, "_inner_compiler", recording)
     torch._dynamo.reset()
-    model = tiny_model(family)
+    model = tiny_model("fla")
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(16))
     expected, _ = plain(model, prompt[0], 12)
     truth = expected[0, 5:].tolist() + [0] * 16
     gen = SpeculativeGenerator(model, OracleDrafter([truth], error_rate=0.3, seed=7), CONFIGS["chain"], compile_options=COMPILE)
     assert gen.decode(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
-    after_plain = len(compiles)
     assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
-    assert after_plain >= 1 and len(compiles) == after_plain, f"{after_plain} compiles for the 1-node pass, {len(compiles)} in all"
+    assert len(compiles) == 1, f"{len(compiles)} Dynamo graphs for two bucket sizes"
+    node_counts = [next(x.shape[1] for x in inputs if isinstance(x, torch.Tensor) and x.dtype == torch.long and x.dim() == 2)
+                   for inputs, _ in twin_inputs]  # (input_ids [B, N], the first such input)
+    assert node_counts == [1, 8]  # one twin per node count
+    for inputs, context in twin_inputs:
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        assert all(isinstance(x, torch._subclasses.FakeTensor) and x.fake_mode.shape_env is not None for x in tensors)
+        assert all(type(size) is int for x in tensors for size in x.shape)  # static shapes
+        assert context is not None and context.fake_mode is tensors[0].fake_mode
 
 
 def test_shared_features_engine_serves_every_route_with_one_compile(compiles):
     """With ``shared_features`` an EAGLE route, a drafter that reads no features and plain decoding run
-    through one engine and one compiled graph per node count (as the trained benchmark swaps them), all
+    through one engine and one Dynamo graph for every node count (as the trained benchmark swaps them), all
     exact; the featureless drafter is handed no features. Without it, the featureless routes compile again."""
     from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(15))
     handed = []
-    for shared, engines, compiled in ((True, {True}, 2), (False, {True, False}, 3)):  # 8-node and 1-node passes
+    for shared, engines, compiled in ((True, {True}, 1), (False, {True, False}, 2)):  # one Dynamo graph per engine
         torch._dynamo.reset()
         compiles.clear()
         model = tiny_model("fla")

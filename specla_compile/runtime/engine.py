@@ -33,11 +33,11 @@ from .graph_capture import capture
 log = logging.getLogger("specla_compile")
 
 
-# One compiled graph for every bucket size (the node dimension dynamic from the first pass). Off: on the
-# H200 (torch 2.11, Triton 3.6) inductor's Triton code generation fails on it at batch 1 ("CantSplit:
-# 2048 not divisible by 2048*s27"); CPU inductor (C++) and aot_eager handle it. Off, the 1-node pass is one
-# graph and Dynamo makes the node dimension dynamic at the second size: one more graph for every larger size.
-ONE_GRAPH = False
+# One Dynamo graph for every bucket size (the node dimension dynamic from the first pass): Dynamo traces
+# the whole model once (several seconds at the 1.3B shape, most of a warm start), and the backend compiles
+# a static verification twin per size from it (backend.SpeculativeGraph). Off, Dynamo traces the 1-node
+# pass, then again at the second size, where it makes the node dimension dynamic.
+ONE_GRAPH = True
 
 # Plain greedy decoding: passes replayed between two host synchronisations (gpt-fast reads its tokens
 # once per call; this keeps streaming and EOS within a few tokens), and EOS ids the device checks.
