@@ -44,6 +44,13 @@ def test_targets_from_partial_results(results):
     assert not any(t["met"] for t in targets.values() if t["measured"] is None)
 
 
+@pytest.mark.parametrize("cold_process", [True, False])
+def test_cold_start_is_reported_only_from_a_process_that_had_compiled_nothing(cold_process):
+    results = {"fla_b1": {"cold_plain_s": 40.0, "cold_buckets_s": 30.0, "cold_process": cold_process}}
+    cold = {t["name"]: t for t in e2e_gpu.targets(results)}["cold start, AR step + 2 buckets, s"]
+    assert (cold["measured"], cold["met"]) == ((70.0, True) if cold_process else (None, False))
+
+
 def test_plain_target_prefers_the_profile_run_and_its_operators_reach_the_report(tmp_path):
     """``fla_profile`` runs alone on its machine: its plain figure is the headline, and its operator table
     (``aten::`` and ``specla::`` rows only) is written under the kernel profile."""
