@@ -5,7 +5,8 @@
 it compiles two programs with the inner compiler: the graph as captured (a plain call behaves like the
 eager model) and, when the graph has GDN layers reading a cache, its verification twin
 (:mod:`.lowering.rewrite`). Each call runs the twin inside ``VerifySession.verify`` and the plain
-graph otherwise; the draft topology is data, so new trees of the same size reuse both programs.
+graph otherwise; the draft topology is data, so new trees of the same size reuse both programs. A graph
+with symbolic sizes gets a static twin per size instead, compiled at the size's first call.
 
 Options: ``inner`` — ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``; ``verify_kernel`` —
 ``"auto"`` (default: the CUDA dispatch's cost model) or ``"serial"``, ``"parallel"``, ``"hybrid"``

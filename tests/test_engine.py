@@ -165,7 +165,7 @@ def test_one_trace_serves_every_bucket_size_with_a_static_twin_per_size(compiles
     backend compiles one twin per size from that graph, with static fake inputs in a mode that has a shape
     env (as Dynamo hands them over: AOTAutograd's and inductor's caches bypass a graph without one).
     (Hybrids compile the 1-node pass apart: see StaticEngine._forward.)"""
-    import specla_compile.backend as backend
+    from specla_compile import backend
 
     inner = backend._inner_compiler
     twin_inputs = []
