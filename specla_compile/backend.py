@@ -6,7 +6,8 @@ it compiles two programs with the inner compiler: the graph as captured (a plain
 eager model) and, when the graph has GDN layers reading a cache, its verification twin
 (:mod:`.lowering.rewrite`). Each call runs the twin inside ``VerifySession.verify`` and the plain
 graph otherwise; the draft topology is data, so new trees of the same size reuse both programs. A graph
-with symbolic sizes gets a static twin per size instead, compiled at the size's first call.
+with symbolic sizes traced for the static engine gets a static twin per size instead, compiled at the
+size's first call.
 
 Options: ``inner`` — ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``; ``verify_kernel`` —
 ``"auto"`` (default: the CUDA dispatch's cost model) or ``"serial"``, ``"parallel"``, ``"hybrid"``
@@ -128,10 +129,11 @@ class SpeculativeGraph:
     """What the backend returns for one captured graph: runs the plain program, or the verification
     twin while a :class:`VerifySession` is verifying.
 
-    A graph with symbolic sizes (the engine's one graph for every bucket size) gets one static twin per
-    size, compiled at its first call from the call's own inputs (as vLLM compiles its sizes): Dynamo
-    traces the model once for every size, and inductor sees static shapes (its Triton code generation
-    fails on a dynamic node dimension on the H200)."""
+    A graph with symbolic sizes traced for the static engine (its one graph for every bucket size) gets one
+    static twin per size, compiled at its first call from the call's own inputs (as vLLM compiles its
+    sizes): Dynamo traces the model once for every size, and inductor sees static shapes (its Triton code
+    generation fails on a dynamic node dimension on the H200). Other sessions (a growing cache: a new
+    attention length every pass) keep one dynamic twin."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
                  plain: str = "compiled"):
@@ -150,8 +152,11 @@ class SpeculativeGraph:
             return
         extras = _fake_verify_inputs(self.program, example_inputs)
         self.compile_inner = compile_inner
-        self.size_inputs = [i for i, value in enumerate(example_inputs) if _has_symbolic_size(value)]
         self.twins: dict[tuple, Callable] = {}  # static twin per size, of a graph with symbolic sizes
+        self.size_inputs = []
+        session = active_session()
+        if session is not None and session.static:  # the engine's static buffers: a few sizes, one per bucket
+            self.size_inputs = [i for i, value in enumerate(example_inputs) if _has_symbolic_size(value)]
         if self.size_inputs:
             return
         started = time.perf_counter()

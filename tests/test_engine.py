@@ -200,6 +200,31 @@ def test_one_trace_serves_every_bucket_size_with_a_static_twin_per_size(compiles
         assert context is not None and context.fake_mode is tensors[0].fake_mode
 
 
+def test_a_growing_cache_keeps_one_dynamic_twin(monkeypatch):
+    """The dynamic engine calls the model on its own growing cache (a new attention length every pass):
+    its graphs keep one twin compiled with the graph, not one per size (a compile per pass)."""
+    from specla_compile import backend
+
+    graphs = []
+
+    class Recorded(backend.SpeculativeGraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            graphs.append(self)
+
+    monkeypatch.setattr(backend, "SpeculativeGraph", Recorded)
+    torch._dynamo.reset()
+    model = tiny_model("qwen3_5")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(17))
+    expected, _ = plain(model, prompt[0], 12)
+    config = SpecConfig(**{**CONFIGS["chain"].__dict__, "engine": "dynamic"})
+    gen = SpeculativeGenerator(model, OracleDrafter([expected[0, 5:].tolist() + [0] * 16], error_rate=0.3, seed=5), config,
+                               compile_options=COMPILE)
+    assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
+    verifying = [g for g in graphs if g.program is not None]
+    assert verifying and all(g.verify_fn is not None and not g.twins for g in verifying)
+
+
 def test_shared_features_engine_serves_every_route_with_one_compile(compiles):
     """With ``shared_features`` an EAGLE route, a drafter that reads no features and plain decoding run
     through one engine and one Dynamo graph for every node count (as the trained benchmark swaps them), all
