@@ -782,15 +782,20 @@ def main() -> None:
     run_sections(args, results, globals(), lambda: None if args.child else write_report(results, args.out))
 
 
-def run_sections(args, results: dict, sections: dict, after_each) -> None:
+def run_sections(args, results: dict, sections: dict, after_each, stop_on_error: bool = False) -> None:
     """Run every section named in ``args.sections``; one that raises leaves its traceback in
-    ``results["errors"]`` and the other sections' figures in place. ``after_each()`` writes the report."""
+    ``results["errors"]`` and the other sections' figures in place. ``after_each()`` writes the report.
+    With ``stop_on_error`` the error is raised again after the report is written (the sections after it
+    do not run)."""
     for name in args.sections:
         try:
             sections[name](args, results)
         except Exception:
             results.setdefault("errors", {})[name] = traceback.format_exc()
             print(traceback.format_exc(), flush=True)
+            if stop_on_error:
+                after_each()
+                raise
         after_each()
 
 

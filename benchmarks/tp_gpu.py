@@ -330,9 +330,13 @@ def main(argv: list[str] | None = None) -> None:
     results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size(), "torch": torch.__version__,
                "command": " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}", *sys.argv])}
     try:
-        run_sections(args, results, globals(), lambda: report(results, args))
-    finally:
-        dist.destroy_process_group()
+        run_sections(args, results, globals(), lambda: report(results, args), stop_on_error=True)
+    except Exception:  # noqa: BLE001  (whatever failed: the report holds it)
+        # A rank that failed cannot join the next section's collectives (the others would wait for it until
+        # the NCCL timeout, and a CUDA error leaves it no device to join with): exit now, so that torchrun
+        # stops the other ranks; the report holds the error.
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

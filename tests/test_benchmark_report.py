@@ -3,6 +3,7 @@ early must still leave a readable report (CPU; the benchmark itself needs a GPU)
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -112,3 +113,28 @@ def test_one_layer_is_the_launch_order_from_one_recurrence_kernel_to_the_next(tm
     results = {"fla_profile": {"op_profile": {"1_chain": []}, "profile": {"1_chain": {"one_layer": layer}}}}
     e2e_gpu.write_report(results, str(tmp_path))
     assert "3 kernels, 6.0 us of kernel time" in (tmp_path / "e2e_gpu.md").read_text()
+
+
+@pytest.mark.parametrize("stop_on_error", [False, True])
+def test_sections_after_a_failed_one_run_unless_told_to_stop(stop_on_error):
+    """A failed section leaves its traceback in the report, written at once; with ``stop_on_error`` (the
+    2-GPU benchmark: a failed rank cannot rejoin the next section's collectives) the error propagates."""
+    ran, reports = [], []
+
+    def fails(args, results):
+        ran.append("fails")
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    sections = {"first": lambda args, results: ran.append("first"), "fails": fails, "last": lambda args, results: ran.append("last")}
+    args, results = argparse.Namespace(sections=["first", "fails", "last"]), {}
+
+    def run():
+        e2e_gpu.run_sections(args, results, sections, lambda: reports.append(dict(results)), stop_on_error=stop_on_error)
+
+    if stop_on_error:
+        with pytest.raises(RuntimeError, match="device-side assert"):
+            run()
+    else:
+        run()
+    assert ran == (["first", "fails"] if stop_on_error else ["first", "fails", "last"])
+    assert len(reports) == len(ran) and "device-side assert" in reports[1]["errors"]["fails"]
