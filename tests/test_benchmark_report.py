@@ -138,3 +138,18 @@ def test_sections_after_a_failed_one_run_unless_told_to_stop(stop_on_error):
         run()
     assert ran == (["first", "fails"] if stop_on_error else ["first", "fails", "last"])
     assert len(reports) == len(ran) and "device-side assert" in reports[1]["errors"]["fails"]
+
+
+def test_compile_start_report_and_arguments(tmp_path):
+    """``compile_start_cpu.py``'s table from both processes' figures (the timing itself takes minutes)."""
+    import compile_start_cpu
+
+    run = {"1_node_s": 12.9, "16_node_s": 1.7, "total_s": 14.6, "dynamo_graphs": 1, "caches": {"fxgraph_cache_hit": 2}}
+    compile_start_cpu.write_report({"layers": 24, "inner": "inductor", "torch": "2.x", "cold": {**run, "total_s": 68.4}, "warm": run},
+                                   str(tmp_path))
+    table = (tmp_path / "compile_start_cpu.md").read_text()
+    assert "| cold | 12.9 | 1.7 | 68.4 | 1 |" in table and "| warm | 12.9 | 1.7 | 14.6 | 1 | {'fxgraph_cache_hit': 2} |" in table
+    assert json.loads((tmp_path / "compile_start_cpu.json").read_text())["warm"]["total_s"] == 14.6
+    assert compile_start_cpu.parse_args([]).layers == 24
+    with pytest.raises(SystemExit):
+        compile_start_cpu.parse_args(["--layers", "0"])
