@@ -518,6 +518,15 @@ def exact_fp32(args, results: dict) -> None:
             print(f"fp32 {family} {name}: {same}/{len(prompts)} identical", flush=True)
 
 
+def compile_cache_counters() -> dict:
+    """This process's inductor FX-graph and AOTAutograd cache counters. Hits are a reload, not a compile
+    (AOTAutograd's cache, when it hits, also skips the AOT trace: on CPU that trace is a third of a warm
+    compile, Dynamo's trace of the model the rest)."""
+    from torch._dynamo.utils import counters
+
+    return {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
+
+
 def warm_start(args, results: dict) -> None:
     """A second process on a warm inductor cache: time to the first generated token through the
     1-node pass and two draft buckets."""
@@ -530,12 +539,7 @@ def warm_start(args, results: dict) -> None:
         for bucket in (16, 32):
             gen.drafter, gen.config = OracleDrafter([[0] * 64], 1.0, bucket - 1), chain_config(bucket - 1)
             gen.generate(prompt, 2)
-        from torch._dynamo.utils import counters
-
-        # hits: a reload, not a compile (AOTAutograd's cache, when it hits, also skips the AOT trace: on CPU that
-        # trace is a third of a warm compile, Dynamo's trace of the model the rest)
-        cache = {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
-        print(json.dumps({"warm_start_s": time.perf_counter() - started, "compile_caches": cache,
+        print(json.dumps({"warm_start_s": time.perf_counter() - started, "compile_caches": compile_cache_counters(),
                           "compile_seconds": next(iter(gen._engines.values())).compile_seconds}))
         return
     command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)]
