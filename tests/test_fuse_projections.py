@@ -8,7 +8,7 @@ import torch
 from models import FAMILIES, VOCAB, tiny_model
 from test_backend import draft_call_inputs
 
-from specla_compile.lowering.fuse_projections import pack_projections
+from specla_compile.lowering.fuse_projections import fuse_projections, pack_projections
 from specla_compile.lowering.session import VerifySession
 
 
@@ -49,3 +49,29 @@ def test_packed_projections_are_one_gemm_each_and_change_no_result(family, monke
                 results[packed] = compiled(input_ids=chain, past_key_values=cache, use_cache=True, position_ids=positions).logits
             assert (results[packed] - eager).abs().max() <= 1e-5
     assert _linear_calls(twins[1]) < _linear_calls(twins[0]), [_linear_calls(t) for t in twins]
+
+
+def test_the_fused_gemm_joins_its_parts_example_values_and_keeps_the_node_dimension_symbolic():
+    """The fused linear takes Dynamo's example values of its parts, joined: computing its own by a fake
+    run of ``linear`` reads a symbolic node dimension as an integer on CUDA, a guard that specialises the
+    one graph traced for every bucket size to one size."""
+    model = tiny_model("fla")
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    pack_projections(model, ids[:, :2])
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(ids, 1)
+    with torch.no_grad():
+        torch.compile(model, backend=keep)(input_ids=ids, use_cache=False)
+    gm, example_inputs = graphs[0]
+    assert fuse_projections(gm, example_inputs) >= 2
+    fused = [n for n in gm.graph.nodes if n.target is torch._C._nn.linear and n.args[1].target is torch.as_strided]
+    assert len(fused) >= 2
+    for node in fused:
+        value = node.meta["example_value"]
+        assert isinstance(value.shape[1], torch.SymInt) and value.shape[-1] == node.args[1].args[1][0]

@@ -14,6 +14,7 @@ the same normalized input in separate, small GEMMs. Two steps turn each such gro
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -76,6 +77,17 @@ def _linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None if bias is not None else (node.args[0], node.args[1])
 
 
+def _join_example_values(fused: fx.Node, parts: Sequence[fx.Node]) -> None:
+    """Give the fused GEMM Dynamo's example value of its parts, joined. Computing it by running the
+    fused ``linear`` on the symbolic fake input instead reads the input's sizes as integers on CUDA (a
+    guard ``Eq(nodes, N)`` that specialises the one graph of every bucket size to one size)."""
+    values = [part.meta.get("example_value") for part in parts]
+    if any(not isinstance(v, torch.Tensor) for v in values):
+        return
+    with getattr(values[0], "fake_mode", None) or contextlib.nullcontext():  # (the graph's mode, not the inputs')
+        fused.meta["example_value"] = torch.cat(values, -1)
+
+
 def fuse_projections(gm: fx.GraphModule, example_inputs: Sequence) -> int:
     """Replace, in place, every group of two or more bias-free ``linear`` calls on one input node whose
     weights (graph inputs) lie back to back in one storage (:func:`pack_projections`) by one ``linear``
@@ -97,6 +109,7 @@ def fuse_projections(gm: fx.GraphModule, example_inputs: Sequence) -> int:
         with gm.graph.inserting_before(nodes[0]):  # graph order: the input exists, no use comes earlier
             weight = gm.graph.call_function(torch.as_strided, (nodes[0].args[1], (rows, width), (width, 1), first.storage_offset()))
             out = gm.graph.call_function(torch._C._nn.linear, (nodes[0].args[0], weight))
+            _join_example_values(out, nodes)
             start = 0
             for node, w in zip(nodes, weights):
                 # a gather of the columns, not a split: a strided view of the output makes the fake-tensor
