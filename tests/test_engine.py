@@ -251,3 +251,27 @@ def test_shared_features_engine_serves_every_route_with_one_compile(compiles):
         if shared:  # one engine: the EAGLE route's bucket (its pass, its CUDA graph) served the oracle too
             assert list(gen._engines[True].buckets) == [(8, True, "accept"), (1, True, "loop")]
     assert handed and all(f is None for f in handed)
+
+
+def test_a_mixture_of_experts_model_gets_experts_a_cuda_graph_can_hold(caplog):
+    """Qwen3-Next's fp32 experts (grouped_mm, whose fallback reads offsets on the host) become batched_mm,
+    with the same logits and a warning; bf16 grouped_mm and models without experts are left alone."""
+    from specla_compile.runtime.graph_capture import capturable_experts
+
+    model = tiny_model("qwen3_next")
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    assert model.config._experts_implementation == "grouped_mm"
+    with torch.no_grad():
+        before = model(ids).logits
+        with caplog.at_level("WARNING", logger="specla_compile"):
+            capturable_experts(model)
+        after = model(ids).logits
+    assert model.config._experts_implementation == "batched_mm" and "batched_mm" in caplog.text
+    assert (after - before).abs().max() <= 1e-5
+    bf16 = tiny_model("qwen3_next").to(torch.bfloat16)
+    capturable_experts(bf16)
+    assert bf16.config._experts_implementation == "grouped_mm"
+    dense = tiny_model("qwen3_5")
+    implementation = dense.config._experts_implementation
+    capturable_experts(dense)
+    assert dense.config._experts_implementation == implementation

@@ -73,3 +73,20 @@ def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
                 d.commit([b], [new[len(seqs[b]) - 1 :]], [features_of(target, new)[len(seqs[b]) - 1 :]])
             seqs[b] = new
     assert graphed._graphs and not graphed._graph_error, "the proposes were replayed from captured graphs"
+
+
+def test_bf16_experts_keep_grouped_mm_inside_the_cuda_graphs():
+    """Qwen3-Next in bf16 keeps torch's grouped GEMM (its offsets stay on the device): the passes are
+    captured and give the tokens of the same engine run uncaptured."""
+    model = tiny_model("qwen3_next").cuda().to(torch.bfloat16)
+    prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(22)).cuda()
+    refs = [plain(model, p, 16)[0][0, 6:].tolist() for p in prompts]
+    outs = {}
+    for graphs in (True, False):
+        gen = SpeculativeGenerator(model, OracleDrafter([r + [0] * 16 for r in refs], error_rate=0.25, seed=3),
+                                   SpecConfig(mode="chain", depth=4, cuda_graphs=graphs))
+        outs[graphs] = gen.generate(prompts, max_new_tokens=16).sequences
+        if graphs:
+            assert all(bucket.graph is not None for bucket in gen.engine(prompts.device, False).buckets.values())
+    assert model.config._experts_implementation == "grouped_mm"
+    assert outs[True].tolist() == outs[False].tolist()

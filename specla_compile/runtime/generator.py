@@ -40,6 +40,7 @@ from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
 from .engine import EOS_SLOTS, PLAIN_STEPS, StaticEngine
 from .generation_args import GenerationArgs
+from .graph_capture import capturable_experts
 from .generation_args import resolve as resolve_generation_args
 from .topology import PAD, ancestor_mask, bucket_size, depth
 
@@ -200,6 +201,8 @@ class SpeculativeGenerator:
             return None
         if features not in self._engines:
             graphs = device.type == "cuda" and self.config.cuda_graphs is not False
+            if graphs:
+                capturable_experts(self.model)
             self._engines[features] = StaticEngine(self.compiled, self.model.config, graphs=graphs, features=features)
         return self._engines[features]
 
