@@ -12,6 +12,7 @@ import torch.fx as fx
 from cache_utils import cache_tensors, max_cache_diff
 from models import FAMILIES, VOCAB, left_padded_batch, tiny_model
 
+from specla_compile.lowering.fuse_projections import fuse_projections, pack_projections
 from specla_compile.lowering.graph_analysis import (
     INPLACE_WRITE_METHODS,
     RECURRENCE,
@@ -50,15 +51,20 @@ def draft_call_inputs(parents: torch.Tensor, past: int, family: str):
     return (mask if is_hybrid(family) else None), past + depth(parents)
 
 
-def capture_decode_graph(model) -> tuple[fx.GraphModule, object]:
-    """Dynamo's graph of a cached multi-token call (the shape a verification has)."""
+def capture_decode_graph(model, fused: bool = False) -> tuple[fx.GraphModule, object]:
+    """Dynamo's graph of a cached multi-token call (the shape a verification has); ``fused``: with the
+    projections that read one input packed and fused into one GEMM, as the generator compiles models."""
     graphs = []
 
     def record(gm, example_inputs):
+        if fused:
+            assert fuse_projections(gm, example_inputs) > 0
         graphs.append(gm)
         return gm.forward
 
     prompt = torch.randint(0, VOCAB, (BATCH, PROMPT))
+    if fused:
+        pack_projections(model, prompt)
     with torch.no_grad():
         cache = model(prompt, use_cache=True).past_key_values
         explanation = torch._dynamo.explain(model)(input_ids=prompt[:, :3], past_key_values=cache, use_cache=True)
@@ -94,9 +100,12 @@ def _state_outputs(gm: fx.GraphModule) -> list[int]:
     return [i for i, out in enumerate(outputs) if any(depends_on(out, {s}) and view_chain(out)[0] is None for s in state_values)]
 
 
-def test_rewrite_structure_and_durable_writes(family):
+@pytest.mark.parametrize("fused", [False, True], ids=["separate_projections", "fused_projections"])
+def test_rewrite_structure_and_durable_writes(family, fused):
+    """Both as captured and with the projections fused as the generator compiles models; fla's three
+    convs of a layer become one op."""
     model = tiny_model(family)
-    gm, _ = capture_decode_graph(model)
+    gm, _ = capture_decode_graph(model, fused)
     before = len(list(gm.graph.nodes))
     program = rewrite_for_verify(gm)
     assert len(list(gm.graph.nodes)) == before  # the captured graph itself is untouched
@@ -107,7 +116,8 @@ def test_rewrite_structure_and_durable_writes(family):
     verifies = [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.specla.gdn_commit_verify_.default]
     assert len(verifies) == n_layers == len(program.layers)
     tree_convs = [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.specla.commit_tree_conv_.default]
-    assert len(tree_convs) == n_layers * (3 if family == "fla" else 1)
+    three_convs = [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.specla.commit_three_tree_convs_.default]
+    assert (len(tree_convs), len(three_convs)) == ((0, n_layers) if family == "fla" else (n_layers, 0))
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     added = [p.name for p in placeholders[program.num_model_inputs :]]
@@ -133,6 +143,9 @@ def test_rewrite_structure_and_durable_writes(family):
             assert view_chain(node.args[0])[0] in durable
             committed_from = node.args[1:6] if "gdn" in str(node.target) else node.args[1:3]
             assert all(arg in pending and not depends_on(arg, draft) for arg in committed_from)
+        if node.op == "call_function" and node.target == torch.ops.specla.commit_three_tree_convs_.default:
+            assert all(view_chain(state)[0] in durable for state in node.args[:3])
+            assert all(arg in pending and not depends_on(arg, draft) for arg in node.args[3:7])
     for i in _state_outputs(gm):  # what Dynamo writes back into the cache is the committed state
         assert view_chain(outputs[i])[0] in durable
 
@@ -396,6 +409,6 @@ def test_verification_twin_is_cacheable_by_aot_autograd(family):
         cache = model(prompt, use_cache=True).past_key_values
         torch.compile(model, backend=record, fullgraph=True)(input_ids=prompt[:, :3], past_key_values=cache, use_cache=True)
     nodes = list(twins[0].program.graph_module.graph.nodes)
-    assert any(n.target == torch.ops.specla.commit_tree_conv_.default for n in nodes)
+    assert any(n.target in (torch.ops.specla.commit_tree_conv_.default, torch.ops.specla.commit_three_tree_convs_.default) for n in nodes)
     for node in nodes:
         check_node_safe(node)  # raises BypassAOTAutogradCache

@@ -76,6 +76,24 @@ def test_commit_tree_conv_(with_bias):
     assert torch.equal(y, tree_conv_reference(x, committed, weight, bias, PARENTS))
 
 
+def test_commit_three_tree_convs_():
+    """fla's three convs of a layer in one op: each conv's commit and tree conv, as three single ops."""
+    gen = torch.Generator().manual_seed(2)
+    widths = (5, 3, 7)
+    states = [torch.randn(2, d, 4, generator=gen) for d in widths]
+    pendings = [torch.randn(2, 6, d, generator=gen) for d in widths]
+    xs = [torch.randn(2, 6, d, generator=gen) for d in widths]
+    weights = [torch.randn(d, 4, generator=gen) for d in widths]
+    num = torch.tensor([3, 1])
+    torch.library.opcheck(ops.commit_three_tree_convs_, ([s.clone() for s in states] + [*pendings, num, *xs, *weights, PARENTS, True]))
+    fused_states = [s.clone() for s in states]
+    ys = ops.commit_three_tree_convs_(*fused_states, *pendings, num, *xs, *weights, PARENTS, True)
+    for state, fused_state, pending, x, weight, y in zip(states, fused_states, pendings, xs, weights, ys):
+        single = state.clone()
+        assert torch.equal(y, ops.commit_tree_conv_(single, pending, num, x, weight, None, PARENTS, True))
+        assert torch.equal(fused_state, single) and not torch.equal(fused_state, state)
+
+
 def test_conv_state_commit_():
     gen = torch.Generator().manual_seed(1)
     conv_state = torch.randn(2, 5, 4, generator=gen)

@@ -161,6 +161,28 @@ def test_float64_state_runs_the_reference():
     assert rel_err(o, reference_verify({**x, "state": state}, parents, SCALE, True)[0]) <= 1e-12
 
 
+@pytest.mark.parametrize("case", ["chain16", "tree64_padded", "forest33"])
+def test_three_convs_in_one_launch_on_the_gpu(case):
+    """fla's q, k, v convs (value width twice the key width, as in GDN) through the one-launch op, each
+    against its own commit and fp64 tree conv."""
+    parents, _ = inputs(case, seed=14)
+    gen = torch.Generator().manual_seed(3)
+    batch, n = parents.shape
+    widths = (HEADS * DIM, HEADS * DIM, 2 * HEADS * DIM)
+    xs = [torch.randn(batch, n, d, generator=gen).bfloat16().cuda() for d in widths]
+    states = [torch.randn(batch, d, 3, generator=gen).bfloat16().cuda() for d in widths]
+    weights = [torch.randn(d, 4, generator=gen).bfloat16().cuda() for d in widths]
+    pendings = [torch.randn(batch, n, d, generator=gen).bfloat16().cuda() for d in widths]
+    num = torch.tensor([min(n, 5), 0][:batch], device="cuda")
+    updated = [s.clone() for s in states]
+    with poisoned_allocations():
+        ys = ops.commit_three_tree_convs_(*updated, *pendings, num, *xs, *weights, parents, True)
+    for x, y, state, new, weight, pending in zip(xs, ys, states, updated, weights, pendings):
+        committed = ref.conv_state_commit_reference(state, pending, num)
+        assert torch.equal(new, committed)
+        assert rel_err(y, ref.tree_conv_reference(x.double(), committed.double(), weight.double(), None, parents)) <= O_TOL
+
+
 @pytest.mark.parametrize("state_len, with_bias", [(3, True), (4, False)])
 @pytest.mark.parametrize("case", ["chain16", "tree64_padded", "forest33"])
 def test_tree_conv_and_commit(case, state_len, with_bias):

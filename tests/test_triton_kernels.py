@@ -172,6 +172,28 @@ def test_commit_then_tree_conv_in_one_launch(state_len, accepted):
 
 
 @interpreted
+@pytest.mark.parametrize("widths", [(40, 24, 56), (16, 16, 16)])
+def test_three_convs_in_one_launch(widths):
+    """fla's q, k and v convs (different channel counts) committed and convolved in one launch, each as
+    its own commit-then-tree-conv."""
+    gen = torch.Generator().manual_seed(sum(widths))
+    parents = random_parents(2, 9, seed=3, kind="tree", padding=2)
+    num = torch.tensor([3, 0])
+    xs = [torch.randn(2, 11, d, generator=gen) for d in widths]
+    pendings = [torch.randn(2, 4, d, generator=gen) for d in widths]
+    states = [torch.randn(2, d, 3, generator=gen) for d in widths]
+    weights = [torch.randn(d, 4, generator=gen) for d in widths]
+    updated = [s.clone() for s in states]
+    with poisoned_allocations():
+        ys = tc.three_tree_convs(xs, updated, weights, pendings, num, parents, True, block_d=16)
+    for x, y, state, new, weight, pending in zip(xs, ys, states, updated, weights, pendings):
+        committed = ref.conv_state_commit_reference(state, pending, num)
+        assert torch.equal(new, committed)
+        expected = ref.tree_conv_reference(x.double(), committed.double(), weight.double(), None, parents, silu=True)
+        assert rel_err(y, expected) <= 1e-6
+
+
+@interpreted
 @pytest.mark.parametrize("state_len, accepted", [(3, [0, 2]), (3, [5, 1]), (6, [4, 4])])
 def test_conv_state_commit(state_len, accepted):
     gen = torch.Generator().manual_seed(state_len)

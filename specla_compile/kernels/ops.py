@@ -164,6 +164,10 @@ def commit_tree_conv_(
 ) -> torch.Tensor:
     """Delayed update then tree conv, one launch on GPUs: shift each row's first ``num_pending[b]``
     inputs of ``pending_x [B, A, D]`` into ``conv_state`` in place, then :func:`tree_conv` from it."""
+    return _commit_then_tree_conv(conv_state, pending_x, num_pending, x, weight, bias, parents, silu)
+
+
+def _commit_then_tree_conv(conv_state, pending_x, num_pending, x, weight, bias, parents, silu) -> torch.Tensor:
     conv_state.copy_(ref.conv_state_commit_reference(conv_state, pending_x, num_pending))
     return ref.tree_conv_reference(x, conv_state, weight, bias, parents, silu=silu)
 
@@ -172,6 +176,31 @@ def commit_tree_conv_(
 def _(conv_state, pending_x, num_pending, x, weight, bias, parents, silu):
     ref.check_conv_shapes(x, conv_state, weight, parents)
     return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("specla::commit_three_tree_convs_", mutates_args=("state0", "state1", "state2"))
+def commit_three_tree_convs_(
+    state0: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+    pending0: torch.Tensor, pending1: torch.Tensor, pending2: torch.Tensor,
+    num_pending: torch.Tensor,
+    x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor,
+    weight0: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
+    parents: torch.Tensor,
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three bias-free :func:`commit_tree_conv_` calls (fla's q, k and v convs): one launch on GPUs."""
+    return tuple(
+        _commit_then_tree_conv(state, pending, num_pending, x, weight, None, parents, silu)
+        for state, pending, x, weight in zip((state0, state1, state2), (pending0, pending1, pending2), (x0, x1, x2),
+                                             (weight0, weight1, weight2))
+    )
+
+
+@commit_three_tree_convs_.register_fake
+def _(state0, state1, state2, pending0, pending1, pending2, num_pending, x0, x1, x2, weight0, weight1, weight2, parents, silu):
+    for x, state, weight in zip((x0, x1, x2), (state0, state1, state2), (weight0, weight1, weight2)):
+        ref.check_conv_shapes(x, state, weight, parents)
+    return x0.new_empty(x0.shape), x1.new_empty(x1.shape), x2.new_empty(x2.shape)
 
 
 @torch.library.custom_op("specla::conv_state_commit_", mutates_args=("conv_state",))

@@ -27,16 +27,14 @@ def _shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr)
 
 
 @triton.jit
-def _tree_conv_kernel(
-    x, conv_state, weight, bias, parents, y, N, D, S, pending_x, num_pending, A,
+def _tree_conv_block(
+    x, conv_state, weight, bias, parents, y, b, rd, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
-    """Grid: (B, channel blocks). With COMMIT, the program first shifts its channels' pending accepted
-    inputs into the conv state (the delayed update), then convolves from the updated state."""
-    b = tl.program_id(0)
+    """Row b's channels ``rd`` of one conv, every node at once. With COMMIT, first shift these channels'
+    pending accepted inputs into the conv state (the delayed update), then convolve from the updated state."""
     rn = tl.arange(0, BN)
-    rd = tl.program_id(1) * BD + tl.arange(0, BD)
     mn = rn < N
     md = rd < D
     if COMMIT:
@@ -65,6 +63,36 @@ def _tree_conv_kernel(
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + (b * N + rn[:, None]) * D + rd[None, :], acc.to(y.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _tree_conv_kernel(
+    x, conv_state, weight, bias, parents, y, N, D, S, pending_x, num_pending, A,
+    W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    COMMIT: tl.constexpr, BS: tl.constexpr,
+):
+    """Grid: (B, channel blocks)."""
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    _tree_conv_block(x, conv_state, weight, bias, parents, y, tl.program_id(0), rd, N, D, S, pending_x, num_pending, A,
+                     W, BN, BD, HAS_BIAS, SILU, COMMIT, BS)
+
+
+@triton.jit
+def _three_tree_convs_kernel(
+    x0, x1, x2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, D0, D1, D2, parents, num_pending, N, S, A,
+    W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, BS: tl.constexpr,
+):
+    """Grid: (B, channel blocks of the widest conv, 3): the commit and tree conv of three bias-free convs
+    (fla's q, k and v) in one launch; axis 2 picks the conv."""
+    c = tl.program_id(2)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    b = tl.program_id(0)
+    if c == 0:
+        _tree_conv_block(x0, s0, w0, w0, parents, y0, b, rd, N, D0, S, p0, num_pending, A, W, BN, BD, False, SILU, True, BS)
+    elif c == 1:
+        _tree_conv_block(x1, s1, w1, w1, parents, y1, b, rd, N, D1, S, p1, num_pending, A, W, BN, BD, False, SILU, True, BS)
+    else:
+        _tree_conv_block(x2, s2, w2, w2, parents, y2, b, rd, N, D2, S, p2, num_pending, A, W, BN, BD, False, SILU, True, BS)
 
 
 @triton.jit
@@ -102,6 +130,47 @@ def tree_conv(
         COMMIT=pending is not None, BS=triton.next_power_of_2(conv_state.shape[2]),
     )
     return y
+
+
+def fits_three_tree_convs(xs, conv_states, weights, pending_xs) -> bool:
+    """Whether three convs can share one launch: the kernel takes one dtype per kind of tensor, one batch,
+    state width, kernel width and pending count, and updates the states where they lie."""
+    return (all(s.is_contiguous() for s in conv_states)
+            and len({(s.shape[0], s.shape[2], s.dtype) for s in conv_states}) == 1
+            and len({(x.shape[:2], x.dtype) for x in xs}) == 1
+            and len({(w.shape[1], w.dtype) for w in weights}) == 1
+            and len({(p.shape[1], p.dtype) for p in pending_xs}) == 1)
+
+
+def three_tree_convs(
+    xs: tuple[torch.Tensor, ...],
+    conv_states: tuple[torch.Tensor, ...],
+    weights: tuple[torch.Tensor, ...],
+    pending_xs: tuple[torch.Tensor, ...],
+    num_pending: torch.Tensor,
+    parents: torch.Tensor,
+    silu: bool = True,
+    *,
+    block_d: int = 128,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`tree_conv` with ``pending`` of three bias-free convs (fla's q, k, v), in one launch: each
+    commits its ``pending_xs`` into its contiguous ``conv_states`` in place, then convolves its ``xs``."""
+    if len({len(xs), len(conv_states), len(weights), len(pending_xs)} | {3}) != 1:
+        raise ValueError("three_tree_convs takes three convs")
+    if not fits_three_tree_convs(xs, conv_states, weights, pending_xs):
+        raise ValueError("three_tree_convs needs contiguous conv states and one batch, state width, kernel width, "
+                         "pending count and dtype per kind of tensor across the three convs")
+    xs, weights, pending_xs = ([t.contiguous() for t in ts] for ts in (xs, weights, pending_xs))
+    parents = parents.contiguous()
+    batch, n, _ = xs[0].shape
+    ys = [torch.empty_like(x) for x in xs]
+    width = conv_states[0].shape[2]
+    _three_tree_convs_kernel[(batch, triton.cdiv(max(x.shape[2] for x in xs), block_d), 3)](
+        *xs, *conv_states, *weights, *pending_xs, *ys, *(x.shape[2] for x in xs), parents, num_pending, n, width,
+        pending_xs[0].shape[1], W=weights[0].shape[1], BN=max(16, triton.next_power_of_2(n)), BD=block_d, SILU=silu,
+        BS=triton.next_power_of_2(width),
+    )
+    return tuple(ys)
 
 
 def conv_state_commit_(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor, *, block_d: int = 64) -> None:

@@ -6,8 +6,9 @@ Per GDN layer (found by :func:`~.graph_analysis.find_gdn_layers`):
   factor records into the durable state in place (delayed update), then verifies the draft tree from
   it; whatever the model wrote back as its "final state" is now that committed state;
 * each short convolution commits its pending accepted inputs into the conv state and then runs the
-  tree conv over the draft, one op (``specla::commit_tree_conv_``); the model's own conv-state writes
-  are dropped;
+  tree conv over the draft, one op (``specla::commit_tree_conv_``; fla's q, k and v convs of a layer
+  share one, ``specla::commit_three_tree_convs_``: one launch); the model's own conv-state writes are
+  dropped;
 * the layer's new factor records ``(k_hat, v, g, beta)`` and conv inputs become extra graph outputs.
 
 Full-attention layers (``scaled_dot_product_attention``) get the tree mask instead of the causal mask.
@@ -154,6 +155,32 @@ class _Rewriter:
             _erase_unused(self.graph, source)  # the window's tail, then the window itself
         return x_rows
 
+    def rewrite_three_convs(self, convs: list[ConvSite], parents: fx.Node, num_pending: fx.Node, pending_xs: list[fx.Node]) -> list[fx.Node] | None:
+        """fla's q, k and v convs (bias-free, one ``silu``) as one op (one launch on GPUs), placed at the
+        last conv: None, and nothing changed, when they do not fit that (another layout, or an output of
+        one used before the last conv)."""
+        nodes = [c.node for c in convs]
+        if len(convs) != 3 or any(c.kind != "short_conv" or n.args[3] is not None for c, n in zip(convs, nodes)):
+            return None
+        if len({n.args[4] for n in nodes}) != 1:
+            return None
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        last = max(nodes, key=order.__getitem__)
+        if any(order[use] < order[last] for n in nodes for item in n.users for use in item.users):
+            return None
+        xs, states, weights = ([n.args[i] for n in nodes] for i in range(3))
+        with self.graph.inserting_before(last):
+            fused = self.call(torch.ops.specla.commit_three_tree_convs_.default, *states, *pending_xs, num_pending, *xs, *weights,
+                              parents, nodes[0].args[4])
+            ys = [self.call(operator.getitem, fused, i) for i in range(3)]
+        for node, y, state in zip(nodes, ys, states):
+            for index, users in getitem_users(node).items():
+                for user in users:
+                    user.replace_all_uses_with(y if index == 0 else state)
+                    self.graph.erase_node(user)
+            self.graph.erase_node(node)
+        return xs
+
     def give_tree_mask(self, tree_mask: fx.Node) -> int:
         count = 0
         for node in self.graph.nodes:
@@ -203,7 +230,10 @@ def rewrite_for_verify(gm: fx.GraphModule) -> VerifyProgram:
             records.append(RecordSpec(f"conv{c}", (channels,), _dtype(conv.x)))
         pending = [rw.add_input(f"layer{i}_pending_{r.name}") for r in records]
         outputs = rw.rewrite_recurrence(layer, parents, num_pending, pending[:4])
-        outputs += [rw.rewrite_conv(conv, parents, num_pending, p) for conv, p in zip(layer.convs, pending[4:])]
+        conv_inputs = rw.rewrite_three_convs(layer.convs, parents, num_pending, pending[4:])
+        if conv_inputs is None:
+            conv_inputs = [rw.rewrite_conv(conv, parents, num_pending, p) for conv, p in zip(layer.convs, pending[4:])]
+        outputs += conv_inputs
         extra_outputs += outputs
         specs.append(
             LayerSpec(
