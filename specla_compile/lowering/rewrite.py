@@ -133,11 +133,7 @@ class _Rewriter:
             x, state, weight, bias, silu = node.args
             with self.graph.inserting_before(node):
                 y = self.call(torch.ops.specla.commit_tree_conv_.default, state, pending_x, num_pending, x, weight, bias, parents, silu)
-            for index, users in getitem_users(node).items():
-                for user in users:
-                    user.replace_all_uses_with(y if index == 0 else state)
-                    self.graph.erase_node(user)
-            self.graph.erase_node(node)
+            self._replace_short_conv(node, y, state)
             return x
         # transformers: window = cat([state, x [B, D, N]], -1); y_window = causal_conv1d(window, ...)
         _, weight, bias, silu = node.args
@@ -174,12 +170,17 @@ class _Rewriter:
                               parents, nodes[0].args[4])
             ys = [self.call(operator.getitem, fused, i) for i in range(3)]
         for node, y, state in zip(nodes, ys, states):
-            for index, users in getitem_users(node).items():
-                for user in users:
-                    user.replace_all_uses_with(y if index == 0 else state)
-                    self.graph.erase_node(user)
-            self.graph.erase_node(node)
+            self._replace_short_conv(node, y, state)
         return xs
+
+    def _replace_short_conv(self, node: fx.Node, y: fx.Node, state: fx.Node) -> None:
+        """fla's ``short_conv`` call returns ``(y, new state)``: its users now read ``y`` and the state the
+        commit updated in place; the call goes."""
+        for index, users in getitem_users(node).items():
+            for user in users:
+                user.replace_all_uses_with(y if index == 0 else state)
+                self.graph.erase_node(user)
+        self.graph.erase_node(node)
 
     def give_tree_mask(self, tree_mask: fx.Node) -> int:
         count = 0
