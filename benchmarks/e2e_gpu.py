@@ -445,10 +445,10 @@ def fla_profile(args, results: dict) -> None:
     """What bounds plain decoding and a 16-node pass, in about two minutes: the plain loop's time per
     token, its blocks, graph launch against replay time, and kernel and operator profiles."""
     model = build("fla", torch.bfloat16, args.layers)
-    prompts = prompts_for(model, 1, 2)
+    prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("fla_profile", {})
     gen = make_generator(model)
-    gen.decode(prompts[0], 2)
+    gen.decode(prompts[0], args.new_tokens)  # a whole warm-up call: the first timed call after a compile ran slow
     section["plain"] = {k: v for k, v in run_route(gen, prompts, args.new_tokens, plain=True).items() if k != "sequences"}
     gen.drafter, gen.config = OracleDrafter([[0] * 64], 1.0, 8), chain_config(8)
     gen.generate(prompts[0], 2)
