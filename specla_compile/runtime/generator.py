@@ -40,8 +40,8 @@ from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
 from .engine import EOS_SLOTS, PLAIN_STEPS, StaticEngine
 from .generation_args import GenerationArgs
-from .graph_capture import capturable_experts
 from .generation_args import resolve as resolve_generation_args
+from .graph_capture import capturable_experts
 from .topology import PAD, ancestor_mask, bucket_size, depth
 
 
