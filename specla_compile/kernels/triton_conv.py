@@ -84,7 +84,7 @@ def _three_tree_convs_kernel(
 ):
     """Grid: (B, channel blocks of the widest conv, 3): the commit and tree conv of three bias-free convs
     (fla's q, k and v) in one launch; axis 2 picks the conv."""
-    c = tl.program_id(2)
+    c = tl.program_id(2)  # (each weight also stands in as its bias pointer: HAS_BIAS is False, never read)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(0)
     if c == 0:
