@@ -211,8 +211,20 @@ def static_twin(cache, config, capacity: int):
     return twin
 
 
-def load_static(twin, cache) -> int:
-    """Copy ``cache`` into its :func:`static_twin` in place; returns the attention width (0 without)."""
+def gdn_states(cache) -> list[torch.Tensor]:
+    """Every GDN state (recurrent and conv) of ``cache``, layer by layer."""
+    return [slot.get() for slot in cache_slots(cache) if slot.kind == "state"]
+
+
+def same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two caches' :func:`gdn_states` have the same shapes and dtypes, one by one."""
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+
+
+def load_static(twin, cache, twin_states: list[torch.Tensor], states: list[torch.Tensor]) -> int:
+    """Copy ``cache`` (its GDN ``states``) into its :func:`static_twin` (``twin_states``) in place;
+    returns the attention width (0 without). The states go in one multi-tensor copy rather than a
+    launch per state from Python."""
     width = 0
     for mine, theirs in zip(twin.layers, cache.layers):
         if _is_attention_layer(mine):
@@ -220,12 +232,13 @@ def load_static(twin, cache) -> int:
             for name in ("keys", "values"):
                 getattr(mine, name)[..., :width, :].copy_(getattr(theirs, name)[..., :width, :])
             mine.cumulative_length.fill_(width)
-    _copy_states(cache, twin)
+    if states:  # (a model without GDN layers has none; the verify pass then says so)
+        torch._foreach_copy_(twin_states, states)
     return width
 
 
-def store_static(twin, cache, width: int) -> None:
-    """Write a static twin's tensors back into ``cache`` (attention: its first ``width`` columns)."""
+def store_static(twin, cache, width: int, twin_states: list[torch.Tensor], states: list[torch.Tensor]) -> None:
+    """Write a static twin's tensors back into ``cache`` (``states``; attention: its first ``width`` columns)."""
     for mine, theirs in zip(twin.layers, cache.layers):
         if _is_attention_layer(mine):
             if getattr(theirs, "max_cache_len", None):  # a static cache given by the caller
@@ -234,19 +247,5 @@ def store_static(twin, cache, width: int) -> None:
                 theirs.cumulative_length.fill_(width)
             else:
                 theirs.keys, theirs.values = mine.keys[..., :width, :].clone(), mine.values[..., :width, :].clone()
-    _copy_states(twin, cache)
-
-
-def _copy_states(source, destination) -> None:
-    """Copy every GDN state (recurrent and conv) of ``source`` into ``destination``'s, in place (one
-    multi-tensor copy rather than a launch per state from Python)."""
-    pairs = [(mine.get(), theirs.get()) for mine, theirs in zip(cache_slots(destination), cache_slots(source)) if mine.kind == "state"]
-    if pairs:  # (a model without GDN layers has none; the verify pass then says so)
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-
-
-def same_layout(a, b) -> bool:
-    """Whether two caches hold GDN states of the same shapes and dtypes, layer by layer."""
-    sa = [s.get() for s in cache_slots(a) if s.kind == "state"]
-    sb = [s.get() for s in cache_slots(b) if s.kind == "state"]
-    return len(sa) == len(sb) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(sa, sb))
+    if states:
+        torch._foreach_copy_(states, twin_states)

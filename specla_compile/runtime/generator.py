@@ -481,8 +481,9 @@ class _Run:
     def _advance(self, acceptance: Acceptance, tokens: torch.Tensor, emitted: list[list[int]], hidden) -> None:
         """Host side of a commit: the drafter, the token history and the pending tokens."""
         active = [b for b, e in enumerate(emitted) if e]
+        pending = self.pending.tolist()
         # the committed tokens are the old pending token and the accepted drafts: emitted minus its last
-        committed = [torch.tensor([int(self.pending[b])] + emitted[b][:-1], device=self.device) for b in active]
+        committed = [torch.tensor([pending[b]] + emitted[b][:-1], device=self.device) for b in active]
         features = None
         if hidden is not None and self.drafter.needs_features:  # (a shared features engine returns them to all)
             paths = acceptance.path.to(hidden.device)
@@ -490,7 +491,7 @@ class _Run:
         self.drafter.commit(active, committed, features)
         for b, new in zip(active, committed):
             self.rows[b] = torch.cat([self.rows[b], new])
-        self.pending = torch.tensor([e[-1] if e else int(p) for e, p in zip(emitted, self.pending.tolist())], device=self.device)
+        self.pending = torch.tensor([e[-1] if e else p for e, p in zip(emitted, pending)], device=self.device)
 
     def _pass(self, tokens: torch.Tensor, parents: torch.Tensor, probs) -> tuple[Acceptance, torch.Tensor | None]:
         """One target pass and its acceptance: ``(acceptance, last hidden state or None)``."""
@@ -548,7 +549,7 @@ class _Run:
             self._record(emitted)
             self._commit(acceptance, tokens, emitted, hidden)
         self.stats.iterations += 1
-        sizes = (parents != PAD).sum(-1).tolist()
+        sizes = [sum(p != PAD for p in row) for row in parents.tolist()]  # (host lists: cheaper than tensor ops)
         self.stats.tree_sizes += [sizes[b] for b in active]
 
 
