@@ -203,3 +203,20 @@ def test_conv_state_commit(state_len, accepted):
     updated = conv_state.clone()
     tc.conv_state_commit_(updated, x, num, block_d=16)
     assert torch.equal(updated, ref.conv_state_commit_reference(conv_state, x, num))
+
+
+@interpreted
+@pytest.mark.parametrize("rows, split", [(1, 1), (5, 2), (17, 1), (32, 4)])
+def test_benchmark_gemv_matches_linear(rows, split):
+    """The GEMV that benchmarks/gemv_gpu.py times against cuBLAS: x @ W^T for up to 32 rows, N and K not
+    multiples of the tiles, split-K adding into a zeroed output."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from gemv_gpu import gemv
+
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 100, generator=gen), torch.randn(40, 100, generator=gen)
+    y = torch.zeros(rows, 40)
+    gemv(x, w, y, block_n=16, block_k=32, split=split)
+    assert rel_err(y, x.double() @ w.double().T) <= 1e-5
+    with pytest.raises(ValueError, match="at most 32"):
+        gemv(torch.randn(33, 100), w, torch.zeros(33, 40), block_n=16, block_k=32, split=1)

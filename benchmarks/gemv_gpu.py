@@ -1,0 +1,188 @@
+"""A Triton GEMV for up to 32 rows against cuBLAS, at the GEMM shapes of one pass of the GDN-1.3B model.
+
+The GEMMs of a plain pass take about 1.0 of its 1.64 ms of kernel time (``e2e_gpu.md``), at 1.4-3.5 TB/s
+against a copy rate of 4.1 TB/s. This asks whether a GEMV written for these shapes (y = x W^T, x of
+M <= 32 rows, W bf16 [N, K] read once) streams the weights faster than what ``F.linear`` runs (cuBLAS).
+Each shape is timed as the model runs it: 24 distinct weights (one per layer, more than the 50 MB L2
+holds) called back to back inside one CUDA graph, median of 10-20 replays. The Triton kernel is swept
+over tile sizes, split-K factors and pipeline depths; its output is checked against ``F.linear``. A
+split-K configuration adds fp32 partial sums into a zeroed output (the zeroing is timed; a conversion
+back to bf16, which a bf16 consumer would need unless fused into it, is not).
+
+    python benchmarks/gemv_gpu.py --out benchmarks/results          # H200, about 2 minutes
+    python benchmarks/gemv_gpu.py --plot benchmarks/results/gemv_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+# (N, K) of each weight: the fused q/k/v/gate/a/b projection, o_proj, the fused MLP gate/up, down_proj, LM head
+SHAPES = {"qkvg": (8208, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632), "lm_head": (32000, 2048)}
+ROWS = (1, 16, 32)
+LAYERS = 24
+# (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
+CONFIGS = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (1, 2, 4), (4,), (2, 4)))
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """y[:, n-tile] (+)= x @ W[n-tile]^T over one of SPLIT slices of K. x [M, K] and W [N, K] row-major;
+    SPLIT > 1 adds fp32 partial sums into a zeroed y."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_per_split = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w))  # (tensor cores need 16 rows: x's missing rows load as zeros)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out = y_ptr + offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int, split: int,
+         warps: int = 4, stages: int = 2) -> None:
+    """``y = x @ w.T`` (``split`` > 1: ``y += ...``, fp32 ``y`` zeroed by the caller). Reference: ``F.linear``."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m > 32 or x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("gemv takes at most 32 contiguous rows and a row-major weight")
+    gemv_kernel[(triton.cdiv(n, block_n), split)](x, w, y, m, n, k, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n,
+                                                  BLOCK_K=block_k, SPLIT=split, num_warps=warps, num_stages=stages)
+
+
+def graph_ms(fn, replays: int = 20) -> float:
+    """Median CUDA-event time of one replay of ``fn`` captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_shape(n: int, k: int, rows: int, copies: int) -> dict:
+    """cuBLAS and the best Triton configuration for ``copies`` distinct [n, k] weights at ``rows`` rows."""
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    total_bytes = n * k * 2 * copies
+    reference = torch.nn.functional.linear(x, weights[0]).float()
+    row = {}
+    ms = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+    row["cublas"] = {"us": 1000 * ms / copies, "TBps": total_bytes / ms / 1e9}
+    best = None
+    row["wrong_configs"] = []  # (beyond bf16 rounding against F.linear: none expected)
+    for block_n, block_k, split, warps, stages in CONFIGS:
+        if block_k * split > 2 * k or triton.cdiv(n, block_n) * split < 64:  # (too few programs to stream from HBM)
+            continue
+        outs = [torch.zeros(rows, n, device="cuda", dtype=torch.float32 if split > 1 else torch.bfloat16) for _ in range(copies)]
+
+        def run(outs=outs, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages):
+            for w, y in zip(weights, outs):
+                if split > 1:
+                    y.zero_()  # (counted: a split-K GEMV needs it, as cuBLAS's split-K needs its reduction kernel)
+                gemv(x, w, y, block_n, block_k, split, warps, stages)
+
+        try:
+            run()
+        except triton.runtime.errors.OutOfResources as err:  # (shared memory of the deeper pipelines)
+            row.setdefault("failed_configs", []).append([block_n, block_k, split, warps, stages, str(err)[:80]])
+            continue
+        torch.cuda.synchronize()
+        error = (outs[0].float() - reference).abs().max().item()
+        if error > 0.05 * reference.abs().max().item() + 1e-2:
+            row["wrong_configs"].append([block_n, block_k, split, warps, stages, error])
+            continue
+        ms = graph_ms(run, 10)
+        if best is None or ms < best[0]:
+            best = (ms, [block_n, block_k, split, warps, stages])
+    row["triton_best"] = {"us": 1000 * best[0] / copies, "TBps": total_bytes / best[0] / 1e9, "config": best[1]}
+    return row
+
+
+def write_report(results: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gemv_gpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = [
+        "# A Triton GEMV against cuBLAS at the GDN-1.3B pass's GEMM shapes", "",
+        (f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}; bf16 weights, "
+         f"{LAYERS} distinct weights per shape (the LM head: one) in one CUDA graph, median replay"),
+        f"command: `{results['command']}`", "",
+        "| weight [N, K] | rows | cuBLAS us | cuBLAS TB/s | Triton best us | Triton TB/s | Triton / cuBLAS | best config (BLOCK_N, BLOCK_K, SPLIT, warps, stages) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, row in results["results"].items():
+        name, rows = key.rsplit("_M", 1)
+        cublas, best = row["cublas"], row["triton_best"]
+        lines.append(f"| {name} {list(SHAPES[name])} | {rows} | {cublas['us']:.2f} | {cublas['TBps']:.2f} | {best['us']:.2f} | "
+                     f"{best['TBps']:.2f} | {best['us'] / cublas['us']:.3f} | {best['config']} |")
+    lines.append("")
+    for rows in ROWS:
+        layer = [results["results"].get(f"{name}_M{rows}") for name in SHAPES if name != "lm_head"]
+        if None in layer:
+            continue
+        cublas, best = sum(r["cublas"]["us"] for r in layer), sum(r["triton_best"]["us"] for r in layer)
+        lines.append(f"- one layer's four GEMMs at {rows} rows: cuBLAS {cublas:.1f} us, the best Triton configuration of each "
+                     f"{best:.1f} us ({LAYERS} layers: {LAYERS * (cublas - best) / 1000:.3f} ms per pass less)")
+    with open(os.path.join(out_dir, "gemv_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
+    args = parser.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            write_report(json.load(f), args.out)
+        return
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "command": " ".join(["python", *sys.argv]), "results": {}}
+    started = time.perf_counter()
+    for name, (n, k) in SHAPES.items():
+        for rows in ROWS:
+            row = results["results"][f"{name}_M{rows}"] = sweep_shape(n, k, rows, 1 if name == "lm_head" else LAYERS)
+            print(name, rows, json.dumps({side: row[side] for side in ("cublas", "triton_best")}),
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+            write_report(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
