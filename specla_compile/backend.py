@@ -36,7 +36,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .kernels import dispatch
 from .lowering.capture import install
-from .lowering.fuse_projections import fuse_projections
+from .lowering.fuse_projections import fuse_projections, gathers_as_slices
 from .lowering.graph_analysis import find_gdn_layers, is_sdpa
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
 from .lowering.session import LayerBinding, VerifySession, active_session
@@ -181,6 +181,7 @@ class SpeculativeGraph:
             started = time.perf_counter()
             program = self.program.graph_module  # (a copy per size: inductor's passes edit the graph they get)
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
+            gathers_as_slices(gm)
             # fake inputs of static shapes in a mode with a shape env, as Dynamo hands them over: without
             # one, AOTAutograd's and inductor's caches bypass the graph ("No shape env")
             fake_mode = FakeTensorMode(shape_env=ShapeEnv())

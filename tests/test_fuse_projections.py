@@ -8,7 +8,7 @@ import torch
 from models import FAMILIES, VOCAB, tiny_model
 from test_backend import draft_call_inputs
 
-from specla_compile.lowering.fuse_projections import fuse_projections, pack_projections
+from specla_compile.lowering.fuse_projections import fuse_projections, gathers_as_slices, pack_projections
 from specla_compile.lowering.session import VerifySession
 
 
@@ -75,3 +75,29 @@ def test_the_fused_gemm_joins_its_parts_example_values_and_keeps_the_node_dimens
     for node in fused:
         value = node.meta["example_value"]
         assert isinstance(value.shape[1], torch.SymInt) and value.shape[-1] == node.args[1].args[1][0]
+
+
+def test_a_static_twin_reads_the_fused_gemms_parts_as_slices():
+    """Per-size twins (static shapes) take the fused output's parts as slices, views that the ops after
+    them read in place, where the size-generic graph gathers each part (a copy kernel per part on the
+    GPU); same outputs."""
+    model = tiny_model("fla")
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(5))
+    pack_projections(model, ids[:, :2])
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=keep)(input_ids=ids, use_cache=False)
+        gm, example_inputs = graphs[0]
+        parts = fuse_projections(gm, example_inputs) and sum(n.target is torch.index_select for n in gm.graph.nodes)
+        expected = gm(*example_inputs)
+        assert parts >= 5 and gathers_as_slices(gm) == parts
+        assert not any(n.target in (torch.index_select, torch.arange) for n in gm.graph.nodes)
+        assert sum(n.target is torch.narrow for n in gm.graph.nodes) == parts
+        for got, want in zip(gm(*example_inputs), expected):
+            assert torch.equal(got, want)

@@ -162,14 +162,19 @@ def test_float64_state_runs_the_reference():
 
 
 @pytest.mark.parametrize("case", ["chain16", "tree64_padded", "forest33"])
-def test_three_convs_in_one_launch_on_the_gpu(case):
+@pytest.mark.parametrize("sliced", [False, True])
+def test_three_convs_in_one_launch_on_the_gpu(case, sliced):
     """fla's q, k, v convs (value width twice the key width, as in GDN) through the one-launch op, each
-    against its own commit and fp64 tree conv."""
+    against its own commit and fp64 tree conv; ``sliced``: the inputs are column slices of one fused
+    projection's output, as the compiled twins pass them (read in place)."""
     parents, _ = inputs(case, seed=14)
     gen = torch.Generator().manual_seed(3)
     batch, n = parents.shape
     widths = (HEADS * DIM, HEADS * DIM, 2 * HEADS * DIM)
-    xs = [torch.randn(batch, n, d, generator=gen).bfloat16().cuda() for d in widths]
+    if sliced:
+        xs = torch.randn(batch, n, sum(widths) + 16, generator=gen).bfloat16().cuda().split([*widths, 16], dim=-1)[:3]
+    else:
+        xs = [torch.randn(batch, n, d, generator=gen).bfloat16().cuda() for d in widths]
     states = [torch.randn(batch, d, 3, generator=gen).bfloat16().cuda() for d in widths]
     weights = [torch.randn(d, 4, generator=gen).bfloat16().cuda() for d in widths]
     pendings = [torch.randn(batch, n, d, generator=gen).bfloat16().cuda() for d in widths]

@@ -28,12 +28,14 @@ def _shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr)
 
 @triton.jit
 def _tree_conv_block(
-    x, conv_state, weight, bias, parents, y, b, rd, N, D, S, pending_x, num_pending, A,
+    x, sxb, sxn, conv_state, weight, bias, parents, y, b, rd, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
     """Row b's channels ``rd`` of one conv, every node at once. With COMMIT, first shift these channels'
-    pending accepted inputs into the conv state (the delayed update), then convolve from the updated state."""
+    pending accepted inputs into the conv state (the delayed update), then convolve from the updated state.
+    ``x`` has strides ``(sxb, sxn, 1)``: it may be a column slice of a wider tensor (a fused projection's
+    output), read where it lies; ``y`` is contiguous."""
     rn = tl.arange(0, BN)
     mn = rn < N
     md = rd < D
@@ -41,7 +43,7 @@ def _tree_conv_block(
         _shift_in(conv_state, pending_x, num_pending, b, rd, md, A, D, S, BS)
         tl.debug_barrier()  # the taps below read columns other threads of this program just wrote
     m2 = mn[:, None] & md[None, :]
-    acc = tl.load(x + (b * N + rn[:, None]) * D + rd[None, :], mask=m2, other=0.0).to(tl.float32)
+    acc = tl.load(x + b * sxb + rn[:, None] * sxn + rd[None, :], mask=m2, other=0.0).to(tl.float32)
     acc = acc * tl.load(weight + rd * W + (W - 1), mask=md, other=0.0).to(tl.float32)[None, :]
     node = rn  # the i-th ancestor of each node while it exists
     depth = tl.zeros([BN], dtype=tl.int32)  # real ancestors found so far
@@ -51,7 +53,7 @@ def _tree_conv_block(
         alive = alive & (par >= 0)
         node = tl.where(alive, par, node)
         depth += alive.to(tl.int32)
-        from_x = tl.load(x + (b * N + node[:, None]) * D + rd[None, :], mask=m2 & alive[:, None], other=0.0)
+        from_x = tl.load(x + b * sxb + node[:, None] * sxn + rd[None, :], mask=m2 & alive[:, None], other=0.0)
         # past the root, tap W-1-i reads the conv state's column S - i + depth (depth < i there)
         col = S - i + depth
         from_state = tl.load(conv_state + (b * D + rd[None, :]) * S + col[:, None], mask=m2 & (alive == 0)[:, None],
@@ -67,19 +69,20 @@ def _tree_conv_block(
 
 @triton.jit
 def _tree_conv_kernel(
-    x, conv_state, weight, bias, parents, y, N, D, S, pending_x, num_pending, A,
+    x, sxb, sxn, conv_state, weight, bias, parents, y, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
     """Grid: (B, channel blocks)."""
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    _tree_conv_block(x, conv_state, weight, bias, parents, y, tl.program_id(0), rd, N, D, S, pending_x, num_pending, A,
-                     W, BN, BD, HAS_BIAS, SILU, COMMIT, BS)
+    _tree_conv_block(x, sxb, sxn, conv_state, weight, bias, parents, y, tl.program_id(0), rd, N, D, S, pending_x,
+                     num_pending, A, W, BN, BD, HAS_BIAS, SILU, COMMIT, BS)
 
 
 @triton.jit
 def _three_tree_convs_kernel(
-    x0, x1, x2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, D0, D1, D2, parents, num_pending, N, S, A,
+    x0, x1, x2, sb0, sn0, sb1, sn1, sb2, sn2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, D0, D1, D2,
+    parents, num_pending, N, S, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, BS: tl.constexpr,
 ):
     """Grid: (B, channel blocks of the widest conv, 3): the commit and tree conv of three bias-free convs
@@ -88,11 +91,11 @@ def _three_tree_convs_kernel(
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(0)
     if c == 0:
-        _tree_conv_block(x0, s0, w0, w0, parents, y0, b, rd, N, D0, S, p0, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x0, sb0, sn0, s0, w0, w0, parents, y0, b, rd, N, D0, S, p0, num_pending, A, W, BN, BD, False, SILU, True, BS)
     elif c == 1:
-        _tree_conv_block(x1, s1, w1, w1, parents, y1, b, rd, N, D1, S, p1, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x1, sb1, sn1, s1, w1, w1, parents, y1, b, rd, N, D1, S, p1, num_pending, A, W, BN, BD, False, SILU, True, BS)
     else:
-        _tree_conv_block(x2, s2, w2, w2, parents, y2, b, rd, N, D2, S, p2, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x2, sb2, sn2, s2, w2, w2, parents, y2, b, rd, N, D2, S, p2, num_pending, A, W, BN, BD, False, SILU, True, BS)
 
 
 @triton.jit
@@ -100,6 +103,12 @@ def _conv_commit_kernel(conv_state, x, num_accepted, A, D, S, BS: tl.constexpr, 
     """Grid: (B, channel blocks)."""
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     _shift_in(conv_state, x, num_accepted, tl.program_id(0), rd, rd < D, A, D, S, BS)
+
+
+def _rows_strided(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, N, D]`` as the conv kernels read it: channels adjacent, rows and nodes at any stride (a
+    column slice of a fused projection's output is read in place, not copied)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def tree_conv(
@@ -118,13 +127,14 @@ def tree_conv(
     ``conv_state`` in place (``specla::commit_tree_conv_``)."""
     if pending is not None and not conv_state.is_contiguous():
         raise ValueError("conv_state must be contiguous: it is updated in place")
-    x, conv_state, weight, parents = (t.contiguous() for t in (x, conv_state, weight, parents))
+    x = _rows_strided(x)
+    conv_state, weight, parents = (t.contiguous() for t in (conv_state, weight, parents))
     batch, n, d = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_n = max(16, triton.next_power_of_2(n))
     pending_x, num = (pending[0].contiguous(), pending[1]) if pending is not None else (x, parents)  # (unread without COMMIT)
     _tree_conv_kernel[(batch, triton.cdiv(d, block_d))](
-        x, conv_state, weight, bias if bias is not None else weight, parents, y, n, d, conv_state.shape[2],
+        x, x.stride(0), x.stride(1), conv_state, weight, bias if bias is not None else weight, parents, y, n, d, conv_state.shape[2],
         pending_x, num, pending_x.shape[1],
         W=weight.shape[1], BN=block_n, BD=block_d, HAS_BIAS=bias is not None, SILU=silu,
         COMMIT=pending is not None, BS=triton.next_power_of_2(conv_state.shape[2]),
@@ -160,13 +170,14 @@ def three_tree_convs(
     if not fits_three_tree_convs(xs, conv_states, weights, pending_xs):
         raise ValueError("three_tree_convs needs contiguous conv states and one batch, state width, kernel width, "
                          "pending count and dtype per kind of tensor across the three convs")
-    xs, weights, pending_xs = ([t.contiguous() for t in ts] for ts in (xs, weights, pending_xs))
+    xs = [_rows_strided(x) for x in xs]
+    weights, pending_xs = ([t.contiguous() for t in ts] for ts in (weights, pending_xs))
     parents = parents.contiguous()
     batch, n, _ = xs[0].shape
-    ys = [torch.empty_like(x) for x in xs]
+    ys = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     width = conv_states[0].shape[2]
     _three_tree_convs_kernel[(batch, triton.cdiv(max(x.shape[2] for x in xs), block_d), 3)](
-        *xs, *conv_states, *weights, *pending_xs, *ys, *(x.shape[2] for x in xs), parents, num_pending, n, width,
+        *xs, *(stride for x in xs for stride in x.stride()[:2]), *conv_states, *weights, *pending_xs, *ys, *(x.shape[2] for x in xs), parents, num_pending, n, width,
         pending_xs[0].shape[1], W=weights[0].shape[1], BN=max(16, triton.next_power_of_2(n)), BD=block_d, SILU=silu,
         BS=triton.next_power_of_2(width),
     )

@@ -125,3 +125,29 @@ def fuse_projections(gm: fx.GraphModule, example_inputs: Sequence) -> int:
     if fused:
         gm.recompile()
     return fused
+
+
+def gathers_as_slices(gm: fx.GraphModule) -> int:
+    """In a graph of static shapes (a per-size twin, where no guard can specialise), turn the column
+    gathers that :func:`fuse_projections` splits the fused output with back into slices: views, which
+    the ops reading them take as they are, where each gather was a copy kernel per part. Returns the
+    number of gathers replaced."""
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.index_select or node.args[1] != -1:
+            continue
+        columns = node.args[2]
+        if not (isinstance(columns, fx.Node) and columns.target is torch.arange and len(columns.args) == 2):
+            continue
+        start, end = columns.args
+        with gm.graph.inserting_before(node):
+            part = gm.graph.call_function(torch.narrow, (node.args[0], -1, start, end - start))
+        part.meta = dict(node.meta)
+        node.replace_all_uses_with(part)
+        gm.graph.erase_node(node)
+        if not columns.users:
+            gm.graph.erase_node(columns)
+        replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced
