@@ -101,7 +101,7 @@ class StaticEngine:
 
     def __init__(self, compiled: torch.nn.Module, config, *, graphs: bool, features: bool = False):
         self.compiled = compiled
-        self.cache_arg = cache_argument(compiled)  # (once: reading the forward's signature costs 0.2 ms a call)
+        self.cache_arg = cache_argument(compiled)
         self.config = config  # the model's, to build a static cache of its layout
         self.graphs = graphs
         self.features = features
