@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specla_compile.runtime.graph_capture import capture
+
 # (N, K) of each weight: the fused q/k/v/gate/a/b projection, o_proj, the fused MLP gate/up, down_proj, LM head
 SHAPES = {"qkvg": (8208, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632), "lm_head": (32000, 2048)}
 ROWS = (1, 16, 32)
@@ -72,24 +74,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_
 
 def graph_ms(fn, replays: int = 20) -> float:
     """Median CUDA-event time of one replay of ``fn`` captured as a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, _ = capture(fn)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
-        torch.cuda.synchronize()
+        end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
 

@@ -51,12 +51,11 @@ def test_packed_projections_are_one_gemm_each_and_change_no_result(family, monke
     assert _linear_calls(twins[1]) < _linear_calls(twins[0]), [_linear_calls(t) for t in twins]
 
 
-def test_the_fused_gemm_joins_its_parts_example_values_and_keeps_the_node_dimension_symbolic():
-    """The fused linear takes Dynamo's example values of its parts, joined: computing its own by a fake
-    run of ``linear`` reads a symbolic node dimension as an integer on CUDA, a guard that specialises the
-    one graph traced for every bucket size to one size."""
+def _packed_fla_graph(seed: int, dynamic: bool) -> tuple[torch.fx.GraphModule, list]:
+    """Dynamo's graph of a packed tiny fla model over 5 tokens (the node dimension marked dynamic or not),
+    with its example inputs."""
     model = tiny_model("fla")
-    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(seed))
     pack_projections(model, ids[:, :2])
     graphs = []
 
@@ -65,10 +64,18 @@ def test_the_fused_gemm_joins_its_parts_example_values_and_keeps_the_node_dimens
         return gm.forward
 
     torch._dynamo.reset()
-    torch._dynamo.mark_dynamic(ids, 1)
+    if dynamic:
+        torch._dynamo.mark_dynamic(ids, 1)
     with torch.no_grad():
         torch.compile(model, backend=keep)(input_ids=ids, use_cache=False)
-    gm, example_inputs = graphs[0]
+    return graphs[0]
+
+
+def test_the_fused_gemm_joins_its_parts_example_values_and_keeps_the_node_dimension_symbolic():
+    """The fused linear takes Dynamo's example values of its parts, joined: computing its own by a fake
+    run of ``linear`` reads a symbolic node dimension as an integer on CUDA, a guard that specialises the
+    one graph traced for every bucket size to one size."""
+    gm, example_inputs = _packed_fla_graph(seed=4, dynamic=True)
     assert fuse_projections(gm, example_inputs) >= 2
     fused = [n for n in gm.graph.nodes if n.target is torch._C._nn.linear and n.args[1].target is torch.as_strided]
     assert len(fused) >= 2
@@ -81,19 +88,8 @@ def test_a_static_twin_reads_the_fused_gemms_parts_as_slices():
     """Per-size twins (static shapes) take the fused output's parts as slices, views that the ops after
     them read in place, where the size-generic graph gathers each part (a copy kernel per part on the
     GPU); same outputs."""
-    model = tiny_model("fla")
-    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(5))
-    pack_projections(model, ids[:, :2])
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append((gm, example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
+    gm, example_inputs = _packed_fla_graph(seed=5, dynamic=False)
     with torch.no_grad():
-        torch.compile(model, backend=keep)(input_ids=ids, use_cache=False)
-        gm, example_inputs = graphs[0]
         parts = fuse_projections(gm, example_inputs) and sum(n.target is torch.index_select for n in gm.graph.nodes)
         expected = gm(*example_inputs)
         assert parts >= 5 and gathers_as_slices(gm) == parts
