@@ -192,11 +192,11 @@ class StaticEngine:
 
     def _read_summary(self, bucket: _Bucket) -> torch.Tensor:
         """The pass's accepted paths, counts and next tokens on the host (waits for the pass)."""
-        if bucket.staged is None:
-            return bucket.summary.cpu()
+        if bucket.staged is None:  # (a CPU engine)
+            return bucket.summary.clone()  # (the buffer is the next pass's)
         bucket.host_summary.copy_(bucket.summary, non_blocking=True)
         torch.cuda.current_stream().synchronize()
-        return bucket.host_summary.clone()  # (the buffer is the next pass's)
+        return bucket.host_summary.clone()
 
     def decode_steps(self, pending: torch.Tensor, steps: int, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain greedy decoding of ``steps`` (<= ``PLAIN_STEPS``) passes with one synchronisation: each pass
