@@ -134,8 +134,8 @@ def tree_conv(
     block_n = max(16, triton.next_power_of_2(n))
     pending_x, num = (pending[0].contiguous(), pending[1]) if pending is not None else (x, parents)  # (unread without COMMIT)
     _tree_conv_kernel[(batch, triton.cdiv(d, block_d))](
-        x, x.stride(0), x.stride(1), conv_state, weight, bias if bias is not None else weight, parents, y, n, d, conv_state.shape[2],
-        pending_x, num, pending_x.shape[1],
+        x, x.stride(0), x.stride(1), conv_state, weight, bias if bias is not None else weight, parents, y, n, d,
+        conv_state.shape[2], pending_x, num, pending_x.shape[1],
         W=weight.shape[1], BN=block_n, BD=block_d, HAS_BIAS=bias is not None, SILU=silu,
         COMMIT=pending is not None, BS=triton.next_power_of_2(conv_state.shape[2]),
     )
@@ -177,7 +177,8 @@ def three_tree_convs(
     ys = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     width = conv_states[0].shape[2]
     _three_tree_convs_kernel[(batch, triton.cdiv(max(x.shape[2] for x in xs), block_d), 3)](
-        *xs, *(stride for x in xs for stride in x.stride()[:2]), *conv_states, *weights, *pending_xs, *ys, *(x.shape[2] for x in xs), parents, num_pending, n, width,
+        *xs, *(stride for x in xs for stride in x.stride()[:2]), *conv_states, *weights, *pending_xs, *ys,
+        *(x.shape[2] for x in xs), parents, num_pending, n, width,
         pending_xs[0].shape[1], W=weights[0].shape[1], BN=max(16, triton.next_power_of_2(n)), BD=block_d, SILU=silu,
         BS=triton.next_power_of_2(width),
     )

@@ -80,11 +80,12 @@ class _Bucket:
         self.draft[1] = PAD
         self.draft[1, :, 0] = -1
         self.summary = torch.zeros(batch, nodes + 2, dtype=torch.long, device=device)  # path, count, next token
-        # host sides of the draft and the summary: page-locked on CUDA, so that both copies are one DMA each
-        pinned = device.type == "cuda"
-        self.host_draft = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=pinned)
-        self.host_summary = torch.zeros(batch, nodes + 2, dtype=torch.long, pin_memory=pinned)
-        self.staged = torch.cuda.Event() if pinned else None  # the last draft copy left host_draft
+        # on CUDA, page-locked host sides of the draft and the summary, so that both copies are one DMA each
+        self.staged: torch.cuda.Event | None = None  # the last draft copy has left host_draft
+        if device.type == "cuda":
+            self.host_draft = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=True)
+            self.host_summary = torch.zeros(batch, nodes + 2, dtype=torch.long, pin_memory=True)
+            self.staged = torch.cuda.Event()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.flush_graph: torch.cuda.CUDAGraph | None = None  # commits the pending records (end of a call)
         self.result: StepResult | None = None
