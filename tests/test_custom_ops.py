@@ -71,7 +71,8 @@ def test_commit_tree_conv_(with_bias):
     torch.library.opcheck(ops.commit_tree_conv_, (conv_state.clone(), pending_x, num, x, weight, bias, PARENTS, True))
     committed = conv_state_commit_reference(conv_state, pending_x, num)
     state = conv_state.clone()
-    y = ops.commit_tree_conv_(state, pending_x, num, x, weight, bias, PARENTS, True)
+    y, record = ops.commit_tree_conv_(state, pending_x, num, x, weight, bias, PARENTS, True)
+    assert torch.equal(record, x) and record.data_ptr() != x.data_ptr()
     assert torch.equal(state, committed) and not torch.equal(state[0], conv_state[0]) and torch.equal(state[1], conv_state[1])
     assert torch.equal(y, tree_conv_reference(x, committed, weight, bias, PARENTS))
 
@@ -87,10 +88,11 @@ def test_commit_three_tree_convs_():
     num = torch.tensor([3, 1])
     torch.library.opcheck(ops.commit_three_tree_convs_, ([s.clone() for s in states] + [*pendings, num, *xs, *weights, PARENTS, True]))
     fused_states = [s.clone() for s in states]
-    ys = ops.commit_three_tree_convs_(*fused_states, *pendings, num, *xs, *weights, PARENTS, True)
-    for state, fused_state, pending, x, weight, y in zip(states, fused_states, pendings, xs, weights, ys):
+    outputs = ops.commit_three_tree_convs_(*fused_states, *pendings, num, *xs, *weights, PARENTS, True)
+    for state, fused_state, pending, x, weight, y, record in zip(states, fused_states, pendings, xs, weights, outputs[:3], outputs[3:]):
         single = state.clone()
-        assert torch.equal(y, ops.commit_tree_conv_(single, pending, num, x, weight, None, PARENTS, True))
+        expected_y, expected_record = ops.commit_tree_conv_(single, pending, num, x, weight, None, PARENTS, True)
+        assert torch.equal(y, expected_y) and torch.equal(record, expected_record) and torch.equal(record, x)
         assert torch.equal(fused_state, single) and not torch.equal(fused_state, state)
 
 

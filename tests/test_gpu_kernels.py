@@ -181,7 +181,9 @@ def test_three_convs_in_one_launch_on_the_gpu(case, sliced):
     num = torch.tensor([min(n, 5), 0][:batch], device="cuda")
     updated = [s.clone() for s in states]
     with poisoned_allocations():
-        ys = ops.commit_three_tree_convs_(*updated, *pendings, num, *xs, *weights, parents, True)
+        outputs = ops.commit_three_tree_convs_(*updated, *pendings, num, *xs, *weights, parents, True)
+    ys = outputs[:3]
+    assert all(torch.equal(r, x) and r.is_contiguous() for r, x in zip(outputs[3:], xs))
     for x, y, state, new, weight, pending in zip(xs, ys, states, updated, weights, pendings):
         committed = ref.conv_state_commit_reference(state, pending, num)
         assert torch.equal(new, committed)
@@ -204,8 +206,8 @@ def test_tree_conv_and_commit(case, state_len, with_bias):
     committed = ref.conv_state_commit_reference(conv_state, pending_x, num)
     updated = conv_state.clone()
     with poisoned_allocations():
-        y = ops.commit_tree_conv_(updated, pending_x, num, x, weight, bias, parents, True)
-    assert torch.equal(updated, committed)
+        y, record = ops.commit_tree_conv_(updated, pending_x, num, x, weight, bias, parents, True)
+    assert torch.equal(updated, committed) and torch.equal(record, x)
     expected = ref.tree_conv_reference(x.double(), committed.double(), weight.double(),
                                        None if bias is None else bias.double(), parents)
     assert rel_err(y, expected) <= O_TOL

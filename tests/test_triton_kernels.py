@@ -148,7 +148,8 @@ def test_tree_conv(kind, width, state_len, with_bias, silu):
     weight = torch.randn(40, width, generator=gen)
     bias = torch.randn(40, generator=gen) if with_bias else None
     with poisoned_allocations():
-        y = tc.tree_conv(x, conv_state, weight, bias, parents, silu, block_d=16)
+        y, record = tc.tree_conv(x, conv_state, weight, bias, parents, silu, block_d=16)
+    assert torch.equal(record, x) and record.is_contiguous()  # the conv's factor record, copied on the way
     expected = ref.tree_conv_reference(x.double(), conv_state.double(), weight.double(),
                                        None if bias is None else bias.double(), parents, silu=silu)
     assert rel_err(y, expected) <= 1e-6
@@ -164,7 +165,8 @@ def test_commit_then_tree_conv_in_one_launch(state_len, accepted):
     num = torch.tensor(accepted)
     updated = conv_state.clone()
     with poisoned_allocations():
-        y = tc.tree_conv(x, updated, weight, bias, parents, True, pending=(pending_x, num), block_d=16)
+        y, record = tc.tree_conv(x, updated, weight, bias, parents, True, pending=(pending_x, num), block_d=16)
+    assert torch.equal(record, x)
     committed = ref.conv_state_commit_reference(conv_state, pending_x, num)
     assert torch.equal(updated, committed)
     expected = ref.tree_conv_reference(x.double(), committed.double(), weight.double(), bias.double(), parents, silu=True)
@@ -177,7 +179,8 @@ def test_commit_then_tree_conv_in_one_launch(state_len, accepted):
 def test_three_convs_in_one_launch(widths, sliced):
     """fla's q, k and v convs (different channel counts) committed and convolved in one launch, each as
     its own commit-then-tree-conv; ``sliced``: the inputs are column slices of one fused projection's
-    output (with more columns after them), read in place."""
+    output (with more columns after them), read in place. The launch also returns contiguous copies of
+    the inputs (the layer's conv records)."""
     gen = torch.Generator().manual_seed(sum(widths))
     parents = random_parents(2, 9, seed=3, kind="tree", padding=2)
     num = torch.tensor([3, 0])
@@ -191,7 +194,9 @@ def test_three_convs_in_one_launch(widths, sliced):
     weights = [torch.randn(d, 4, generator=gen) for d in widths]
     updated = [s.clone() for s in states]
     with poisoned_allocations():
-        ys = tc.three_tree_convs(xs, updated, weights, pendings, num, parents, True, block_d=16)
+        outputs = tc.three_tree_convs(xs, updated, weights, pendings, num, parents, True, block_d=16)
+    ys, records = outputs[:3], outputs[3:]
+    assert all(torch.equal(r, x) and r.is_contiguous() for r, x in zip(records, xs))
     for x, y, state, new, weight, pending in zip(xs, ys, states, updated, weights, pendings):
         committed = ref.conv_state_commit_reference(state, pending, num)
         assert torch.equal(new, committed)

@@ -78,7 +78,8 @@ def _commit_three_tree_convs_(state0, state1, state2, pending0, pending1, pendin
                               weight0, weight1, weight2, parents, silu):
     states, pendings, xs, weights = (state0, state1, state2), (pending0, pending1, pending2), (x0, x1, x2), (weight0, weight1, weight2)
     if torch.float64 in {t.dtype for t in (*states, *xs, *weights)} or not triton_conv.fits_three_tree_convs(xs, states, weights, pendings):
-        return tuple(_commit_tree_conv_(s, p, num_pending, x, w, None, parents, silu) for s, p, x, w in zip(states, pendings, xs, weights))
+        return ops.three_convs_outputs(
+            _commit_tree_conv_(s, p, num_pending, x, w, None, parents, silu) for s, p, x, w in zip(states, pendings, xs, weights))
     return triton_conv.three_tree_convs(xs, states, weights, pendings, num_pending, parents, silu)
 
 

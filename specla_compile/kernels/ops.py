@@ -161,21 +161,23 @@ def commit_tree_conv_(
     bias: torch.Tensor | None,
     parents: torch.Tensor,
     silu: bool,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Delayed update then tree conv, one launch on GPUs: shift each row's first ``num_pending[b]``
-    inputs of ``pending_x [B, A, D]`` into ``conv_state`` in place, then :func:`tree_conv` from it."""
+    inputs of ``pending_x [B, A, D]`` into ``conv_state`` in place, then :func:`tree_conv` from it.
+    Returns the conv's output and a contiguous copy of ``x`` (the pass's factor record of this conv:
+    ``x`` may be a strided slice of a fused projection, which copies slowly when the record is kept)."""
     return _commit_then_tree_conv(conv_state, pending_x, num_pending, x, weight, bias, parents, silu)
 
 
-def _commit_then_tree_conv(conv_state, pending_x, num_pending, x, weight, bias, parents, silu) -> torch.Tensor:
+def _commit_then_tree_conv(conv_state, pending_x, num_pending, x, weight, bias, parents, silu) -> tuple[torch.Tensor, torch.Tensor]:
     conv_state.copy_(ref.conv_state_commit_reference(conv_state, pending_x, num_pending))
-    return ref.tree_conv_reference(x, conv_state, weight, bias, parents, silu=silu)
+    return ref.tree_conv_reference(x, conv_state, weight, bias, parents, silu=silu), _own_copy(x, x.dtype)
 
 
 @commit_tree_conv_.register_fake
 def _(conv_state, pending_x, num_pending, x, weight, bias, parents, silu):
     ref.check_conv_shapes(x, conv_state, weight, parents)
-    return x.new_empty(x.shape)
+    return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 @torch.library.custom_op("specla::commit_three_tree_convs_", mutates_args=("state0", "state1", "state2"))
@@ -187,20 +189,27 @@ def commit_three_tree_convs_(
     weight0: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
     parents: torch.Tensor,
     silu: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Three bias-free :func:`commit_tree_conv_` calls (fla's q, k and v convs): one launch on GPUs."""
-    return tuple(
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three bias-free :func:`commit_tree_conv_` calls (fla's q, k and v convs), one launch on GPUs:
+    the three outputs, then the three copies of the inputs."""
+    return three_convs_outputs(
         _commit_then_tree_conv(state, pending, num_pending, x, weight, None, parents, silu)
         for state, pending, x, weight in zip((state0, state1, state2), (pending0, pending1, pending2), (x0, x1, x2),
                                              (weight0, weight1, weight2))
     )
 
 
+def three_convs_outputs(per_conv) -> tuple[torch.Tensor, ...]:
+    """``(y, x copy)`` of each conv as :func:`commit_three_tree_convs_` returns them: ``y0, y1, y2, x0, x1, x2``."""
+    ys, rows = zip(*per_conv)
+    return (*ys, *rows)
+
+
 @commit_three_tree_convs_.register_fake
 def _(state0, state1, state2, pending0, pending1, pending2, num_pending, x0, x1, x2, weight0, weight1, weight2, parents, silu):
     for x, state, weight in zip((x0, x1, x2), (state0, state1, state2), (weight0, weight1, weight2)):
         ref.check_conv_shapes(x, state, weight, parents)
-    return x0.new_empty(x0.shape), x1.new_empty(x1.shape), x2.new_empty(x2.shape)
+    return tuple(x.new_empty(x.shape) for x in (x0, x1, x2, x0, x1, x2))
 
 
 @torch.library.custom_op("specla::conv_state_commit_", mutates_args=("conv_state",))

@@ -28,14 +28,15 @@ def _shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr)
 
 @triton.jit
 def _tree_conv_block(
-    x, sxb, sxn, conv_state, weight, bias, parents, y, b, rd, N, D, S, pending_x, num_pending, A,
+    x, sxb, sxn, conv_state, weight, bias, parents, y, x_rows, b, rd, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
     """Row b's channels ``rd`` of one conv, every node at once. With COMMIT, first shift these channels'
     pending accepted inputs into the conv state (the delayed update), then convolve from the updated state.
     ``x`` has strides ``(sxb, sxn, 1)``: it may be a column slice of a wider tensor (a fused projection's
-    output), read where it lies; ``y`` is contiguous."""
+    output), read where it lies; ``y`` is contiguous, and so is ``x_rows``, where the block copies its ``x``
+    (the pass's factor record of this conv: a later commit copies it whole, which a slice would slow)."""
     rn = tl.arange(0, BN)
     mn = rn < N
     md = rd < D
@@ -43,8 +44,9 @@ def _tree_conv_block(
         _shift_in(conv_state, pending_x, num_pending, b, rd, md, A, D, S, BS)
         tl.debug_barrier()  # the taps below read columns other threads of this program just wrote
     m2 = mn[:, None] & md[None, :]
-    acc = tl.load(x + b * sxb + rn[:, None] * sxn + rd[None, :], mask=m2, other=0.0).to(tl.float32)
-    acc = acc * tl.load(weight + rd * W + (W - 1), mask=md, other=0.0).to(tl.float32)[None, :]
+    own = tl.load(x + b * sxb + rn[:, None] * sxn + rd[None, :], mask=m2, other=0.0)
+    tl.store(x_rows + (b * N + rn[:, None]) * D + rd[None, :], own, mask=m2)
+    acc = own.to(tl.float32) * tl.load(weight + rd * W + (W - 1), mask=md, other=0.0).to(tl.float32)[None, :]
     node = rn  # the i-th ancestor of each node while it exists
     depth = tl.zeros([BN], dtype=tl.int32)  # real ancestors found so far
     alive = mn
@@ -69,19 +71,19 @@ def _tree_conv_block(
 
 @triton.jit
 def _tree_conv_kernel(
-    x, sxb, sxn, conv_state, weight, bias, parents, y, N, D, S, pending_x, num_pending, A,
+    x, sxb, sxn, conv_state, weight, bias, parents, y, x_rows, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
     """Grid: (B, channel blocks)."""
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    _tree_conv_block(x, sxb, sxn, conv_state, weight, bias, parents, y, tl.program_id(0), rd, N, D, S, pending_x,
+    _tree_conv_block(x, sxb, sxn, conv_state, weight, bias, parents, y, x_rows, tl.program_id(0), rd, N, D, S, pending_x,
                      num_pending, A, W, BN, BD, HAS_BIAS, SILU, COMMIT, BS)
 
 
 @triton.jit
 def _three_tree_convs_kernel(
-    x0, x1, x2, sb0, sn0, sb1, sn1, sb2, sn2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, D0, D1, D2,
+    x0, x1, x2, sb0, sn0, sb1, sn1, sb2, sn2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, r0, r1, r2, D0, D1, D2,
     parents, num_pending, N, S, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, BS: tl.constexpr,
 ):
@@ -91,11 +93,11 @@ def _three_tree_convs_kernel(
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(0)
     if c == 0:
-        _tree_conv_block(x0, sb0, sn0, s0, w0, w0, parents, y0, b, rd, N, D0, S, p0, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x0, sb0, sn0, s0, w0, w0, parents, y0, r0, b, rd, N, D0, S, p0, num_pending, A, W, BN, BD, False, SILU, True, BS)
     elif c == 1:
-        _tree_conv_block(x1, sb1, sn1, s1, w1, w1, parents, y1, b, rd, N, D1, S, p1, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x1, sb1, sn1, s1, w1, w1, parents, y1, r1, b, rd, N, D1, S, p1, num_pending, A, W, BN, BD, False, SILU, True, BS)
     else:
-        _tree_conv_block(x2, sb2, sn2, s2, w2, w2, parents, y2, b, rd, N, D2, S, p2, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x2, sb2, sn2, s2, w2, w2, parents, y2, r2, b, rd, N, D2, S, p2, num_pending, A, W, BN, BD, False, SILU, True, BS)
 
 
 @triton.jit
@@ -121,25 +123,26 @@ def tree_conv(
     *,
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_d: int = 128,
-) -> torch.Tensor:
-    """Tree short convolution, ``x [B, N, D]`` -> ``[B, N, D]`` (``reference.tree_conv_reference``). With
-    ``pending = (inputs [B, A, D], num_accepted [B])`` the same launch first commits them into
-    ``conv_state`` in place (``specla::commit_tree_conv_``)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree short convolution, ``x [B, N, D]`` -> ``[B, N, D]`` (``reference.tree_conv_reference``), and a
+    contiguous copy of ``x`` made on the way (the conv's factor record). With ``pending = (inputs [B, A, D],
+    num_accepted [B])`` the same launch first commits them into ``conv_state`` in place
+    (``specla::commit_tree_conv_``)."""
     if pending is not None and not conv_state.is_contiguous():
         raise ValueError("conv_state must be contiguous: it is updated in place")
     x = _rows_strided(x)
     conv_state, weight, parents = (t.contiguous() for t in (conv_state, weight, parents))
     batch, n, d = x.shape
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y, x_rows = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
     block_n = max(16, triton.next_power_of_2(n))
     pending_x, num = (pending[0].contiguous(), pending[1]) if pending is not None else (x, parents)  # (unread without COMMIT)
     _tree_conv_kernel[(batch, triton.cdiv(d, block_d))](
-        x, x.stride(0), x.stride(1), conv_state, weight, bias if bias is not None else weight, parents, y, n, d,
+        x, x.stride(0), x.stride(1), conv_state, weight, bias if bias is not None else weight, parents, y, x_rows, n, d,
         conv_state.shape[2], pending_x, num, pending_x.shape[1],
         W=weight.shape[1], BN=block_n, BD=block_d, HAS_BIAS=bias is not None, SILU=silu,
         COMMIT=pending is not None, BS=triton.next_power_of_2(conv_state.shape[2]),
     )
-    return y
+    return y, x_rows
 
 
 def fits_three_tree_convs(xs, conv_states, weights, pending_xs) -> bool:
@@ -164,7 +167,8 @@ def three_tree_convs(
     block_d: int = 128,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`tree_conv` with ``pending`` of three bias-free convs (fla's q, k, v), in one launch: each
-    commits its ``pending_xs`` into its contiguous ``conv_states`` in place, then convolves its ``xs``."""
+    commits its ``pending_xs`` into its contiguous ``conv_states`` in place, then convolves its ``xs``.
+    Returns the three outputs, then the three contiguous copies of ``xs``."""
     if len({len(xs), len(conv_states), len(weights), len(pending_xs)} | {3}) != 1:
         raise ValueError("three_tree_convs takes three convs")
     if not fits_three_tree_convs(xs, conv_states, weights, pending_xs):
@@ -175,14 +179,15 @@ def three_tree_convs(
     parents = parents.contiguous()
     batch, n, _ = xs[0].shape
     ys = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    rows = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     width = conv_states[0].shape[2]
     _three_tree_convs_kernel[(batch, triton.cdiv(max(x.shape[2] for x in xs), block_d), 3)](
-        *xs, *(stride for x in xs for stride in x.stride()[:2]), *conv_states, *weights, *pending_xs, *ys,
+        *xs, *(stride for x in xs for stride in x.stride()[:2]), *conv_states, *weights, *pending_xs, *ys, *rows,
         *(x.shape[2] for x in xs), parents, num_pending, n, width,
         pending_xs[0].shape[1], W=weights[0].shape[1], BN=max(16, triton.next_power_of_2(n)), BD=block_d, SILU=silu,
         BS=triton.next_power_of_2(width),
     )
-    return tuple(ys)
+    return (*ys, *rows)
 
 
 def conv_state_commit_(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor, *, block_d: int = 64) -> None:

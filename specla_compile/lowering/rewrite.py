@@ -132,14 +132,16 @@ class _Rewriter:
         if conv.kind == "short_conv":
             x, state, weight, bias, silu = node.args
             with self.graph.inserting_before(node):
-                y = self.call(torch.ops.specla.commit_tree_conv_.default, state, pending_x, num_pending, x, weight, bias, parents, silu)
+                fused = self.call(torch.ops.specla.commit_tree_conv_.default, state, pending_x, num_pending, x, weight, bias, parents, silu)
+                y, record = (self.call(operator.getitem, fused, i) for i in range(2))
             self._replace_short_conv(node, y, state)
-            return x
+            return record
         # transformers: window = cat([state, x [B, D, N]], -1); y_window = causal_conv1d(window, ...)
         _, weight, bias, silu = node.args
         with self.graph.inserting_before(node):
             x_rows = self.graph.call_method("transpose", (conv.x, 1, 2))
-            y = self.call(torch.ops.specla.commit_tree_conv_.default, conv.state, pending_x, num_pending, x_rows, weight, bias, parents, silu)
+            fused = self.call(torch.ops.specla.commit_tree_conv_.default, conv.state, pending_x, num_pending, x_rows, weight, bias, parents, silu)
+            y, record = (self.call(operator.getitem, fused, i) for i in range(2))
             # keep the window's shape so the model's own slice of the last N columns still applies
             y_window = self.call(torch.cat, [self.call(torch.zeros_like, conv.state), self.graph.call_method("transpose", (y, 1, 2))], -1)
         node.replace_all_uses_with(y_window)
@@ -149,7 +151,7 @@ class _Rewriter:
             source = write.args[1]
             self.graph.erase_node(write)
             _erase_unused(self.graph, source)  # the window's tail, then the window itself
-        return x_rows
+        return record
 
     def rewrite_three_convs(self, convs: list[ConvSite], parents: fx.Node, num_pending: fx.Node, pending_xs: list[fx.Node]) -> list[fx.Node] | None:
         """fla's q, k and v convs (bias-free, one ``silu``) as one op (one launch on GPUs), placed at the
@@ -168,10 +170,10 @@ class _Rewriter:
         with self.graph.inserting_before(last):
             fused = self.call(torch.ops.specla.commit_three_tree_convs_.default, *states, *pending_xs, num_pending, *xs, *weights,
                               parents, nodes[0].args[4])
-            ys = [self.call(operator.getitem, fused, i) for i in range(3)]
+            ys, records = ([self.call(operator.getitem, fused, i) for i in range(j, j + 3)] for j in (0, 3))
         for node, y, state in zip(nodes, ys, states):
             self._replace_short_conv(node, y, state)
-        return xs
+        return records
 
     def _replace_short_conv(self, node: fx.Node, y: fx.Node, state: fx.Node) -> None:
         """fla's ``short_conv`` call returns ``(y, new state)``: its users now read ``y`` and the state the
