@@ -148,6 +148,36 @@ def test_cache_rollback_matches_recomputing_from_scratch(config, static):
         seqs = new
 
 
+@pytest.mark.parametrize(
+    "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)]
+)
+def test_compiled_propose_drafts_what_the_eager_one_drafts(config):
+    """A fixed-shape propose compiled by inductor as one program (``fullgraph``: no graph break left in
+    the catch-up, the draft levels or the tree's selection) drafts what it drafts eagerly, and keeps the
+    same cache, over rounds that accept different lengths and draft one row of two alone."""
+    target, head = make(seed=4)
+    compiled, eager = (EagleDrafter(head, target, static_shapes=True, compiled=c) for c in (True, False))
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (7, 4)]
+    for d in (compiled, eager):
+        d.begin(seqs, [features_of(target, s) for s in seqs])
+    for round in range(5):
+        rows = [0, 1] if round < 3 else [round - 3]
+        for b in rows:  # the pending tokens
+            seqs[b] = torch.cat([seqs[b], torch.randint(0, VOCAB, (1,), generator=gen)])
+        request = DraftRequest(rows, [seqs[b] for b in rows])
+        draft, expected = compiled.propose(request, config), eager.propose(request, config)
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+        kept = round % (config.depth + 1) if config.mode == "chain" else 1
+        for i, b in enumerate(rows):
+            new = torch.cat([seqs[b], draft.tokens[i, 1 : 1 + kept]])
+            for d in (compiled, eager):
+                d.commit([b], [new[len(seqs[b]) - 1 :]], [features_of(target, new)[len(seqs[b]) - 1 :]])
+            seqs[b] = new
+    assert compiled._compiled_propose is not None and eager._compiled_propose is None
+    torch.testing.assert_close(compiled._buffers.keys, eager._buffers.keys, rtol=1e-12, atol=1e-12)
+
+
 def test_drafting_some_rows_of_a_batch_equals_drafting_them_alone():
     """Rows left out of a request (finished rows) keep their cache; the others draft as if alone."""
     target, head = make(seed=2)

@@ -13,9 +13,9 @@ and once per draft level over fixed-shape buffers (no copy that grows with the s
 one number back (the draft's width, in the tree builder). With static shapes (on CUDA, unless
 ``SpecConfig(cuda_graphs=False)``) it reads nothing back: the new pairs are padded to ``depth + 1``
 (the most one iteration commits), a tree is padded to ``budget + 1`` nodes, and the device work of a
-propose (catch-up, every draft level, the tree's selection) is one captured CUDA graph, replayed,
-in which the head runs compiled by inductor (its elementwise work fused: the graph's kernel count
-bounds a propose); a propose with more new pairs than that (the prompt's) runs uncaptured and eager.
+propose (catch-up, every draft level, the tree's selection) is one program compiled by inductor (its
+elementwise work fused: the kernel count bounds a propose) and one captured CUDA graph, replayed; a
+propose with more new pairs than that (the prompt's) runs uncaptured and eager.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from ..tree_builder import Frontier, build_draft
 from .eagle_head import EagleHead
 
 log = logging.getLogger("specla_compile")
+
+PROPOSE_PROGRAMS = 64  # compiled propose programs a process may hold (EagleDrafter._device_propose)
 
 
 class _Buffers:
@@ -144,19 +146,22 @@ class EagleDrafter(Drafter):
 
     The head's q/k/v and gate/up weights are packed for inference (:meth:`EagleHead.pack_projections`).
     ``static_shapes``: draft in fixed shapes and, on CUDA, replay each propose's captured graph (module
-    docstring); None (default): on CUDA unless ``SpecConfig(cuda_graphs=False)``. The drafts are the
-    same either way, up to padding nodes.
+    docstring); None (default): on CUDA unless ``SpecConfig(cuda_graphs=False)``. ``compiled``: run a
+    fixed-shape propose's device work as one program compiled by inductor; None (default): on CUDA.
+    The drafts are the same either way, up to padding nodes.
     """
 
     needs_features = True
 
-    def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None):
+    def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None,
+                 compiled: bool | None = None):
         head.config.check_target(target)
         head.pack_projections()
         self.static_shapes = static_shapes
+        self.compiled = compiled
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
         self._graph_error = ""
-        self._compiled: tuple | None = None
+        self._compiled_propose: Callable | None = None
         self.head = head.eval()
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -219,7 +224,8 @@ class EagleDrafter(Drafter):
             fixed = static and plan.tokens.shape[1] == config.depth + 1  # (not the prompt's wider catch-up)
             draft = self._replay(plan, features, config) if fixed and self._graphs_on(config) else None
             if draft is None:
-                draft = self._device_propose(plan, features, config, static, compiled=fixed and self._buffers.keys.is_cuda)
+                compiled = fixed and (self._buffers.keys.is_cuda if self.compiled is None else self.compiled)
+                draft = self._device_propose(plan, features, config, static, compiled)
             for b, n in zip(plan.row_ids, plan.new):
                 self._cached[b] += n
                 self._features[b] = self._features[b][n:]
@@ -290,18 +296,25 @@ class EagleDrafter(Drafter):
     def _device_propose(self, plan: _Plan, features: torch.Tensor, config: SpecConfig, fixed_size: bool,
                         compiled: bool) -> Draft:
         """A propose's device work: the catch-up, then the draft levels and the tree's selection; with
-        ``compiled``, the head's two halves run compiled by inductor (fixed shapes on CUDA only)."""
-        head = self._compiled_head() if compiled else (self.head.project, self.head.attend)
-        self._catch_up(plan, features, *head)
-        return build_draft(_TreeRollout(self, plan, *head), plan.pending, config, fixed_size)
+        ``compiled`` (fixed shapes only), as one program compiled by inductor, one per shape and config.
+        Unfused, a tree level is about 75 kernels, mostly small elementwise and indexing ones, and a
+        propose is bound by their count."""
+        if not compiled:
+            return Draft(*self._propose_steps(plan, features, config, fixed_size))
+        if self._compiled_propose is None:
+            self._compiled_propose = torch.compile(self._propose_steps, dynamic=False, fullgraph=True)
+        # one program per rows drafted, buffer capacity and SpecConfig, for every drafter of the process:
+        # Dynamo's default of 8 per function would stop a long benchmark (and fullgraph makes that an error)
+        with torch._dynamo.config.patch(recompile_limit=PROPOSE_PROGRAMS):
+            return Draft(*self._compiled_propose(plan, features, config, fixed_size))
 
-    def _compiled_head(self) -> tuple:
-        """:meth:`EagleHead.project` and :meth:`EagleHead.attend` compiled by inductor, one program per
-        shape (the catch-up's and each draft level's, per buffer capacity): unfused, a draft level is
-        about 55 kernels, mostly elementwise, and a propose is bound by their count."""
-        if self._compiled is None:
-            self._compiled = tuple(torch.compile(f, dynamic=False) for f in (self.head.project, self.head.attend))
-        return self._compiled
+    def _propose_steps(self, plan: _Plan, features: torch.Tensor, config: SpecConfig,
+                       fixed_size: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device work of a propose, as tensors (what inductor compiles); reads only the plan's
+        device inputs and whether it covers every row."""
+        self._catch_up(plan, features)
+        draft = build_draft(_TreeRollout(self, plan), plan.pending, config, fixed_size)
+        return draft.tokens, draft.parents
 
     def _replay(self, plan: _Plan, features: torch.Tensor, config: SpecConfig) -> Draft | None:
         """The propose's device work as a replay of its captured graph (captured at the key's first
@@ -312,7 +325,8 @@ class EagleDrafter(Drafter):
             inputs, static_features = plan.inputs.clone(), features.clone()
             static = _Plan(plan.row_ids, plan.new, plan.every_row, inputs)
             try:  # (the warm-up runs do the real catch-up: it writes the same pairs again when replayed)
-                graph, draft = capture(lambda: self._device_propose(static, static_features, config, True, compiled=True))
+                compiled = self.compiled is not False
+                graph, draft = capture(lambda: self._device_propose(static, static_features, config, True, compiled))
             except RuntimeError as err:
                 self._graph_error = str(err).splitlines()[0]
                 log.warning("specla: EAGLE drafting runs without CUDA graphs: its capture failed (%s)", self._graph_error)
@@ -323,13 +337,13 @@ class EagleDrafter(Drafter):
         captured.graph.replay()
         return Draft(captured.draft.tokens.clone(), captured.draft.parents.clone())
 
-    def _catch_up(self, plan: _Plan, features: torch.Tensor, project: Callable, attend: Callable) -> None:
+    def _catch_up(self, plan: _Plan, features: torch.Tensor) -> None:
         """Cache every pair up to the one holding the pending token, all rows in one head call."""
         width = plan.tokens.shape[1]
         if width == 0:
             return
         positions = plan.cached[:, None] + torch.arange(width, device=features.device)
-        x, q, k, v = project(features, self.embed(plan.tokens).to(self._dtype), positions)
+        x, q, k, v = self.head.project(features, self.embed(plan.tokens).to(self._dtype), positions)
         buffers = self._buffers
         # Written at the rows' next columns; padding pairs land past a row's valid columns (never read).
         buffers.keys[plan.rows[:, None], :, positions] = k.transpose(1, 2)
@@ -337,9 +351,9 @@ class EagleDrafter(Drafter):
         keys, values = buffers.rows(plan.rows, plan.every_row)
         # A pair sees its row's cached pairs, the new pairs before it and itself (padding ones too).
         columns = torch.arange(keys.shape[2], device=features.device)
-        hidden = attend(x, q, keys, values, columns <= positions[..., None])
+        hidden = self.head.attend(x, q, keys, values, columns <= positions[..., None])
         counts = plan.counts
-        newest = hidden[torch.arange(len(plan.row_ids), device=features.device), (counts - 1).clamp(min=0)]
+        newest = hidden[torch.arange(plan.inputs.shape[0], device=features.device), (counts - 1).clamp(min=0)]
         self._last_hidden[plan.rows] = torch.where(counts[:, None] > 0, newest, self._last_hidden[plan.rows])
 
 
@@ -347,8 +361,8 @@ class _TreeRollout:
     """The tree builder's step function over one ``propose``: frontier nodes attend to the rows'
     cached pairs and to their own draft ancestors, written to the buffers' scratch columns."""
 
-    def __init__(self, drafter: EagleDrafter, plan: _Plan, project: Callable, attend: Callable):
-        self.drafter, self.project, self.attend = drafter, project, attend
+    def __init__(self, drafter: EagleDrafter, plan: _Plan):
+        self.drafter, self.project, self.attend = drafter, drafter.head.project, drafter.head.attend
         self.keys, self.values = drafter._buffers.rows(plan.rows, plan.every_row)
         self.column = drafter._buffers.capacity  # the next free scratch column
         columns = torch.arange(self.keys.shape[2], device=self.keys.device)
