@@ -178,6 +178,26 @@ def test_compiled_propose_drafts_what_the_eager_one_drafts(config):
     torch.testing.assert_close(compiled._buffers.keys, eager._buffers.keys, rtol=1e-12, atol=1e-12)
 
 
+def test_one_drafter_serves_a_chain_and_a_tree_without_new_buffer_shapes():
+    """The study's routes share one drafter: a chain of 8 and a tree of depth 6 and width 4 (7 and 20
+    scratch columns) draft in buffers of one shape, so neither recompiles nor recaptures the other's
+    propose; a longer sequence grows the capacity to the next power of two."""
+    target, head = make(seed=6)
+    drafter = EagleDrafter(head, target, static_shapes=True)
+    gen = torch.Generator().manual_seed(7)
+    seq = torch.randint(0, VOCAB, (20,), generator=gen)
+    drafter.begin([seq[:-1]], [features_of(target, seq[:-1])])
+    shapes = []
+    for config in (SpecConfig(mode="chain", depth=8), SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15)):
+        drafter.propose(DraftRequest([0], [seq]), config)
+        shapes.append(drafter._buffers.keys.shape)
+    assert shapes[0] == shapes[1] and shapes[0][2] == 256 + 32
+    long = torch.randint(0, VOCAB, (300,), generator=gen)
+    drafter.begin([long[:-1]], [features_of(target, long[:-1])])
+    drafter.propose(DraftRequest([0], [long]), SpecConfig(mode="chain", depth=8))
+    assert drafter._buffers.keys.shape[2] == 512 + 32
+
+
 def test_drafting_some_rows_of_a_batch_equals_drafting_them_alone():
     """Rows left out of a request (finished rows) keep their cache; the others draft as if alone."""
     target, head = make(seed=2)

@@ -61,9 +61,10 @@ class _Buffers:
 
     def reserve(self, pairs: int, scratch: int) -> bool:
         """Room for ``pairs`` cached pairs per row and ``scratch`` draft nodes; True if the buffers were
-        replaced (graphs captured over the old ones are stale)."""
-        capacity = self.capacity if pairs <= self.capacity else max(256, 1 << (pairs - 1).bit_length())
-        scratch = max(scratch, self.scratch)
+        replaced (graphs captured over the old ones are stale, and a propose compiled for the old shape
+        compiles again: both sizes are powers of two, so that few lengths and configs need a program)."""
+        capacity = self.capacity if pairs <= self.capacity else _room(pairs, 256)
+        scratch = self.scratch if scratch <= self.scratch else _room(scratch, 32)
         if (capacity, scratch) == (self.capacity, self.scratch):
             return False
         rows, heads, _, dim = self.keys.shape
@@ -82,6 +83,11 @@ class _Buffers:
         if every_row:
             return self.keys, self.values
         return self.keys[index], self.values[index]
+
+
+def _room(needed: int, least: int) -> int:
+    """The power of two from ``least`` on that holds ``needed``."""
+    return max(least, 1 << (needed - 1).bit_length())
 
 
 @dataclass
