@@ -151,7 +151,15 @@ def _(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v
 # --- short convolution ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("specla::commit_tree_conv_", mutates_args=("conv_state",))
+# The conv kernels read x at any row and node stride (a slice of a fused projection's output where it
+# lies), so inductor need not copy x to the strides it was traced with. With its default (exact strides)
+# it did on the H200 (3 copy kernels per layer of a 16-node pass, profiled), most likely because it pads
+# the rows of the fused q/k/v/g/a/b GEMM's output on GPUs (8208 columns at the 1.3B shape, not a
+# multiple of 128 bytes); its CPU output code, unpadded, passes the slices as they are.
+_ANY_INPUT_STRIDES = (torch.Tag.flexible_layout,)
+
+
+@torch.library.custom_op("specla::commit_tree_conv_", mutates_args=("conv_state",), tags=_ANY_INPUT_STRIDES)
 def commit_tree_conv_(
     conv_state: torch.Tensor,
     pending_x: torch.Tensor,
@@ -180,7 +188,8 @@ def _(conv_state, pending_x, num_pending, x, weight, bias, parents, silu):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
-@torch.library.custom_op("specla::commit_three_tree_convs_", mutates_args=("state0", "state1", "state2"))
+@torch.library.custom_op("specla::commit_three_tree_convs_", mutates_args=("state0", "state1", "state2"),
+                         tags=_ANY_INPUT_STRIDES)
 def commit_three_tree_convs_(
     state0: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
     pending0: torch.Tensor, pending1: torch.Tensor, pending2: torch.Tensor,
