@@ -111,13 +111,14 @@ def assert_same_draft(draft, expected):
 )
 def test_cache_rollback_matches_recomputing_from_scratch(config, static):
     """Static shapes (new pairs padded to depth + 1, the tree to budget + 1 nodes: what the CUDA graph
-    of a propose runs) draft the same trees."""
+    of a propose runs; a longer prompt's pairs cached first, but for the last depth + 1) draft the same
+    trees."""
     target, head = make(seed=2)
     drafter = EagleDrafter(head, target, static_shapes=static)
     seen = []
     drafter.logits = lambda hidden: seen.append(EagleDrafter.logits(drafter, hidden)) or seen[-1]
     gen = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (6, 3)]
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (11, 3)]
     drafter.begin(seqs, [features_of(target, s) for s in seqs])
     for _ in range(4):
         seqs = [torch.cat([s, torch.randint(0, VOCAB, (1,), generator=gen)]) for s in seqs]  # pending tokens
@@ -154,9 +155,13 @@ def test_cache_rollback_matches_recomputing_from_scratch(config, static):
 def test_compiled_propose_drafts_what_the_eager_one_drafts(config):
     """A fixed-shape propose compiled by inductor as one program (``fullgraph``: no graph break left in
     the catch-up, the draft levels or the tree's selection) drafts what it drafts eagerly, and keeps the
-    same cache, over rounds that accept different lengths and draft one row of two alone."""
+    same cache, over rounds that accept different lengths and draft one row of two alone. The first
+    propose too: the prompt's pairs beyond the fixed shape are cached before it."""
     target, head = make(seed=4)
     compiled, eager = (EagleDrafter(head, target, static_shapes=True, compiled=c) for c in (True, False))
+    runs = []
+    run = compiled._device_propose
+    compiled._device_propose = lambda *args: runs.append(args[-1]) or run(*args)
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (7, 4)]
     for d in (compiled, eager):
@@ -174,7 +179,7 @@ def test_compiled_propose_drafts_what_the_eager_one_drafts(config):
             for d in (compiled, eager):
                 d.commit([b], [new[len(seqs[b]) - 1 :]], [features_of(target, new)[len(seqs[b]) - 1 :]])
             seqs[b] = new
-    assert compiled._compiled_propose is not None and eager._compiled_propose is None
+    assert runs == [True] * 5 and eager._compiled_propose is None
     torch.testing.assert_close(compiled._buffers.keys, eager._buffers.keys, rtol=1e-12, atol=1e-12)
 
 
