@@ -124,3 +124,37 @@ def test_ops_compile_without_graph_breaks(x):
     expected_o, rec = gdn_tree_factorized(*(x[n] for n in NAMES), PARENTS, x["initial_state"], scale=0.25, use_qk_l2norm=True)
     torch.testing.assert_close(o, expected_o)
     torch.testing.assert_close(state, gdn_commit_reference(x["initial_state"], FactorRecords(*rec), torch.tensor([1, 2])))
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_inductor_passes_column_slices_to_the_three_convs_as_they_lie(device):
+    """Compiled after a GEMM of 8208 output columns (the 1.3B model's fused q/k/v/g/a/b: rows that are not
+    a multiple of 128 bytes, which inductor pads on GPUs), the three-conv op gets views of the GEMM's
+    output, not copies (the op takes any input layout), and computes what it computes eagerly. On the
+    CPU inductor pads nothing: the copies can only show on a GPU (they did on the H200, 3 per layer)."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n, d, width = 16, 2048, 8208
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    args = [rand(1, n, 64), rand(width, 64) / 8, *(rand(1, d, 3) for _ in range(3)), *(rand(1, n, d) for _ in range(3)),
+            torch.tensor([5], device=device), *(rand(d, 4) for _ in range(3)), torch.arange(-1, n - 1, device=device)[None]]
+
+    def convs(h, w, s0, s1, s2, p0, p1, p2, num, c0, c1, c2, parents):
+        y = h @ w.t()
+        out = ops.commit_three_tree_convs_(s0, s1, s2, p0, p1, p2, num, y[..., :d], y[..., d : 2 * d], y[..., 2 * d : 3 * d],
+                                           c0, c1, c2, parents, True)
+        return out[0] + y[..., 3 * d : 4 * d], out[5]
+
+    eager_states = [s.clone() for s in args[2:5]]
+    expected = convs(*args[:2], *eager_states, *args[5:])
+    compiled_states = [s.clone() for s in args[2:5]]
+    got, (code,) = run_and_get_code(torch.compile(convs, dynamic=False), *args[:2], *compiled_states, *args[5:])
+    call = next(line for line in code.splitlines() if "commit_three_tree_convs_.default(" in line)
+    assert call.count("reinterpret_tensor(buf") == 3, call
+    for a, b in zip((*got, *compiled_states), (*expected, *eager_states)):
+        torch.testing.assert_close(a, b)
