@@ -153,10 +153,13 @@ def test_cache_rollback_matches_recomputing_from_scratch(config, static):
     "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)]
 )
 def test_compiled_propose_drafts_what_the_eager_one_drafts(config):
-    """A fixed-shape propose compiled by inductor as one program (``fullgraph``: no graph break left in
-    the catch-up, the draft levels or the tree's selection) drafts what it drafts eagerly, and keeps the
-    same cache, over rounds that accept different lengths and draft one row of two alone. The first
-    propose too: the prompt's pairs beyond the fixed shape are cached before it."""
+    """A fixed-shape propose compiled by inductor as one program (no graph break in the catch-up, the
+    draft levels or the tree's selection) drafts what it drafts eagerly, and keeps the same cache, over
+    rounds that accept different lengths and draft one row of two alone. The first propose too: the
+    prompt's pairs beyond the fixed shape are cached before it."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     target, head = make(seed=4)
     compiled, eager = (EagleDrafter(head, target, static_shapes=True, compiled=c) for c in (True, False))
     runs = []
@@ -180,6 +183,7 @@ def test_compiled_propose_drafts_what_the_eager_one_drafts(config):
                 d.commit([b], [new[len(seqs[b]) - 1 :]], [features_of(target, new)[len(seqs[b]) - 1 :]])
             seqs[b] = new
     assert runs == [True] * 5 and eager._compiled_propose is None
+    assert not counters["graph_break"], dict(counters["graph_break"])
     torch.testing.assert_close(compiled._buffers.keys, eager._buffers.keys, rtol=1e-12, atol=1e-12)
 
 

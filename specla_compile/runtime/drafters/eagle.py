@@ -324,10 +324,10 @@ class EagleDrafter(Drafter):
         propose is bound by their count."""
         if not compiled:
             return Draft(*self._propose_steps(plan, features, config, fixed_size))
-        if self._compiled_propose is None:
-            self._compiled_propose = torch.compile(self._propose_steps, dynamic=False, fullgraph=True)
-        # one program per rows drafted, buffer capacity and SpecConfig, for every drafter of the process:
-        # Dynamo's default of 8 per function would stop a long benchmark (and fullgraph makes that an error)
+        if self._compiled_propose is None:  # (one graph: tests/test_eagle.py checks that nothing breaks it)
+            self._compiled_propose = torch.compile(self._propose_steps, dynamic=False)
+        # one program per number of rows drafted, buffer capacity and SpecConfig, for every drafter of the
+        # process: Dynamo's default of 8 per function would soon run the propose eagerly
         with torch._dynamo.config.patch(recompile_limit=PROPOSE_PROGRAMS):
             return Draft(*self._compiled_propose(plan, features, config, fixed_size))
 
