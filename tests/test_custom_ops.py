@@ -12,6 +12,7 @@ from specla_compile.kernels import (
     ops,
     tree_conv_reference,
 )
+from specla_compile.kernels.reference import vocab_top_k_reference
 
 PARENTS = torch.tensor([[-1, 0, 0, 1, 3, -2], [-1, 0, 1, 2, 2, 0]])
 NAMES = ("q", "k", "v", "g", "beta")
@@ -158,3 +159,13 @@ def test_inductor_passes_column_slices_to_the_three_convs_as_they_lie(device):
     assert call.count("reinterpret_tensor(buf") == 3, call
     for a, b in zip((*got, *compiled_states), (*expected, *eager_states)):
         torch.testing.assert_close(a, b)
+
+
+def test_vocab_top_k():
+    """A tree level's children in one op: the reference's k best log-probabilities, best first."""
+    scores = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    torch.library.opcheck(ops.vocab_top_k, (scores, 4))
+    log_probs, ids = ops.vocab_top_k(scores, 4)
+    assert torch.equal(ids, torch.log_softmax(scores, -1).topk(4).indices)
+    torch.testing.assert_close(log_probs, torch.log_softmax(scores, -1).topk(4).values)
+    assert torch.equal(vocab_top_k_reference(torch.zeros(1, 5), 3)[1], torch.tensor([[0, 1, 2]]))  # ties: lower ids first

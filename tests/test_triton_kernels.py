@@ -31,6 +31,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_interpreter's process")
 if INTERPRETED:
     from specla_compile.kernels import triton_conv as tc
+    from specla_compile.kernels import triton_topk as tk
     from specla_compile.kernels import triton_verify as tv
 
 
@@ -231,3 +232,23 @@ def test_benchmark_gemv_matches_linear(rows, split):
     assert rel_err(y, x.double() @ w.double().T) <= 1e-5
     with pytest.raises(ValueError, match="at most 32"):
         gemv(torch.randn(33, 100), w, torch.zeros(33, 40), block_n=16, block_k=32, split=1)
+
+
+@interpreted
+@pytest.mark.parametrize("rows, vocab, k, block", [(3, 100, 4, 32), (2, 64, 1, 64), (5, 70, 7, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_top_k(rows, vocab, k, block, dtype):
+    """The k best log-probabilities per row and their ids, against log_softmax + a stable sort: random
+    scores (several blocks, the last one partial), then scores with ties (the lower id first) and masked
+    (-inf) entries."""
+    gen = torch.Generator().manual_seed(rows * vocab + k)
+    scores = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
+    tied = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
+    tied[:, ::5] = float("-inf")
+    for x in (scores, tied):
+        log_probs, ids = tk.vocab_top_k(x, k, block=block)
+        expected_lp, expected_ids = ref.vocab_top_k_reference(x, k)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(log_probs, expected_lp, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="1 <= k <= V"):
+        tk.vocab_top_k(scores, vocab + 1)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import dispatch, ops, triton_conv, triton_verify
+from . import dispatch, ops, triton_conv, triton_topk, triton_verify
 
 
 def _reference_of(op: torch.library.CustomOpDef) -> Callable:
@@ -86,3 +86,6 @@ def _commit_three_tree_convs_(state0, state1, state2, pending0, pending1, pendin
 @ops.conv_state_commit_.register_kernel("cuda")
 def _conv_state_commit_(conv_state, x, num_accepted):
     _in_place(conv_state, lambda s: triton_conv.conv_state_commit_(s, x, num_accepted), torch.Tensor.is_contiguous)
+
+
+ops.vocab_top_k.register_kernel("cuda")(triton_topk.vocab_top_k)

@@ -230,3 +230,20 @@ def conv_state_commit_(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: 
 @conv_state_commit_.register_fake
 def _(conv_state, x, num_accepted):
     return None
+
+
+# --- drafting --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("specla::vocab_top_k", mutates_args=())
+def vocab_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree level's children: the ``k`` best log-probabilities of each row of ``scores [N, V]`` and
+    their token ids, best first, ties to the lower id (``reference.vocab_top_k_reference``)."""
+    return ref.vocab_top_k_reference(scores, k)
+
+
+@vocab_top_k.register_fake
+def _(scores, k):
+    if scores.dim() != 2 or not 1 <= k <= scores.shape[1]:
+        raise ValueError(f"vocab_top_k takes scores [N, V] and 1 <= k <= V, got {tuple(scores.shape)} and k={k}")
+    return scores.new_empty(scores.shape[0], k, dtype=torch.float32), scores.new_empty(scores.shape[0], k, dtype=torch.long)

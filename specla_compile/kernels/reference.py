@@ -1,4 +1,4 @@
-"""Pure-PyTorch references of every verify / commit / conv op (any device, fp32 or fp64).
+"""Pure-PyTorch references of every verify / commit / conv / top-k op (any device, fp32 or fp64).
 
 These are the test oracles and the CPU implementation of the custom ops. Shapes (DESIGN.md):
 ``q, k [B, N, H, K]``, ``v [B, N, HV, V]``, ``g, beta [B, N, HV]``, ``parents [B, N]``,
@@ -289,3 +289,11 @@ def causal_conv_reference(
     # custom-op outputs must be contiguous like their fake implementations
     return y.transpose(1, 2).contiguous(), full[..., n:].to(conv_state.dtype).contiguous()
 
+
+
+def vocab_top_k_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest log-probabilities of each row of ``scores [N, V]`` and their token ids, best first,
+    ties to the lower id: ``(log_probs [N, k] fp32, ids [N, k] int64)`` (a draft's ranking: fp32 suffices)."""
+    log_probs = torch.log_softmax(scores.float(), dim=-1)
+    values, ids = log_probs.sort(dim=-1, descending=True, stable=True)
+    return values[:, :k].contiguous(), ids[:, :k].contiguous()

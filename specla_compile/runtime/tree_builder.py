@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import ops
 from .config import SpecConfig
 from .drafting import Draft
 from .topology import PAD, ROOT
@@ -71,10 +72,6 @@ def _scores(step: StepFn, frontier: Frontier) -> torch.Tensor:
     return scores
 
 
-def _log_probs(step: StepFn, frontier: Frontier) -> torch.Tensor:
-    return torch.log_softmax(_scores(step, frontier).float(), dim=-1)
-
-
 def _chain(step: StepFn, pending: torch.Tensor, depth: int) -> Draft:
     tokens = [pending[:, None]]
     slots = torch.zeros_like(tokens[0])
@@ -96,10 +93,11 @@ def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: b
     beam_score = torch.zeros(rows, 1, device=device)
     offset = 0
     for level in range(config.depth):
-        log_probs = _log_probs(step, frontier)
-        k = min(config.tree_top_k, log_probs.shape[-1])
-        child_lp, child_tok = log_probs.topk(k, dim=-1)  # [R, W, k], children sorted by likelihood
-        width = frontier.tokens.shape[1]
+        scores = _scores(step, frontier)
+        width, vocab = frontier.tokens.shape[1], scores.shape[-1]
+        k = min(config.tree_top_k, vocab)
+        # [R, W, k], children sorted by likelihood (log-probabilities of the k best only: one launch on GPUs)
+        child_lp, child_tok = (t.view(rows, width, k) for t in ops.vocab_top_k(scores.reshape(rows * width, vocab), k))
         score = (beam_score[..., None] + child_lp).reshape(rows, width * k)
         cand_token.append(child_tok.reshape(rows, width * k))
         cand_parent.append(beam_ids[..., None].expand(rows, width, k).reshape(rows, width * k))
