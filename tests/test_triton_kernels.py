@@ -141,10 +141,15 @@ def test_unknown_route_and_misplaced_snapshot_are_refused():
 @interpreted
 @pytest.mark.parametrize("width, state_len, with_bias, silu", [(4, 3, True, True), (4, 6, False, True), (2, 1, True, False)])
 @pytest.mark.parametrize("kind", ["tree", "forest", "chain"])
-def test_tree_conv(kind, width, state_len, with_bias, silu):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tree_conv(kind, width, state_len, with_bias, silu, transposed):
+    """The tree conv and its record copy, from an input read where it lies: a column slice (state_len > 0)
+    or transposed (transformers' [B, D, N] conv input: channels not adjacent)."""
     gen = torch.Generator().manual_seed(width * 10 + state_len)
     parents = random_parents(2, 13, seed=state_len, kind=kind, padding=3)
     x = torch.randn(2, 16, 40 + state_len, generator=gen)[..., state_len:]  # (a column slice when state_len > 0)
+    if transposed:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
     conv_state = torch.randn(2, 40, state_len, generator=gen)
     weight = torch.randn(40, width, generator=gen)
     bias = torch.randn(40, generator=gen) if with_bias else None
@@ -175,21 +180,23 @@ def test_commit_then_tree_conv_in_one_launch(state_len, accepted):
 
 
 @interpreted
-@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "transposed"])
 @pytest.mark.parametrize("widths", [(40, 24, 56), (16, 16, 16)])
-def test_three_convs_in_one_launch(widths, sliced):
+def test_three_convs_in_one_launch(widths, layout):
     """fla's q, k and v convs (different channel counts) committed and convolved in one launch, each as
-    its own commit-then-tree-conv; ``sliced``: the inputs are column slices of one fused projection's
-    output (with more columns after them), read in place. The launch also returns contiguous copies of
-    the inputs (the layer's conv records)."""
+    its own commit-then-tree-conv; the inputs are read where they lie: column slices of one fused
+    projection's output (with more columns after them), or transposed. The launch also returns
+    contiguous copies of the inputs (the layer's conv records)."""
     gen = torch.Generator().manual_seed(sum(widths))
     parents = random_parents(2, 9, seed=3, kind="tree", padding=2)
     num = torch.tensor([3, 0])
-    if sliced:
+    if layout == "sliced":
         xs = torch.randn(2, 11, sum(widths) + 5, generator=gen).split([*widths, 5], dim=-1)[:3]
-        assert not any(x.is_contiguous() for x in xs)
     else:
         xs = [torch.randn(2, 11, d, generator=gen) for d in widths]
+    if layout == "transposed":
+        xs = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs]
+    assert all(x.is_contiguous() == (layout == "contiguous") for x in xs)
     pendings = [torch.randn(2, 4, d, generator=gen) for d in widths]
     states = [torch.randn(2, d, 3, generator=gen) for d in widths]
     weights = [torch.randn(d, 4, generator=gen) for d in widths]

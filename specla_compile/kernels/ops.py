@@ -151,8 +151,8 @@ def _(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v
 # --- short convolution ----------------------------------------------------------------------------
 
 
-# The conv kernels read x at any row and node stride (a slice of a fused projection's output where it
-# lies), so inductor need not copy x to the strides it was traced with. With its default (exact strides)
+# The conv kernels read x at any strides (a slice of a fused projection's output, or a transposed input,
+# where it lies), so inductor need not copy x to the strides it was traced with. With its default (exact strides)
 # it did on the H200 (3 copy kernels per layer of a 16-node pass, profiled), most likely because it pads
 # the rows of the fused q/k/v/g/a/b GEMM's output on GPUs (8208 columns at the 1.3B shape, not a
 # multiple of 128 bytes); its CPU output code, unpadded, passes the slices as they are.

@@ -28,15 +28,16 @@ def _shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr)
 
 @triton.jit
 def _tree_conv_block(
-    x, sxb, sxn, conv_state, weight, bias, parents, y, x_rows, b, rd, N, D, S, pending_x, num_pending, A,
+    x, sxb, sxn, sxd, conv_state, weight, bias, parents, y, x_rows, b, rd, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
     """Row b's channels ``rd`` of one conv, every node at once. With COMMIT, first shift these channels'
     pending accepted inputs into the conv state (the delayed update), then convolve from the updated state.
-    ``x`` has strides ``(sxb, sxn, 1)``: it may be a column slice of a wider tensor (a fused projection's
-    output), read where it lies; ``y`` is contiguous, and so is ``x_rows``, where the block copies its ``x``
-    (the pass's factor record of this conv: a later commit copies it whole, which a slice would slow)."""
+    ``x`` has strides ``(sxb, sxn, sxd)``: it may be a column slice of a wider tensor (a fused projection's
+    output) or a transposed one (transformers' ``[B, D, N]``), read where it lies. ``y`` is contiguous, and
+    so is ``x_rows``, where the block copies its ``x`` (the pass's factor record of this conv: a later
+    commit copies it whole, which a slice would slow)."""
     rn = tl.arange(0, BN)
     mn = rn < N
     md = rd < D
@@ -44,7 +45,7 @@ def _tree_conv_block(
         _shift_in(conv_state, pending_x, num_pending, b, rd, md, A, D, S, BS)
         tl.debug_barrier()  # the taps below read columns other threads of this program just wrote
     m2 = mn[:, None] & md[None, :]
-    own = tl.load(x + b * sxb + rn[:, None] * sxn + rd[None, :], mask=m2, other=0.0)
+    own = tl.load(x + b * sxb + rn[:, None] * sxn + rd[None, :] * sxd, mask=m2, other=0.0)
     tl.store(x_rows + (b * N + rn[:, None]) * D + rd[None, :], own, mask=m2)
     acc = own.to(tl.float32) * tl.load(weight + rd * W + (W - 1), mask=md, other=0.0).to(tl.float32)[None, :]
     node = rn  # the i-th ancestor of each node while it exists
@@ -55,7 +56,7 @@ def _tree_conv_block(
         alive = alive & (par >= 0)
         node = tl.where(alive, par, node)
         depth += alive.to(tl.int32)
-        from_x = tl.load(x + b * sxb + node[:, None] * sxn + rd[None, :], mask=m2 & alive[:, None], other=0.0)
+        from_x = tl.load(x + b * sxb + node[:, None] * sxn + rd[None, :] * sxd, mask=m2 & alive[:, None], other=0.0)
         # past the root, tap W-1-i reads the conv state's column S - i + depth (depth < i there)
         col = S - i + depth
         from_state = tl.load(conv_state + (b * D + rd[None, :]) * S + col[:, None], mask=m2 & (alive == 0)[:, None],
@@ -71,19 +72,19 @@ def _tree_conv_block(
 
 @triton.jit
 def _tree_conv_kernel(
-    x, sxb, sxn, conv_state, weight, bias, parents, y, x_rows, N, D, S, pending_x, num_pending, A,
+    x, sxb, sxn, sxd, conv_state, weight, bias, parents, y, x_rows, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
     """Grid: (B, channel blocks)."""
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    _tree_conv_block(x, sxb, sxn, conv_state, weight, bias, parents, y, x_rows, tl.program_id(0), rd, N, D, S, pending_x,
-                     num_pending, A, W, BN, BD, HAS_BIAS, SILU, COMMIT, BS)
+    _tree_conv_block(x, sxb, sxn, sxd, conv_state, weight, bias, parents, y, x_rows, tl.program_id(0), rd, N, D, S,
+                     pending_x, num_pending, A, W, BN, BD, HAS_BIAS, SILU, COMMIT, BS)
 
 
 @triton.jit
 def _three_tree_convs_kernel(
-    x0, x1, x2, sb0, sn0, sb1, sn1, sb2, sn2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, r0, r1, r2, D0, D1, D2,
+    x0, x1, x2, sb0, sn0, sd0, sb1, sn1, sd1, sb2, sn2, sd2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, r0, r1, r2, D0, D1, D2,
     parents, num_pending, N, S, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, BS: tl.constexpr,
 ):
@@ -93,11 +94,11 @@ def _three_tree_convs_kernel(
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(0)
     if c == 0:
-        _tree_conv_block(x0, sb0, sn0, s0, w0, w0, parents, y0, r0, b, rd, N, D0, S, p0, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x0, sb0, sn0, sd0, s0, w0, w0, parents, y0, r0, b, rd, N, D0, S, p0, num_pending, A, W, BN, BD, False, SILU, True, BS)
     elif c == 1:
-        _tree_conv_block(x1, sb1, sn1, s1, w1, w1, parents, y1, r1, b, rd, N, D1, S, p1, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x1, sb1, sn1, sd1, s1, w1, w1, parents, y1, r1, b, rd, N, D1, S, p1, num_pending, A, W, BN, BD, False, SILU, True, BS)
     else:
-        _tree_conv_block(x2, sb2, sn2, s2, w2, w2, parents, y2, r2, b, rd, N, D2, S, p2, num_pending, A, W, BN, BD, False, SILU, True, BS)
+        _tree_conv_block(x2, sb2, sn2, sd2, s2, w2, w2, parents, y2, r2, b, rd, N, D2, S, p2, num_pending, A, W, BN, BD, False, SILU, True, BS)
 
 
 @triton.jit
@@ -105,12 +106,6 @@ def _conv_commit_kernel(conv_state, x, num_accepted, A, D, S, BS: tl.constexpr, 
     """Grid: (B, channel blocks)."""
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     _shift_in(conv_state, x, num_accepted, tl.program_id(0), rd, rd < D, A, D, S, BS)
-
-
-def _rows_strided(x: torch.Tensor) -> torch.Tensor:
-    """``x [B, N, D]`` as the conv kernels read it: channels adjacent, rows and nodes at any stride (a
-    column slice of a fused projection's output is read in place, not copied)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def tree_conv(
@@ -130,14 +125,13 @@ def tree_conv(
     (``specla::commit_tree_conv_``)."""
     if pending is not None and not conv_state.is_contiguous():
         raise ValueError("conv_state must be contiguous: it is updated in place")
-    x = _rows_strided(x)
-    conv_state, weight, parents = (t.contiguous() for t in (conv_state, weight, parents))
+    conv_state, weight, parents = (t.contiguous() for t in (conv_state, weight, parents))  # (x: read at its strides)
     batch, n, d = x.shape
     y, x_rows = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
     block_n = max(16, triton.next_power_of_2(n))
     pending_x, num = (pending[0].contiguous(), pending[1]) if pending is not None else (x, parents)  # (unread without COMMIT)
     _tree_conv_kernel[(batch, triton.cdiv(d, block_d))](
-        x, x.stride(0), x.stride(1), conv_state, weight, bias if bias is not None else weight, parents, y, x_rows, n, d,
+        x, *x.stride(), conv_state, weight, bias if bias is not None else weight, parents, y, x_rows, n, d,
         conv_state.shape[2], pending_x, num, pending_x.shape[1],
         W=weight.shape[1], BN=block_n, BD=block_d, HAS_BIAS=bias is not None, SILU=silu,
         COMMIT=pending is not None, BS=triton.next_power_of_2(conv_state.shape[2]),
@@ -174,7 +168,6 @@ def three_tree_convs(
     if not fits_three_tree_convs(xs, conv_states, weights, pending_xs):
         raise ValueError("three_tree_convs needs contiguous conv states and one batch, state width, kernel width, "
                          "pending count and dtype per kind of tensor across the three convs")
-    xs = [_rows_strided(x) for x in xs]
     weights, pending_xs = ([t.contiguous() for t in ts] for ts in (weights, pending_xs))
     parents = parents.contiguous()
     batch, n, _ = xs[0].shape
@@ -182,7 +175,7 @@ def three_tree_convs(
     rows = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     width = conv_states[0].shape[2]
     _three_tree_convs_kernel[(batch, triton.cdiv(max(x.shape[2] for x in xs), block_d), 3)](
-        *xs, *(stride for x in xs for stride in x.stride()[:2]), *conv_states, *weights, *pending_xs, *ys, *rows,
+        *xs, *(stride for x in xs for stride in x.stride()), *conv_states, *weights, *pending_xs, *ys, *rows,
         *(x.shape[2] for x in xs), parents, num_pending, n, width,
         pending_xs[0].shape[1], W=weights[0].shape[1], BN=max(16, triton.next_power_of_2(n)), BD=block_d, SILU=silu,
         BS=triton.next_power_of_2(width),
