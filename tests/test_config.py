@@ -16,6 +16,8 @@ from specla_compile.runtime.config import SpecConfig
         ("bucket", 0),
         ("tau", -1.0),
         ("tau", math.nan),
+        ("engine", "graphs"),
+        ("prefill", "fast"),
     ],
 )
 def test_out_of_range_values_raise_value_error(field, value):

@@ -275,3 +275,64 @@ def test_a_mixture_of_experts_model_gets_experts_a_cuda_graph_can_hold(caplog):
     implementation = dense.config._experts_implementation
     capturable_experts(dense)
     assert dense.config._experts_implementation == implementation
+
+
+class _FeatureRecorder(OracleDrafter):
+    """An oracle drafter that asks for the target's features and keeps those of the prompts."""
+
+    needs_features = True
+
+    def begin(self, sequences, features=None):
+        super().begin(sequences, features)
+        self.prompt_features = features
+
+
+def test_engine_prefill_gives_the_eager_prefills_tokens_cache_and_features():
+    """Prompts of ragged lengths run through the engine's 16-token chain passes (3 passes for 33 tokens,
+    rows ending in different passes) from a zeroed cache: the same tokens and final cache as each row's
+    eager plain decoding, and the drafter receives the features the eager model computes."""
+    from specla_compile.runtime.engine import PREFILL_NODES
+
+    model = tiny_model("fla")
+    prompts, input_ids, mask = left_padded_batch((20, 3, 33), seed=31)
+    refs = [plain(model, p, 10)[0][0, p.numel() :].tolist() for p in prompts]
+    drafter = _FeatureRecorder([r + [0] * 16 for r in refs], error_rate=0.25, seed=4)
+    gen = SpeculativeGenerator(model, drafter, SpecConfig(**{**CONFIGS["chain"].__dict__, "prefill": "engine"}),
+                               compile_options=COMPILE)
+    out = gen.generate(input_ids, max_new_tokens=10, attention_mask=mask, pad_token_id=VOCAB + 1)
+    assert out.stats.prefill_passes == -(-33 // PREFILL_NODES)
+    assert (PREFILL_NODES, True, "host") in gen.engine(input_ids.device, features=True).buckets
+    width = input_ids.shape[1]
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, width:].tolist() == refs[b]
+        eager = model(input_ids=p[None], output_hidden_states=True).hidden_states[-1][0]
+        assert drafter.prompt_features[b].shape == eager.shape
+        assert (drafter.prompt_features[b] - eager).abs().max().item() <= 1e-5
+    decoded = gen.decode(input_ids, max_new_tokens=10, attention_mask=mask, pad_token_id=VOCAB + 1)
+    assert decoded.sequences.tolist() == out.sequences.tolist()
+    for b, p in enumerate(prompts):  # the cache a plain decode leaves: every prompt and new token but the last
+        _, expected_cache = plain(model, p, 10)
+        assert max((a[b] - e[0]).abs().max().item() for a, e in zip(_states(decoded.past_key_values), _states(expected_cache))) <= 1e-5
+
+
+def test_engine_prefill_leaves_hybrids_and_continued_caches_to_the_eager_model(monkeypatch):
+    """A hybrid (attention layers) and a call that continues a cache prefill eagerly, whatever the config."""
+    from specla_compile.runtime.engine import StaticEngine
+
+    prefills = []
+    real = StaticEngine.prefill
+    monkeypatch.setattr(StaticEngine, "prefill", lambda self, rows: prefills.append(len(rows)) or real(self, rows))
+    config = SpecConfig(**{**CONFIGS["chain"].__dict__, "prefill": "engine"})
+    hybrid = tiny_model("qwen3_5")
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(32))
+    gen = SpeculativeGenerator(hybrid, OracleDrafter([[0] * 40], error_rate=1.0), config, compile_options=COMPILE)
+    assert gen.decode(prompt, max_new_tokens=5).sequences.tolist() == plain(hybrid, prompt[0], 5)[0].tolist()
+    assert prefills == [] and all(key[2] != "host" for key in gen.engine(prompt.device, features=False).buckets)
+
+    model = tiny_model("fla")
+    expected, _ = plain(model, prompt[0], 8)
+    gen = SpeculativeGenerator(model, OracleDrafter([[0] * 40], error_rate=1.0), config, compile_options=COMPILE)
+    first = gen.decode(prompt, max_new_tokens=4)
+    more = gen.decode(first.sequences[:, -1:], max_new_tokens=4, past_key_values=first.past_key_values)
+    assert prefills == [1]  # the first call's, not the continuation's
+    assert torch.cat([first.sequences, more.sequences[:, 1:]], 1).tolist() == expected.tolist()

@@ -23,7 +23,11 @@ class SpecConfig:
 
     ``engine="static"`` (default) runs every pass over static buffers (:mod:`.engine`), replaying CUDA
     graphs on CUDA unless ``cuda_graphs=False``; ``engine="dynamic"`` calls the compiled model on the
-    model's own growing cache (no graphs).
+    model's own growing cache (no graphs). ``prefill="engine"`` runs the prompts of models without
+    attention layers through the static engine's 16-token chain passes (up to 256 prompt tokens; with
+    CUDA graphs a few replays instead of an eager forward's hundreds of launches); ``"eager"`` prefills
+    with the eager model (fla's chunk kernels), as hybrids, longer prompts and calls that continue a
+    cache always do; None (default): the engine where it replays CUDA graphs.
     """
 
     mode: Literal["chain", "tree"] = "chain"
@@ -34,6 +38,7 @@ class SpecConfig:
     bucket: int = 8
     engine: Literal["static", "dynamic"] = "static"
     cuda_graphs: bool | None = None
+    prefill: Literal["engine", "eager"] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
@@ -53,6 +58,8 @@ class SpecConfig:
         self.tau = float(self.tau)
         if self.engine not in ("static", "dynamic"):
             raise ValueError(f"SpecConfig.engine must be 'static' or 'dynamic', got {self.engine!r}")
+        if self.prefill not in (None, "engine", "eager"):
+            raise ValueError(f"SpecConfig.prefill must be None, 'engine' or 'eager', got {self.prefill!r}")
         if self.cuda_graphs not in (None, True, False):
             raise TypeError(f"SpecConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
 

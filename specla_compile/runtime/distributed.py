@@ -60,4 +60,4 @@ def broadcast_draft(draft: Draft, mesh) -> Draft:
         probs = draft.probs.to(wire, torch.float32) if mine else torch.empty(rows, nodes, vocab, device=wire)
         dist.broadcast(probs, source, group=group)
     device = draft.tokens.device
-    return Draft(topology[0].to(device), topology[1].to(device), None if probs is None else probs.to(device))
+    return Draft(topology[0].to(device), topology[1].to(device), None if probs is None else probs.to(device), draft.chain)

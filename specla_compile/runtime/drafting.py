@@ -24,12 +24,15 @@ class Draft:
     -2 padding at the row's tail). ``probs [B, N, V]``, when given, is the draft distribution at each
     node from which that node's children were sampled without replacement, in node-index order;
     ``None`` means the children were chosen deterministically (point masses), which lossless
-    sampling also handles.
+    sampling also handles. ``chain``: True when every row is a chain (each node's parent the node before
+    it, or padding), False when the draft is a tree whatever its rows look like, None when unknown (the
+    engine then reads ``parents``: a device-to-host copy that waits for the drafter's work).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     probs: torch.Tensor | None = None
+    chain: bool | None = None
 
 
 @dataclass

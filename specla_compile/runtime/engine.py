@@ -52,6 +52,10 @@ ONE_GRAPH = True
 PLAIN_STEPS = 16
 EOS_SLOTS = 8
 
+# Prompts run through the engine (StaticEngine.prefill) as chains of this many tokens: the bucket that
+# speculative routes use anyway, one size for every route so that they all prefill the same numbers.
+PREFILL_NODES = 16
+
 
 def size_oblivious(on: bool):
     """While on, Dynamo traces size-1 dimensions marked dynamic as general sizes (no 0/1 specialisation)."""
@@ -160,14 +164,16 @@ class StaticEngine:
 
     # --- one pass ----------------------------------------------------------------------------------
 
-    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, *, accept: bool) -> tuple[StepResult, Acceptance | None]:
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, *, accept: bool,
+               chain: bool | None = None) -> tuple[StepResult, Acceptance | None]:
         """Run one pass over the draft ``tokens, parents [B, N]`` (host or device tensors). With ``accept``,
         greedy acceptance and the commit of the accepted paths run in the same step and their result is
-        returned on the host (the pass's one synchronisation); otherwise call :meth:`commit` next."""
+        returned on the host (the pass's one synchronisation); otherwise call :meth:`commit` next.
+        ``chain``: whether the draft is a chain (:class:`~.drafting.Draft`'s flag); None: read from ``parents``."""
         nodes = tokens.shape[1]
         if self.kv_valid is not None and self.columns + nodes > self.capacity:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
-        bucket = self._switch_to(nodes, parents, "accept" if accept else "host")
+        bucket = self._switch_to(nodes, parents, "accept" if accept else "host", chain)
         self._load_draft(bucket, tokens, parents)
         if not bucket.prepared:
             self._prepare(bucket, accept)
@@ -211,7 +217,7 @@ class StaticEngine:
         if self.kv_valid is not None and self.columns + steps > self.capacity:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
         batch = self.committed.shape[0]
-        bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop")
+        bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop", chain=True)
         if not bucket.prepared:
             self._prepare(bucket, accept=True)  # (before the inputs are set: its capture runs feed tokens back)
         self.eos.fill_(-1)
@@ -223,6 +229,37 @@ class StaticEngine:
         tokens, counts = bucket.log[:, :, :steps].cpu()  # the one synchronisation
         self.columns += int(counts.max(0).values.sum())
         return tokens, counts
+
+    def prefill(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Run the prompts ``rows`` (1-D token tensors, one per batch row) from the cache :meth:`start` took
+        (an empty one: zero states), as chain passes of ``PREFILL_NODES`` tokens that commit every token:
+        a few replays of one captured graph instead of an eager forward's hundreds of launches. Returns
+        the logits after each row's last token ``[B, V]`` and, when the passes return features, each
+        row's last hidden states ``[T_b, D]``. Reads nothing back from the device."""
+        if self.kv_valid is not None:
+            raise NotImplementedError("the engine prefills models without attention layers only; hybrids prefill eagerly")
+        n, batch = PREFILL_NODES, len(rows)
+        lengths = [row.numel() for row in rows]
+        host = [row.cpu() for row in rows]
+        path = torch.arange(n, device=self.committed.device).expand(batch, n)
+        logits: list[torch.Tensor | None] = [None] * batch
+        hidden: list[list[torch.Tensor]] = [[] for _ in rows]
+        for start in range(0, max(lengths), n):
+            tokens = torch.zeros(batch, n, dtype=torch.long)
+            parents = torch.full((batch, n), PAD, dtype=torch.long)
+            counts = [min(max(length - start, 0), n) for length in lengths]
+            for b, count in enumerate(counts):
+                tokens[b, :count] = host[b][start : start + count]
+                parents[b, : max(count, 1)] = torch.arange(-1, max(count, 1) - 1)  # (a finished row: an inert root)
+            result, _ = self.verify(tokens, parents, accept=False, chain=True)
+            self._commit(self.last, path, torch.tensor(counts).to(self.committed.device, non_blocking=True))
+            for b, count in enumerate(counts):  # (copies: the next replay overwrites the outputs)
+                if count and start + count == lengths[b]:
+                    logits[b] = result.logits[b, count - 1].clone()
+                if count and result.hidden is not None:
+                    hidden[b].append(result.hidden[b, :count].clone())
+        features = [torch.cat(parts) for parts in hidden] if self.features else None
+        return torch.stack(logits), features
 
     def commit(self, path: torch.Tensor, counts: torch.Tensor) -> None:
         """Keep each row's first ``counts[b]`` nodes of ``path [B, N]`` (after a pass without ``accept``)."""
@@ -250,11 +287,13 @@ class StaticEngine:
 
     # --- inside the step -------------------------------------------------------------------------
 
-    def _switch_to(self, nodes: int, parents: torch.Tensor, mode: str) -> _Bucket:
-        """The bucket of a draft, keyed by its node count, whether it is a chain (checked on the host copy)
-        and ``mode`` (``accept``: greedy acceptance in the step; ``host``: the caller accepts; ``loop``:
-        plain decoding on the device), each its own captured graph; the bucket used before it is flushed."""
-        chain = all(p in (j - 1, PAD) for row in parents.tolist() for j, p in enumerate(row))  # (lists: 5x faster than ops here)
+    def _switch_to(self, nodes: int, parents: torch.Tensor, mode: str, chain: bool | None) -> _Bucket:
+        """The bucket of a draft, keyed by its node count, whether it is a chain (``chain``, else checked on
+        the host copy of ``parents``) and ``mode`` (``accept``: greedy acceptance in the step; ``host``: the
+        caller accepts; ``loop``: plain decoding on the device), each its own captured graph; the bucket used
+        before it is flushed."""
+        if chain is None:  # (a device draft's copy waits for the drafter: drafters say what they made)
+            chain = all(p in (j - 1, PAD) for row in parents.tolist() for j, p in enumerate(row))  # (lists: 5x faster than ops here)
         key = (nodes, chain, mode)
         if key not in self.buckets:
             self.buckets[key] = _Bucket(self.committed.shape[0], nodes, chain, self.committed.device, loop=mode == "loop")

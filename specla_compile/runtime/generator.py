@@ -10,6 +10,7 @@ plain decoding of the same tokens.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import weakref
@@ -27,6 +28,7 @@ from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
 from .cache_layout import (
     cache_argument,
     compact_attention,
+    gdn_states,
     has_attention,
     left_padding_mask,
     past_columns_inputs,
@@ -38,7 +40,7 @@ from .cache_layout import (
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
-from .engine import EOS_SLOTS, PLAIN_STEPS, StaticEngine
+from .engine import EOS_SLOTS, PLAIN_STEPS, PREFILL_NODES, StaticEngine
 from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .graph_capture import capturable_experts
@@ -120,6 +122,11 @@ class SpeculativeOutput:
     stats: GenerationStats
     past_key_values: object
 
+
+# Longest prompt (tokens per row) that runs through the engine's prefill passes (SpecConfig.prefill): a
+# pass of 16 tokens costs about as much as one decoding step, so past this an eager forward of the whole
+# prompt (fla's chunk kernels) is the cheaper one.
+ENGINE_PREFILL_TOKENS = 256
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # cache returned by a call on a model with attention -> [B, W]: which of its attention columns hold tokens
@@ -300,14 +307,30 @@ class _Run:
         self.nodes = 1 if isinstance(drafter, _PlainDrafter) else bucket_size(self.config.max_nodes, self.config.bucket)
         self.new_tokens: list[list[int]] = [[] for _ in rows]
         self.finished = [False] * self.batch
+        self.phase_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def _timed(self, what: str):
-        start = time.perf_counter()
+        """Add the block's time to ``stats.<what>``. On CUDA two events bracket it, read when the call ends:
+        waiting for the device after each phase would stall the pipeline (the host could not queue the
+        verify pass while the draft runs). (``self.device`` is the host's once a static run starts.)"""
+        if self.target_device.type != "cuda":
+            start = time.perf_counter()
+            yield
+            setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - start)
+            return
+        stream = torch.cuda.current_stream(self.target_device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         yield
-        if self.target_device.type == "cuda":  # (self.device is the host's once a static run starts)
-            torch.cuda.synchronize(self.target_device)
-        setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - start)
+        end.record(stream)
+        self.phase_events.append((what, start, end))
+
+    def _read_phase_events(self) -> None:
+        """Add the CUDA-event phase times to the stats (after the device finished the call)."""
+        for what, start, end in self.phase_events:
+            setattr(self.stats, what, getattr(self.stats, what) + start.elapsed_time(end) / 1000)
+        self.phase_events = []
 
     # --- prefill ---------------------------------------------------------------------------------
 
@@ -368,10 +391,14 @@ class _Run:
             self.kv_valid = kwargs["attention_mask"].bool()
         elif self.attention:
             self.kv_valid = left_padding_mask(self.committed)
-        logits = torch.stack([o[0] for o in outs])
-        first = self._sample(logits)
         features = [o[1] for o in outs] if self.drafter.needs_features else None
-        self.drafter.begin([r.clone() for r in self.rows], features)
+        return self._begin(torch.stack([o[0] for o in outs]), features)
+
+    def _begin(self, logits: torch.Tensor, features: list[torch.Tensor] | None) -> torch.Tensor:
+        """End of the prefill: the first new token of every row from the logits after its prompt ``[B, V]``;
+        the drafter starts on the prompts (and their features when it reads them)."""
+        first = self._sample(logits)
+        self.drafter.begin([r.clone() for r in self.rows], features if self.drafter.needs_features else None)
         return first
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
@@ -382,7 +409,7 @@ class _Run:
 
     # --- one iteration -------------------------------------------------------------------------
 
-    def _draft(self, active: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _draft(self, active: list[int]) -> Draft:
         """Draft trees of the active rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
         request = DraftRequest(active, [torch.cat([self.rows[b], self.pending[b : b + 1]]) for b in active])
         draft: Draft = self.drafter.propose(request, self.config)
@@ -392,7 +419,9 @@ class _Run:
         if n > self.nodes:
             raise ValueError(f"{type(self.drafter).__name__} proposed {n} nodes, more than the configured {self.nodes}")
         tail = (0, self.nodes - n)
-        if len(active) == self.batch:  # every row drafted: pad the draft (padding tokens are never read)
+        if len(active) == self.batch and n == self.nodes:
+            tokens, parents = draft.tokens.to(self.device), draft.parents.to(self.device)
+        elif len(active) == self.batch:  # every row drafted: pad the draft (padding tokens are never read)
             tokens = torch.nn.functional.pad(draft.tokens.to(self.device), tail)
             parents = torch.nn.functional.pad(draft.parents.to(self.device), tail, value=PAD)
         else:
@@ -407,7 +436,7 @@ class _Run:
             index = torch.tensor(active, device=self.device)
             probs = torch.zeros(self.batch, self.nodes, draft.probs.shape[-1], device=self.device)
             probs[index, :n] = draft.probs.to(self.device, torch.float32)
-        return tokens, parents, probs
+        return Draft(tokens, parents, probs, draft.chain)
 
     def _verify(self, tokens: torch.Tensor, parents: torch.Tensor):
         kwargs = self._model_kwargs()
@@ -493,10 +522,10 @@ class _Run:
             self.rows[b] = torch.cat([self.rows[b], new])
         self.pending = torch.tensor([e[-1] if e else p for e, p in zip(emitted, pending)], device=self.device)
 
-    def _pass(self, tokens: torch.Tensor, parents: torch.Tensor, probs) -> tuple[Acceptance, torch.Tensor | None]:
-        """One target pass and its acceptance: ``(acceptance, last hidden state or None)``."""
-        out = self._verify(tokens, parents)
-        acceptance = self._accept(tokens, parents, probs, out.logits)
+    def _pass(self, draft: Draft) -> tuple[Acceptance, torch.Tensor | None]:
+        """One target pass over a padded draft and its acceptance: ``(acceptance, last hidden state or None)``."""
+        out = self._verify(draft.tokens, draft.parents)
+        acceptance = self._accept(draft.tokens, draft.parents, draft.probs, out.logits)
         return acceptance, (out.hidden_states[-1] if self.drafter.needs_features else None)
 
     def _start(self) -> None:
@@ -508,8 +537,12 @@ class _Run:
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self, input_ids: torch.Tensor, past_key_values) -> SpeculativeOutput:
-        with self._timed("seconds"):
-            self._loop(input_ids, past_key_values)
+        start = time.perf_counter()
+        self._loop(input_ids, past_key_values)
+        if self.target_device.type == "cuda":
+            torch.cuda.synchronize(self.target_device)
+        self.stats.seconds = time.perf_counter() - start
+        self._read_phase_events()
         pad = self.pad_token_id if self.pad_token_id is not None else (self.eos[0] if self.eos else 0)
         longest = max(len(t) for t in self.new_tokens)
         new = torch.full((self.batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
@@ -541,42 +574,76 @@ class _Run:
         """Draft, verify, accept and commit once for every active row."""
         active = [b for b in range(self.batch) if not self.finished[b]]
         with self._timed("draft_seconds"):
-            tokens, parents, probs = self._draft(active)
+            draft = self._draft(active)
         with self._timed("verify_seconds"):
-            acceptance, hidden = self._pass(tokens, parents, probs)
+            acceptance, hidden = self._pass(draft)
         with self._timed("commit_seconds"):
-            emitted = self._emit(acceptance, tokens)
+            emitted = self._emit(acceptance, draft.tokens)
             self._record(emitted)
-            self._commit(acceptance, tokens, emitted, hidden)
+            self._commit(acceptance, draft.tokens, emitted, hidden)
         self.stats.iterations += 1
-        sizes = [sum(p != PAD for p in row) for row in parents.tolist()]  # (host lists: cheaper than tensor ops)
+        sizes = [sum(p != PAD for p in row) for row in draft.parents.tolist()]  # (host lists: cheaper than tensor ops)
         self.stats.tree_sizes += [sizes[b] for b in active]
 
 
 class _StaticRun(_Run):
-    """A ``generate`` call through the :class:`~.engine.StaticEngine`: the cache is copied into static
-    buffers after the prefill, every pass is a replay, greedy acceptance and the commit run on the device
-    inside it, and the host reads the accepted path once per pass."""
+    """A ``generate`` call through the :class:`~.engine.StaticEngine`: the prompts run through its passes
+    from an empty cache (``SpecConfig.prefill``), or an eager prefill's cache is copied into its static
+    buffers; every pass is a replay, greedy acceptance and the commit run on the device inside it, and
+    the host reads the accepted path once per pass."""
+
+    def _prefill(self, past_key_values):
+        self.engine = self.owner.engine(self.device, self.owner.engine_features(self.drafter))
+        self.engine_started = False
+        cache = None
+        wanted = self.config.prefill == "engine" or (self.config.prefill is None and self.engine.graphs)
+        if (wanted and past_key_values is None and self.owner.tp_mesh is None
+                and max(r.numel() for r in self.rows) <= ENGINE_PREFILL_TOKENS):
+            cache = self._empty_cache()
+        if cache is None:
+            return super()._prefill(past_key_values)
+        self.engine.start(cache, torch.zeros(self.batch, dtype=torch.long, device=self.device), None)
+        self.engine_started = True
+        logits, features = self.engine.prefill(self.rows)
+        self.cache, self.attention = cache, False
+        self.committed = torch.tensor([r.numel() for r in self.rows], device=self.device)
+        self.stats.prefill_passes = -(-max(r.numel() for r in self.rows) // PREFILL_NODES)
+        return self._begin(logits, features)
+
+    def _empty_cache(self):
+        """A cache of the engine's layout for this batch with zero states (what a prompt starts from), or
+        None for a model with attention layers. Its layout comes from the engine's static cache, else
+        (a process's first call at this batch size) from a one-token eager forward."""
+        template = self.engine.cache
+        if template is None or self.engine.committed.shape[0] != self.batch:
+            one = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+            template = self.owner.model(input_ids=one, use_cache=True).past_key_values
+        if has_attention(template):
+            return None
+        cache = copy.deepcopy(template)
+        torch._foreach_zero_(gdn_states(cache))
+        return cache
 
     def _start(self) -> None:
-        self.engine = self.owner.engine(self.device, self.owner.engine_features(self.drafter))
-        columns = self.kv_valid.shape[1] if self.attention else 0
-        # attention columns: powers of two from 256, so that calls of similar lengths share graphs
-        capacity = max(256, 1 << (columns + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0
-        self.engine.start(self.cache, self.committed, self.kv_valid if self.attention else None, capacity)
+        if not self.engine_started:
+            columns = self.kv_valid.shape[1] if self.attention else 0
+            # attention columns: powers of two from 256, so that calls of similar lengths share graphs
+            capacity = max(256, 1 << (columns + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0
+            self.engine.start(self.cache, self.committed, self.kv_valid if self.attention else None, capacity)
         self.engine_finished = [False] * self.batch
         # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
         self.device = torch.device("cpu")
         self.rows = [r.cpu() for r in self.rows]
         self.pending = self.pending.cpu()
 
-    def _pass(self, tokens, parents, probs):
+    def _pass(self, draft: Draft):
+        tokens, parents = draft.tokens, draft.parents
         if not self.do_sample:
-            result, acceptance = self.engine.verify(tokens, parents, accept=True)
+            result, acceptance = self.engine.verify(tokens, parents, accept=True, chain=draft.chain)
             return acceptance, result.hidden
-        result, _ = self.engine.verify(tokens, parents, accept=False)
+        result, _ = self.engine.verify(tokens, parents, accept=False, chain=draft.chain)
         device = result.logits.device
-        probs = probs.to(device) if probs is not None else None
+        probs = draft.probs.to(device) if draft.probs is not None else None
         acceptance = sample_accept(tokens.to(device), parents.to(device), warp_probs(result.logits, *self.warp), probs, self.generator)
         live = torch.tensor([not f for f in self.finished])
         counts = acceptance.num_accepted.cpu() * live
@@ -629,7 +696,7 @@ class _PlainDrafter(Drafter):
 
     def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
         tokens = torch.stack([seq[-1:] for seq in request.sequences])
-        return Draft(tokens, torch.full_like(tokens, -1))
+        return Draft(tokens, torch.full_like(tokens, -1), chain=True)
 
 
 def _committed_length(cache) -> int:

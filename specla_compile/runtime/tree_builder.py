@@ -80,7 +80,7 @@ def _chain(step: StepFn, pending: torch.Tensor, depth: int) -> Draft:
         tokens.append(_scores(step, frontier).argmax(-1))  # (a chain needs no normalisation: same argmax)
     rows, n = pending.shape[0], depth + 1
     parents = torch.arange(-1, n - 1, device=pending.device).expand(rows, n).clone()
-    return Draft(tokens=torch.cat(tokens, dim=1), parents=parents)
+    return Draft(tokens=torch.cat(tokens, dim=1), parents=parents, chain=True)
 
 
 def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: bool) -> Draft:
@@ -151,7 +151,7 @@ def _pack(
     out_tok[row_ix, slot] = tokens
     out_par[row_ix, slot] = parent_node
     out_tok[:, 0], out_par[:, 0] = pending, ROOT
-    return Draft(tokens=out_tok[:, :n], parents=out_par[:, :n])
+    return Draft(tokens=out_tok[:, :n], parents=out_par[:, :n], chain=False)
 
 
 def draft_from_paths(pending: torch.Tensor, rows: Sequence[Sequence[tuple[int, int]]]) -> Draft:

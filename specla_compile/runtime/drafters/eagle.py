@@ -322,14 +322,15 @@ class EagleDrafter(Drafter):
         ``compiled`` (fixed shapes only), as one program compiled by inductor, one per shape and config.
         Unfused, a tree level is about 75 kernels, mostly small elementwise and indexing ones, and a
         propose is bound by their count."""
+        chain = config.mode == "chain"
         if not compiled:
-            return Draft(*self._propose_steps(plan, features, config, fixed_size))
+            return Draft(*self._propose_steps(plan, features, config, fixed_size), chain=chain)
         if self._compiled_propose is None:  # (one graph: tests/test_eagle.py checks that nothing breaks it)
             self._compiled_propose = torch.compile(self._propose_steps, dynamic=False)
         # one program per number of rows drafted, buffer capacity and SpecConfig, for every drafter of the
         # process: Dynamo's default of 8 per function would soon run the propose eagerly
         with torch._dynamo.config.patch(recompile_limit=PROPOSE_PROGRAMS):
-            return Draft(*self._compiled_propose(plan, features, config, fixed_size))
+            return Draft(*self._compiled_propose(plan, features, config, fixed_size), chain=chain)
 
     def _propose_steps(self, plan: _Plan, features: torch.Tensor, config: SpecConfig,
                        fixed_size: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,7 +359,7 @@ class EagleDrafter(Drafter):
         captured.inputs.copy_(plan.inputs)
         captured.features.copy_(features)
         captured.graph.replay()
-        return Draft(captured.draft.tokens.clone(), captured.draft.parents.clone())
+        return Draft(captured.draft.tokens.clone(), captured.draft.parents.clone(), chain=captured.draft.chain)
 
     def _catch_up(self, plan: _Plan, features: torch.Tensor) -> None:
         """Cache every pair up to the one holding the pending token, all rows in one head call."""
