@@ -198,7 +198,7 @@ def run_route(gen, prompts, new_tokens: int, drafter=None, config=None, plain: b
             phases[phase] += getattr(out.stats, phase)
         sequences.append(out.sequences)
     return {
-        "decode_s": decode, "e2e_s": e2e, "new_tokens": tokens, "passes": passes,
+        "decode_s": decode, "e2e_s": e2e, "calls": len(prompts), "new_tokens": tokens, "passes": passes,
         "ms_per_token": 1000 * decode / tokens, "tokens_per_s": tokens / decode,
         "tokens_per_pass": tokens / max(passes, 1), "mean_accepted": sum(accepted) / max(len(accepted), 1),
         "ms_per_pass": {phase.split("_")[0]: 1000 * t / max(passes, 1) for phase, t in phases.items()},
@@ -652,6 +652,22 @@ def targets_markdown(targets: list[dict]) -> list[str]:
     ]
 
 
+def end_to_end_markdown(b1: dict) -> list[str]:
+    """Whole calls (prefill, start and finish included) next to the decode phase the heatmap times."""
+    plain, chain = b1.get("plain", {}), b1.get("chain", {})
+    if "e2e_s" not in plain:
+        return []
+    calls = plain.get("calls", 4)  # (runs before the field: 4 prompts, the default)
+    outside = 1e3 * (plain["e2e_s"] - plain["decode_s"]) / calls
+    lines = [f"- end to end, plain decoding: {1e3 * plain['e2e_s'] / plain['new_tokens']:.3f} ms/token; "
+             + f"{outside:.1f} ms per call outside the decode phase (prefill, start, finish)"]
+    for name in ("L12_p1.0", "L8_p0.8"):
+        if "e2e_s" in chain.get(name, {}):
+            lines.append(f"- end to end, chain {name}: {plain['e2e_s'] / chain[name]['e2e_s']:.2f}x "
+                         f"(decode phase {chain[name]['speedup']:.2f}x)")
+    return lines
+
+
 def write_report(results: dict, out_dir: str) -> None:
     results["targets"] = targets(results)
     os.makedirs(out_dir, exist_ok=True)
@@ -678,6 +694,7 @@ def write_report(results: dict, out_dir: str) -> None:
     if "invalid" in results:
         lines += ["", f"Not reported: {results['invalid']['what']}. Why: {results['invalid']['why']}."]
     b1 = results.get("fla_b1", {})
+    lines += end_to_end_markdown(b1)
     lines += profile_markdown(b1.get("profile"), b1.get("weights_gb", 2.93) / 4.2)
     lines += op_profile_markdown(results.get("fla_profile", {}))
     lines += layer_markdown(results)

@@ -32,6 +32,9 @@ def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode):
             assert all(bucket.graph is not None for bucket in gen.engine(prompts.device, False).buckets.values())
             plain_out = gen.decode(prompts, max_new_tokens=20, eos_token_id=eos, pad_token_id=VOCAB + 1)
     assert outs[True].sequences.tolist() == outs[False].sequences.tolist() == plain_out.sequences.tolist()
+    stats = outs[True].stats  # phase times from CUDA events: each positive, together within the call's time
+    phases = [stats.prefill_seconds, stats.draft_seconds, stats.verify_seconds, stats.commit_seconds]
+    assert all(t > 0 for t in phases) and sum(phases) <= stats.seconds
     for b in range(2):
         expected = plain(model, prompts[b], 20, eos)[0][0, 6:].tolist()
         assert outs[True].sequences[b, 6 : 6 + len(expected)].tolist() == expected

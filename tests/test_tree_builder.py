@@ -100,6 +100,7 @@ def test_chain_is_greedy_chain_of_step(depth, rows, vocab, seed):
     pending = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(seed))
     draft = build_draft(PathLM(vocab, seed), pending, SpecConfig(mode="chain", depth=depth))
     assert draft.parents.tolist() == [list(range(-1, depth))] * rows
+    assert draft.chain is True  # (the engine takes the chain bucket without reading the parents back)
     for b in range(rows):
         path = (int(pending[b]),)
         for _ in range(depth):
@@ -127,6 +128,8 @@ def test_tau_zero_keeps_only_best_paths(depth, top_k, seed):
 
     best = {d: max((p for p in everything if len(p) == d), key=score) for d in range(1, depth + 1)}
     assert paths == {b[:i] for b in best.values() for i in range(1, len(b) + 1)}
+    # a tree-mode draft says it is a tree even when pruned to one path: it keeps the tree bucket
+    assert pruned.chain is False and full.chain is False
 
 
 def test_rows_are_independent():

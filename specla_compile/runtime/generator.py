@@ -419,11 +419,11 @@ class _Run:
         if n > self.nodes:
             raise ValueError(f"{type(self.drafter).__name__} proposed {n} nodes, more than the configured {self.nodes}")
         tail = (0, self.nodes - n)
-        if len(active) == self.batch and n == self.nodes:
-            tokens, parents = draft.tokens.to(self.device), draft.parents.to(self.device)
-        elif len(active) == self.batch:  # every row drafted: pad the draft (padding tokens are never read)
-            tokens = torch.nn.functional.pad(draft.tokens.to(self.device), tail)
-            parents = torch.nn.functional.pad(draft.parents.to(self.device), tail, value=PAD)
+        if len(active) == self.batch:  # every row drafted: pad the draft (padding tokens are never read)
+            device = self._draft_device(draft)
+            tokens, parents = draft.tokens.to(device), draft.parents.to(device)
+            if n < self.nodes:
+                tokens, parents = torch.nn.functional.pad(tokens, tail), torch.nn.functional.pad(parents, tail, value=PAD)
         else:
             tokens = self.pending[:, None].repeat(1, self.nodes)
             parents = torch.full((self.batch, self.nodes), PAD, dtype=torch.long, device=self.device)
@@ -437,6 +437,10 @@ class _Run:
             probs = torch.zeros(self.batch, self.nodes, draft.probs.shape[-1], device=self.device)
             probs[index, :n] = draft.probs.to(self.device, torch.float32)
         return Draft(tokens, parents, probs, draft.chain)
+
+    def _draft_device(self, draft: Draft) -> torch.device:
+        """Where the verify pass takes a draft: the model's device."""
+        return self.device
 
     def _verify(self, tokens: torch.Tensor, parents: torch.Tensor):
         kwargs = self._model_kwargs()
@@ -609,6 +613,12 @@ class _StaticRun(_Run):
         self.committed = torch.tensor([r.numel() for r in self.rows], device=self.device)
         self.stats.prefill_passes = -(-max(r.numel() for r in self.rows) // PREFILL_NODES)
         return self._begin(logits, features)
+
+    def _draft_device(self, draft: Draft) -> torch.device:
+        """Where the drafter made it: the engine takes host and device drafts alike, and moving a device
+        draft to the host's bookkeeping would wait for the whole draft graph before the host could even
+        queue the verify pass."""
+        return draft.tokens.device
 
     def _empty_cache(self):
         """A cache of the engine's layout for this batch with zero states (what a prompt starts from), or
