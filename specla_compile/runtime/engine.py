@@ -235,7 +235,7 @@ class StaticEngine:
         (an empty one: zero states), as chain passes of ``PREFILL_NODES`` tokens that commit every token:
         a few replays of one captured graph instead of an eager forward's hundreds of launches. Returns
         the logits after each row's last token ``[B, V]`` and, when the passes return features, each
-        row's last hidden states ``[T_b, D]``. Reads nothing back from the device."""
+        row's last hidden states ``[T_b, D]``. Reads nothing back from the device but the prompts."""
         if self.kv_valid is not None:
             raise NotImplementedError("the engine prefills models without attention layers only; hybrids prefill eagerly")
         n, batch = PREFILL_NODES, len(rows)
@@ -243,7 +243,7 @@ class StaticEngine:
         host = [row.cpu() for row in rows]
         path = torch.arange(n, device=self.committed.device).expand(batch, n)
         logits: list[torch.Tensor | None] = [None] * batch
-        hidden: list[list[torch.Tensor]] = [[] for _ in rows]
+        hidden: list[torch.Tensor] = []  # [B, n, D] per pass (copies: the next replay overwrites the outputs)
         for start in range(0, max(lengths), n):
             tokens = torch.zeros(batch, n, dtype=torch.long)
             parents = torch.full((batch, n), PAD, dtype=torch.long)
@@ -252,14 +252,16 @@ class StaticEngine:
                 tokens[b, :count] = host[b][start : start + count]
                 parents[b, : max(count, 1)] = torch.arange(-1, max(count, 1) - 1)  # (a finished row: an inert root)
             result, _ = self.verify(tokens, parents, accept=False, chain=True)
-            self._commit(self.last, path, torch.tensor(counts).to(self.committed.device, non_blocking=True))
-            for b, count in enumerate(counts):  # (copies: the next replay overwrites the outputs)
+            self._commit(self.last, path, torch.tensor(counts, device=self.committed.device))
+            for b, count in enumerate(counts):
                 if count and start + count == lengths[b]:
                     logits[b] = result.logits[b, count - 1].clone()
-                if count and result.hidden is not None:
-                    hidden[b].append(result.hidden[b, :count].clone())
-        features = [torch.cat(parts) for parts in hidden] if self.features else None
-        return torch.stack(logits), features
+            if self.features:
+                hidden.append(result.hidden.clone())
+        if not self.features:
+            return torch.stack(logits), None
+        prompts = torch.cat(hidden, dim=1)  # a row's token t sits at column t: rows start together
+        return torch.stack(logits), [prompts[b, :length] for b, length in enumerate(lengths)]
 
     def commit(self, path: torch.Tensor, counts: torch.Tensor) -> None:
         """Keep each row's first ``counts[b]`` nodes of ``path [B, N]`` (after a pass without ``accept``)."""
