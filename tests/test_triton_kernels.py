@@ -246,8 +246,8 @@ def test_benchmark_gemv_matches_linear(rows, split):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vocab_top_k(rows, vocab, k, block, dtype):
     """The k best log-probabilities per row and their ids, against log_softmax + a stable sort: random
-    scores (several blocks, the last one partial), then scores with ties (the lower id first) and masked
-    (-inf) entries."""
+    scores (several chunks, the last one partial, with fewer real tokens than k when k > vocab % block),
+    then scores with ties (the lower id first, across chunks too) and masked (-inf) entries."""
     gen = torch.Generator().manual_seed(rows * vocab + k)
     scores = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
     tied = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
@@ -259,3 +259,6 @@ def test_vocab_top_k(rows, vocab, k, block, dtype):
         torch.testing.assert_close(log_probs, expected_lp, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="1 <= k <= V"):
         tk.vocab_top_k(scores, vocab + 1)
+    if block < vocab:
+        with pytest.raises(ValueError, match="at most 16 tokens per row"):
+            tk.vocab_top_k(scores, block + 1, block=16)
