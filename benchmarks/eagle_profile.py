@@ -1,6 +1,12 @@
-"""What an EAGLE propose costs on the GPU, at the trained study's shape (random weights: the cost does
-not depend on them): time per propose with and without its CUDA graph, the graph's replay alone, the
-host's share, and the captured graph's kernels by kind.
+"""What EAGLE drafting costs on the GPU, at the trained study's shape (random weights: the cost does
+not depend on them).
+
+- ``propose``: time per propose with and without its CUDA graph, the graph's replay alone, the host's
+  share, and the captured graph's kernels by kind.
+- ``loop``: one ``generate`` iteration of the study's routes over a target of the trained shape
+  (``benchmarks/results/trained/report.json``): wall time per iteration against the CUDA-event phase
+  times, the GPU's kernel time per iteration (the rest is the GPU waiting for the host), the runtime
+  calls per iteration (synchronisations, copies, graph launches) and the host's costliest functions.
 
     python benchmarks/eagle_profile.py --out DIR     # writes DIR/eagle_profile.json and prints a table
 """
@@ -8,15 +14,21 @@ host's share, and the captured graph's kernels by kind.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
+import io
 import json
 import os
+import pstats
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_gpu import kernel_profile
+from e2e_gpu import kernel_profile, summarize_kernels
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
@@ -66,9 +78,117 @@ def replay_ms(graph, replays: int = 50) -> float:
     return 1000 * (time.perf_counter() - started) / replays
 
 
+TRAINED_REPORT = Path(__file__).resolve().parent / "results" / "trained" / "report.json"
+LOOP_ROUTES = ("plain", "eagle_chain", "eagle_tree", "eagle_tree_host")  # host: SpecConfig(pipelined=False)
+RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaGraphLaunch", "cudaLaunchKernel", "cudaEventRecord")
+
+
+def trained_shape_target(vocab: int) -> torch.nn.Module:
+    """An fla GDN model of the trained study's config (random weights), bf16 on the GPU."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    config = json.loads(TRAINED_REPORT.read_text())["target"]["config"]
+    config.update(vocab_size=vocab, fuse_cross_entropy=False, eos_token_id=None)
+    torch.manual_seed(0)
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig.from_dict(config))
+    model.generation_config.eos_token_id = None  # random weights: every call decodes its full length
+    return model.to("cuda", torch.bfloat16).eval()
+
+
+def host_profile(call, top: int = 25) -> list[str]:
+    """The host's costliest functions over one call (cProfile, by own time): ``top`` lines of pstats."""
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1 :]
+
+
+def runtime_profile(call, iterations: int, trace_path: str = "/tmp/specla_loop_trace.json") -> dict:
+    """Per iteration of one call: CUDA runtime calls by name and the GPU's busy time (kernels, copies,
+    fills), from a torch.profiler chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    counts = {name: sum(e.get("name") == name for e in events) for name in RUNTIME_CALLS}
+    gpu = summarize_kernels(events, iterations)
+    return {"per_iteration": {k: round(v / iterations, 2) for k, v in counts.items()},
+            "kernel_ms_per_iteration": gpu["busy_ms"], "kernels_per_iteration": gpu["kernels_per_pass"],
+            "top_kernels_ms": gpu["top_kernels_ms"]}
+
+
+def loop_section(args, results: dict) -> None:
+    """``generate`` iterations of the study's routes at the trained shape: where an iteration's time goes."""
+    import fla  # noqa: F401  (registers fla's models)
+
+    from specla_compile import SpeculativeGenerator
+
+    model = trained_shape_target(args.vocab)
+    hidden = model.config.hidden_size
+    head = EagleHead(EagleConfig(hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
+    drafter = EagleDrafter(head, model)
+    configs = {"eagle_chain": CONFIGS["chain_L8"], "eagle_tree": CONFIGS["tree_k4_d6_n16"],
+               "eagle_tree_host": dataclasses.replace(CONFIGS["tree_k4_d6_n16"], pipelined=False)}
+    gen = SpeculativeGenerator(model, drafter, configs["eagle_tree"], shared_features=True)
+    prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    loop = results["loop"] = {"target_layers": model.config.num_hidden_layers, "hidden": hidden, "new_tokens": 128}
+    sequences = {}
+    for route in LOOP_ROUTES:
+        if route != "plain":
+            gen.config = configs[route]
+        call = (lambda: gen.decode(prompt, 128)) if route == "plain" else (lambda: gen.generate(prompt, 128))
+        started = time.perf_counter()
+        for _ in range(3):  # compile, capture, warm
+            call()
+        warm = time.perf_counter() - started
+        rows = []
+        for _ in range(args.calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = call()
+            torch.cuda.synchronize()
+            st = out.stats
+            rows.append((time.perf_counter() - t0 - st.prefill_seconds, st.iterations, st.draft_seconds,
+                         st.verify_seconds, st.commit_seconds, st.new_tokens))
+        rows.sort()
+        wall, iters, draft, verify, commit, tokens = rows[len(rows) // 2]  # the median call
+        sequences[route] = out.sequences[0].tolist()
+
+        def per(seconds: float, iters: int = iters) -> float:
+            return 1000 * seconds / iters
+
+        entry = loop[route] = {
+            "warm_s": warm, "ms_per_token": 1000 * wall / tokens, "iterations": iters,
+            "ms_per_iteration": per(wall), "phase_ms_per_iteration": {"draft": per(draft), "verify": per(verify),
+                                                                      "commit": per(commit)},
+            "runtime": runtime_profile(call, iters),
+        }
+        if route in ("eagle_tree", "eagle_tree_host"):
+            entry["host_top"] = host_profile(call)
+        idle = entry["ms_per_iteration"] - entry["runtime"]["kernel_ms_per_iteration"]
+        print(f"loop {route}: {entry['ms_per_iteration']:.3f} ms per iteration ({iters} iterations), phases "
+              f"{ {k: round(v, 3) for k, v in entry['phase_ms_per_iteration'].items()} }, GPU kernels "
+              f"{entry['runtime']['kernel_ms_per_iteration']:.3f} ms (waiting {idle:.3f} ms), "
+              f"runtime calls {entry['runtime']['per_iteration']}", flush=True)
+        for line in entry.get("host_top", []):
+            print("   ", line, flush=True)
+    # pipelined and host-loop drafting run the same passes over the same drafts: the same tokens, bit for bit
+    loop["identical_to_host_loop"] = sequences["eagle_tree"] == sequences["eagle_tree_host"]
+    loop["identical_to_plain"] = {route: sequences[route] == sequences["plain"] for route in LOOP_ROUTES[1:]}
+    print(f"loop outputs: pipelined tree == host-loop tree: {loop['identical_to_host_loop']}; "
+          f"== plain (bf16, random weights: near-ties may differ): {loop['identical_to_plain']}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
+    p.add_argument("--sections", nargs="+", choices=("propose", "loop"), default=["propose", "loop"])
+    p.add_argument("--calls", type=int, default=3, help="timed generate calls per route (loop)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=4096)
@@ -79,10 +199,24 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("error: eagle_profile.py needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": vars(args), "routes": {}}
+    for name, section in (("propose", propose_section), ("loop", loop_section)):
+        if name in args.sections:
+            try:
+                section(args, results)
+            except Exception:  # noqa: BLE001 (one GPU call runs both: a failing section keeps the other's results)
+                results.setdefault("errors", {})[name] = traceback.format_exc()
+                print(results["errors"][name], flush=True)
+    with open(os.path.join(args.out, "eagle_profile.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    write_markdown(results, args.out)
+
+
+def propose_section(args, results: dict) -> None:
+    """Each route's propose, graphed and uncaptured, over a stub target (embeddings and LM head)."""
     target = stub_target(args.hidden, args.vocab, torch.bfloat16)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig(args.hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": vars(args), "routes": {}}
     for name, config in CONFIGS.items():
         route = results["routes"][name] = {}
         for mode, static in (("graphed", None), ("uncaptured", False)):
@@ -98,9 +232,6 @@ def main() -> None:
               f"{route['profile']['kernels_per_pass']:.0f} kernels, busy {route['profile']['busy_ms']:.3f}), "
               f"uncaptured {route['uncaptured']['ms_per_propose']:.3f} ms", flush=True)
         print(json.dumps(route["profile"], indent=1), flush=True)
-    with open(os.path.join(args.out, "eagle_profile.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    write_markdown(results, args.out)
 
 
 def write_markdown(results: dict, out_dir: str) -> None:
@@ -111,11 +242,32 @@ def write_markdown(results: dict, out_dir: str) -> None:
     lines = ["# EAGLE propose on the GPU", "", setup, "",
              "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | uncaptured, ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, r in results["routes"].items():
+    for name, r in results.get("routes", {}).items():
         p = r["profile"]
         lines.append(f"| {name} | {r['graphed']['ms_per_propose']:.3f} | {r['replay_ms']:.3f} | {r['host_ms']:.3f} | "
                      f"{p['kernels_per_pass']:.0f} | {p['busy_ms']:.3f} | {p['by_kind_ms'].get('gemm', 0):.3f} | "
                      f"{r['uncaptured']['ms_per_propose']:.3f} |")
+    if "loop" in results:
+        loop = results["loop"]
+        title = (f"## One generate iteration ({loop['target_layers']}-layer target at hidden {loop['hidden']}, random "
+                 f"weights, {loop['new_tokens']} new tokens)")
+        header = ("| route | ms per iteration | draft / verify / commit phases, ms | GPU kernels, ms | GPU waiting, ms | "
+                  "syncs | copies | graph launches | kernel launches |")
+        lines += ["", title, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for route in LOOP_ROUTES:
+            r = loop.get(route)
+            if r is None:
+                continue
+            ph, rt = r["phase_ms_per_iteration"], r["runtime"]
+            calls = rt["per_iteration"]
+            lines.append(f"| {route} | {r['ms_per_iteration']:.3f} | {ph['draft']:.3f} / {ph['verify']:.3f} / {ph['commit']:.3f} | "
+                         f"{rt['kernel_ms_per_iteration']:.3f} | {r['ms_per_iteration'] - rt['kernel_ms_per_iteration']:.3f} | "
+                         f"{calls['cudaStreamSynchronize']} | {calls['cudaMemcpyAsync']} | {calls['cudaGraphLaunch']} | "
+                         f"{calls['cudaLaunchKernel']} |")
+        if "identical_to_host_loop" in loop:
+            lines.append(f"- outputs: pipelined tree drafting identical to the host loop's: {loop['identical_to_host_loop']}; "
+                         f"identical to plain decoding (bf16, random weights): {loop['identical_to_plain']}")
+        lines.append("")
     lines += [f"- {note}" for note in results.get("notes", [])]
     with open(os.path.join(out_dir, "eagle_profile.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -37,6 +37,8 @@ def test_out_of_range_values_raise_value_error(field, value):
         ("bucket", 8.0),
         ("tau", "1"),
         ("tau", True),
+        ("cuda_graphs", "yes"),
+        ("pipelined", "on"),
     ],
 )
 def test_wrong_types_raise_type_error(field, value):

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
 from specla_compile.runtime.drafters.eagle_head import causal_mask
-from specla_compile.runtime.drafting import DraftRequest
+from specla_compile.runtime.drafting import Draft, DraftRequest, PassOutputs
 from specla_compile.runtime.tree_builder import build_draft
 from specla_compile.tree import PAD
 
@@ -230,6 +230,63 @@ def test_drafting_some_rows_of_a_batch_equals_drafting_them_alone():
     seq = torch.cat([seqs[0], torch.tensor([3])])
     draft, expected = both.propose(DraftRequest([0], [seq]), config), first.propose(DraftRequest([0], [seq]), config)
     assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+
+
+def _accepted_path(parents: torch.Tensor, length: int) -> list[int]:
+    """Node 0, then up to ``length - 1`` nodes down the tree, each the last child of the node before."""
+    path = [0]
+    while len(path) < length:
+        children = (parents == path[-1]).nonzero().flatten().tolist()
+        if not children:
+            break
+        path.append(children[-1])
+    return path
+
+
+@pytest.mark.parametrize(
+    "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)]
+)
+def test_propose_after_a_pass_drafts_what_commit_then_propose_drafts(config):
+    """Pipelined drafting: from a pass's device outputs alone (the verified draft, the accepted paths and
+    counts, the new pending tokens, the target's features at every node, in buffers wider than the draft)
+    the drafter drafts what its twin drafts from the host's commit and the grown sequences, round after
+    round with different accepted lengths; a finished row (count 0) keeps its cache. Afterwards the host
+    path is refused until begin()."""
+    target, head = make(seed=8)
+    twin, piped = (EagleDrafter(head, target, static_shapes=True, compiled=False) for _ in range(2))
+    gen = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (6, 10)]
+    for d in (twin, piped):
+        d.begin(seqs, [features_of(target, s) for s in seqs])
+    seqs = [torch.cat([s, torch.randint(0, VOCAB, (1,), generator=gen)]) for s in seqs]  # the pending tokens
+    drafts = [d.propose(DraftRequest([0, 1], seqs), config) for d in (twin, piped)]
+    assert_same_draft(*drafts)
+    width = drafts[0].tokens.shape[1] + 3  # the engine's bucket: wider than the draft
+    for round, lengths in enumerate([(3, 1), (1, 2), (2, 3), (config.depth + 1, 0)]):  # (0: a row that finished)
+        draft = drafts[0]
+        tokens = torch.nn.functional.pad(draft.tokens, (0, 3))
+        paths = [_accepted_path(draft.parents[b], n) for b, n in enumerate(lengths)]
+        path = torch.full((2, width), -1)
+        for b, p in enumerate(paths):
+            path[b, : len(p)] = torch.tensor(p)
+        counts = torch.tensor([len(p) if n else 0 for p, n in zip(paths, lengths)])
+        next_token = torch.randint(0, VOCAB, (2,), generator=gen)
+        hidden = torch.randn(2, width, 32, dtype=torch.float64, generator=gen)
+        rows = [b for b in (0, 1) if counts[b]]
+        committed = [tokens[b, path[b, : counts[b]]] for b in rows]
+        twin.commit(rows, committed, [hidden[b, path[b, : counts[b]]] for b in rows])
+        for b, c in zip(rows, committed):
+            seqs[b] = torch.cat([seqs[b][:-1], c, next_token[b : b + 1]])
+        expected = twin.propose(DraftRequest(rows, [seqs[b] for b in rows]), config)
+        got = piped.propose_after(PassOutputs(tokens, path, counts, next_token, hidden), config, max_length=64)
+        assert_same_draft(Draft(got.tokens[rows], got.parents[rows]), expected)
+        drafts = [got]
+        assert piped._device_cached.tolist() == [len(s) - 1 for s in seqs], f"round {round}"
+    torch.testing.assert_close(piped._last_hidden, twin._last_hidden)
+    with pytest.raises(RuntimeError, match="call begin"):
+        piped.propose(DraftRequest([0], seqs[:1]), config)
+    piped.begin([s[:-1] for s in seqs], [features_of(target, s[:-1]) for s in seqs])
+    piped.propose(DraftRequest([0, 1], seqs), config)
 
 
 def test_save_load_round_trip(tmp_path):

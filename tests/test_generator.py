@@ -306,6 +306,54 @@ def test_eagle_drafter_gets_features_from_the_verify_pass(family):
     assert seen and all(tokens == features for tokens, features in seen)
 
 
+@pytest.mark.parametrize("setting", [SETTINGS[1], SETTINGS[2]])
+def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits(setting):
+    """With static shapes the EAGLE drafter drafts every iteration but the first from the verify pass's
+    device outputs, queued behind the pass (SpecConfig.pipelined), and is never told a commit: a ragged
+    batch with a row stopping at EOS gets plain decoding's tokens and GDN states, as the host loop
+    (pipelined=False, a commit per iteration) does."""
+    import dataclasses
+
+    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+
+    model = tiny_model("fla")
+    torch.manual_seed(7)
+    head = EagleHead(EagleConfig.for_target(model))
+    prompts, input_ids, mask = left_padded_batch((4, 7), seed=5)
+    refs = [plain(model, p, 12)[0][0, p.numel() :].tolist() for p in prompts]
+    eos = refs[1][5]
+    expected = [plain(model, p, 12, eos)[0][0, p.numel() :].tolist() for p in prompts]
+    for pipelined in (None, False):
+        drafter = EagleDrafter(head, model, static_shapes=True, compiled=False)
+        calls = {"commit": 0, "after": 0}
+        real_commit, real_after = drafter.commit, drafter.propose_after
+
+        def commit(*args, real=real_commit):
+            calls["commit"] += 1
+            return real(*args)
+
+        def propose_after(*args, real=real_after):
+            draft = real(*args)
+            calls["after"] += draft is not None
+            return draft
+
+        drafter.commit, drafter.propose_after = commit, propose_after
+        config = dataclasses.replace(setting, pipelined=pipelined)
+        out = SpeculativeGenerator(model, drafter, config, compile_options=COMPILE).generate(
+            input_ids, max_new_tokens=12, eos_token_id=eos, attention_mask=mask, pad_token_id=VOCAB + 1)
+        for b, exp in enumerate(expected):
+            row = out.sequences[b, input_ids.shape[1] :].tolist()
+            assert row[: len(exp)] == exp and all(t == VOCAB + 1 for t in row[len(exp) :]), (pipelined, b)
+        ours = [s.get() for s in cache_slots(out.past_key_values) if s.kind == "state"]
+        for b, p in enumerate(prompts):
+            theirs = [s.get() for s in cache_slots(plain(model, p, len(expected[b]), eos)[1]) if s.kind == "state"]
+            assert max((mine[b] - ref[0]).abs().max().item() for mine, ref in zip(ours, theirs)) <= 1e-5
+        if pipelined is None:
+            assert calls["commit"] == 0 and calls["after"] >= out.stats.iterations - 1 > 2, calls
+        else:
+            assert calls["after"] == 0 and calls["commit"] == out.stats.iterations, calls
+
+
 def test_drafts_over_64_nodes_on_fla():
     """Above 64 tokens fla's layer calls chunk_gated_delta_rule (wrapped in torch.compiler.disable)
     instead of the fused recurrent kernel: the capture must still see it, in the prefill of a long

@@ -93,3 +93,26 @@ def test_bf16_experts_keep_grouped_mm_inside_the_cuda_graphs():
             assert all(bucket.graph is not None for bucket in gen.engine(prompts.device, False).buckets.values())
     assert model.config._experts_implementation == "grouped_mm"
     assert outs[True].tolist() == outs[False].tolist()
+
+
+def test_graphed_pipelined_eagle_drafting_equals_the_host_loop_and_plain_decoding():
+    """With CUDA graphs, an EAGLE drafter's pipelined drafts (each queued behind the pass it drafts from,
+    the host reading that pass meanwhile) give the host loop's tokens and plain decoding's, on a ragged
+    batch with a row stopping at EOS; the proposes replay captured graphs."""
+    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+
+    model = tiny_model("fla").cuda()
+    torch.manual_seed(7)
+    head = EagleHead(EagleConfig.for_target(model)).cuda()
+    prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5)).cuda()
+    eos = plain(model, prompts[1], 16)[0][0, 6:].tolist()[7]
+    outs = {}
+    for pipelined in (None, False):
+        drafter = EagleDrafter(head, model)
+        config = SpecConfig(mode="tree", depth=4, tree_top_k=2, budget=7, bucket=8, pipelined=pipelined)
+        gen = SpeculativeGenerator(model, drafter, config)
+        outs[pipelined] = gen.generate(prompts, max_new_tokens=16, eos_token_id=eos, pad_token_id=VOCAB + 1).sequences.tolist()
+        assert drafter._graphs and not drafter._graph_error
+        assert (drafter._device_cached is not None) == (pipelined is None)
+    plain_out = gen.decode(prompts, max_new_tokens=16, eos_token_id=eos, pad_token_id=VOCAB + 1).sequences.tolist()
+    assert outs[None] == outs[False] == plain_out

@@ -27,7 +27,11 @@ class SpecConfig:
     attention layers through the static engine's 16-token chain passes (up to 256 prompt tokens; with
     CUDA graphs a few replays instead of an eager forward's hundreds of launches); ``"eager"`` prefills
     with the eager model (fla's chunk kernels), as hybrids, longer prompts and calls that continue a
-    cache always do; None (default): the engine where it replays CUDA graphs.
+    cache always do; None (default): the engine where it replays CUDA graphs. ``pipelined``: in greedy
+    static runs, a drafter that can (:meth:`~.drafting.Drafter.propose_after`: ``EagleDrafter``) drafts the
+    next iteration from the verify pass's device outputs, queued behind the pass, while the host reads
+    the pass's result; None (default) or True: wherever the drafter can; False: never (the drafter waits
+    for the host's commit, as in sampling and tensor-parallel runs).
     """
 
     mode: Literal["chain", "tree"] = "chain"
@@ -39,6 +43,7 @@ class SpecConfig:
     engine: Literal["static", "dynamic"] = "static"
     cuda_graphs: bool | None = None
     prefill: Literal["engine", "eager"] | None = None
+    pipelined: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
@@ -60,8 +65,9 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.engine must be 'static' or 'dynamic', got {self.engine!r}")
         if self.prefill not in (None, "engine", "eager"):
             raise ValueError(f"SpecConfig.prefill must be None, 'engine' or 'eager', got {self.prefill!r}")
-        if self.cuda_graphs not in (None, True, False):
-            raise TypeError(f"SpecConfig.cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "pipelined"):
+            if getattr(self, name) not in (None, True, False):
+                raise TypeError(f"SpecConfig.{name} must be None, True or False, got {getattr(self, name)!r}")
 
     @property
     def max_nodes(self) -> int:

@@ -3,7 +3,9 @@
 The generator owns the token history. Each iteration it asks the drafter for a :class:`Draft` of
 every active row, verifies it in one target pass, accepts a path per row and tells the drafter
 what was committed (:meth:`Drafter.commit`), with the target's features at those positions when
-the drafter asked for them (``needs_features``).
+the drafter asked for them (``needs_features``). A drafter that can draft from the pass's device outputs
+alone (:meth:`Drafter.propose_after`) lets the generator queue the next draft behind the pass and read
+the pass's result while the device drafts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,21 @@ class Draft:
     parents: torch.Tensor
     probs: torch.Tensor | None = None
     chain: bool | None = None
+
+
+@dataclass
+class PassOutputs:
+    """What an accepting verify pass leaves on the device, for every row of the batch, before the host has
+    read any of it: the verified draft's ``tokens [B, N]``, the accepted ``path [B, N]`` (node indices from
+    node 0 on, -1 padded), ``counts [B]`` (tokens each row committed: its accepted nodes, 0 for a finished
+    row), the new pending token ``next_token [B]`` and the target's last hidden state at every node
+    ``hidden [B, N, D]`` (None unless the engine returns features). The next pass overwrites them."""
+
+    tokens: torch.Tensor
+    path: torch.Tensor
+    counts: torch.Tensor
+    next_token: torch.Tensor
+    hidden: torch.Tensor | None
 
 
 @dataclass
@@ -80,6 +97,15 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
         """Draft trees for ``request.rows`` (returned in that order, padded to a common size)."""
+
+    def propose_after(self, last: PassOutputs, config: SpecConfig, max_length: int) -> Draft | None:
+        """Draft every row's next tree from ``last`` alone, queued on the device behind the pass that made it,
+        so that the host reads that pass's result while the device drafts (the generator's pipelined loop).
+        Called after :meth:`begin` and a first :meth:`propose`; once it returned a draft the drafter's state
+        follows the device, and the generator calls neither :meth:`commit` nor :meth:`propose` again before the
+        next :meth:`begin`. ``max_length``: the most tokens a row can hold in this call. None (the default):
+        this drafter cannot draft that way."""
+        return None
 
     def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         """Tokens newly committed to row ``rows[i]`` this iteration (the accepted path from the pending

@@ -6,7 +6,9 @@ size N runs the compiled model's verification twin on them and, when greedy, acc
 gathers the accepted factor records into the static pending buffers (committed inside the next pass),
 compacts attention K/V and advances the committed lengths. On CUDA that step is captured as a CUDA graph
 at its first use and replayed afterwards; a smaller tree replays its bucket's graph with inert padding.
-The host synchronises once per pass, to read the accepted path. Plain greedy decoding runs the loop on
+The host synchronises once per pass, to read the accepted path, and waits for that pass alone
+(:meth:`StaticEngine.launch`, :meth:`StaticEngine.collect`): a drafter can queue the next draft behind it
+first, from the pass's device outputs, and draft while the host reads. Plain greedy decoding runs the loop on
 the device (:meth:`StaticEngine.decode_steps`): each replay of the 1-node graph feeds its token to the
 next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per synchronisation.
 
@@ -36,6 +38,7 @@ from .cache_layout import (
     static_twin,
     store_static,
 )
+from .drafting import PassOutputs
 from .graph_capture import capture
 
 log = logging.getLogger("specla_compile")
@@ -84,11 +87,13 @@ class _Bucket:
         self.draft[1] = PAD
         self.draft[1, :, 0] = -1
         self.summary = torch.zeros(batch, nodes + 2, dtype=torch.long, device=device)  # path, count, next token
-        # on CUDA, page-locked host sides of the draft and the summary, so that both copies are one DMA each
+        # on CUDA, page-locked host sides of the draft (in, and back with the summary) and the summary: one DMA each
         self.staged: torch.cuda.Event | None = None  # the last draft copy has left host_draft
         if device.type == "cuda":
             self.host_draft = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=True)
             self.host_summary = torch.zeros(batch, nodes + 2, dtype=torch.long, pin_memory=True)
+            self.host_verified = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=True)  # the draft, read back
+            self.read = torch.cuda.Event()  # both copies to the host are done
             self.staged = torch.cuda.Event()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.flush_graph: torch.cuda.CUDAGraph | None = None  # commits the pending records (end of a call)
@@ -113,6 +118,8 @@ class StaticEngine:
         self.cache = None
         self.capacity = 0
         self.last: _Bucket | None = None
+        self.verified_draft: torch.Tensor | None = None  # [2, B, N] host tokens and parents of the last accepting pass
+        self.launched: _Bucket | None = None  # the bucket of a launch() not collected yet
         self.buckets: dict[tuple[int, bool, str], _Bucket] = {}
         self.compile_seconds: dict[str, float] = {}
 
@@ -142,7 +149,7 @@ class StaticEngine:
             self.eos = torch.full((EOS_SLOTS,), -1, dtype=torch.long, device=committed.device)
             self.kv_valid = None if kv_valid is None else torch.zeros(committed.shape[0], capacity, dtype=torch.bool, device=committed.device)
         self.user_cache = cache
-        self.last = None
+        self.last = self.launched = None
         for bucket in self.buckets.values():  # a call that failed may have left records pending: drop them
             if bucket.session.num_pending is not None:
                 bucket.session.num_pending.zero_()
@@ -168,22 +175,56 @@ class StaticEngine:
                chain: bool | None = None) -> tuple[StepResult, Acceptance | None]:
         """Run one pass over the draft ``tokens, parents [B, N]`` (host or device tensors). With ``accept``,
         greedy acceptance and the commit of the accepted paths run in the same step and their result is
-        returned on the host (the pass's one synchronisation); otherwise call :meth:`commit` next.
+        returned on the host (:meth:`launch` then :meth:`collect`); otherwise call :meth:`commit` next.
         ``chain``: whether the draft is a chain (:class:`~.drafting.Draft`'s flag); None: read from ``parents``."""
+        if accept:
+            self.launch(tokens, parents, chain)
+            return self.last.result, self.collect()
+        bucket = self._begin_pass(tokens, parents, "host", chain)
+        self._run(bucket, accept=False)
+        return bucket.result, None
+
+    def launch(self, tokens: torch.Tensor, parents: torch.Tensor, chain: bool | None = None) -> PassOutputs:
+        """Queue one accepting pass over a draft (as :meth:`verify`) and the copy of its result to the host,
+        without waiting for either: returns the pass's device outputs, from which a drafter may queue the
+        next draft before :meth:`collect` waits for this pass alone."""
+        bucket = self._begin_pass(tokens, parents, "accept", chain)
+        self._run(bucket, accept=True)
+        if bucket.staged is not None:
+            bucket.host_summary.copy_(bucket.summary, non_blocking=True)
+            bucket.host_verified.copy_(bucket.draft, non_blocking=True)
+            bucket.read.record()
+        self.launched = bucket
+        n = bucket.nodes
+        summary = bucket.summary
+        return PassOutputs(bucket.draft[0], summary[:, :n], summary[:, n], summary[:, n + 1], bucket.result.hidden)
+
+    def collect(self) -> Acceptance:
+        """The accepted paths, counts and next tokens of the pass :meth:`launch` queued, on the host: waits for
+        that pass (the one synchronisation of an iteration), not for the work queued after it. The draft's
+        host copy goes to ``verified_draft`` (``[2, B, N]`` tokens and parents: a device draft is not read apart)."""
+        bucket, self.launched = self.launched, None
+        if bucket is None:
+            raise RuntimeError("StaticEngine.collect() needs a launch() first")
+        if bucket.staged is None:  # (a CPU engine: the buffers are the next pass's)
+            summary, self.verified_draft = bucket.summary.clone(), bucket.draft.clone()
+        else:
+            bucket.read.synchronize()
+            summary, self.verified_draft = bucket.host_summary.clone(), bucket.host_verified.clone()
+        n = bucket.nodes
+        self.columns += max(summary[:, n].tolist())
+        return Acceptance(summary[:, :n], summary[:, n], summary[:, n + 1])
+
+    def _begin_pass(self, tokens: torch.Tensor, parents: torch.Tensor, mode: str, chain: bool | None) -> _Bucket:
+        """The draft's bucket, prepared (compiled, captured) and holding the draft."""
         nodes = tokens.shape[1]
         if self.kv_valid is not None and self.columns + nodes > self.capacity:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
-        bucket = self._switch_to(nodes, parents, "accept" if accept else "host", chain)
+        bucket = self._switch_to(nodes, parents, mode, chain)
         self._load_draft(bucket, tokens, parents)
         if not bucket.prepared:
-            self._prepare(bucket, accept)
-        self._run(bucket, accept)
-        if not accept:
-            return bucket.result, None
-        summary = self._read_summary(bucket)  # the one synchronisation of the pass
-        acceptance = Acceptance(summary[:, :nodes], summary[:, nodes], summary[:, nodes + 1])
-        self.columns += max(summary[:, nodes].tolist())
-        return bucket.result, acceptance
+            self._prepare(bucket, mode == "accept")
+        return bucket
 
     def _load_draft(self, bucket: _Bucket, tokens: torch.Tensor, parents: torch.Tensor) -> None:
         """Copy a draft into the bucket's static inputs: through its page-locked host buffer when the
@@ -196,14 +237,6 @@ class StaticEngine:
         bucket.host_draft[1].copy_(parents)
         bucket.draft.copy_(bucket.host_draft, non_blocking=True)
         bucket.staged.record()
-
-    def _read_summary(self, bucket: _Bucket) -> torch.Tensor:
-        """The pass's accepted paths, counts and next tokens on the host (waits for the pass)."""
-        if bucket.staged is None:  # (a CPU engine)
-            return bucket.summary.clone()  # (the buffer is the next pass's)
-        bucket.host_summary.copy_(bucket.summary, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return bucket.host_summary.clone()
 
     def decode_steps(self, pending: torch.Tensor, steps: int, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain greedy decoding of ``steps`` (<= ``PLAIN_STEPS``) passes with one synchronisation: each pass

@@ -308,6 +308,8 @@ class _Run:
         self.new_tokens: list[list[int]] = [[] for _ in rows]
         self.finished = [False] * self.batch
         self.phase_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.stream = torch.cuda.current_stream(self.target_device) if self.target_device.type == "cuda" else None
+        self.drafter_on_device = False  # the drafter drafts from the passes' device outputs (no commit calls)
 
     @contextmanager
     def _timed(self, what: str):
@@ -319,11 +321,10 @@ class _Run:
             yield
             setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - start)
             return
-        stream = torch.cuda.current_stream(self.target_device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
+        start.record(self.stream)
         yield
-        end.record(stream)
+        end.record(self.stream)
         self.phase_events.append((what, start, end))
 
     def _read_phase_events(self) -> None:
@@ -415,6 +416,10 @@ class _Run:
         draft: Draft = self.drafter.propose(request, self.config)
         if self.owner.tp_mesh is not None and not isinstance(self.drafter, _PlainDrafter):  # (plain: the pending tokens, equal)
             draft = broadcast_draft(draft, self.owner.tp_mesh)
+        return self._placed(draft, active)
+
+    def _placed(self, draft: Draft, active: list[int]) -> Draft:
+        """A draft of the ``active`` rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
         n = draft.tokens.shape[1]
         if n > self.nodes:
             raise ValueError(f"{type(self.drafter).__name__} proposed {n} nodes, more than the configured {self.nodes}")
@@ -496,7 +501,7 @@ class _Run:
         if self.streamer is not None and emitted[0]:
             self.streamer.put(torch.tensor(emitted[0]))
 
-    def _commit(self, acceptance: Acceptance, tokens: torch.Tensor, emitted: list[list[int]], hidden) -> None:
+    def _commit(self, acceptance: Acceptance, emitted: list[list[int]], hidden) -> None:
         """Keep the first ``len(emitted[b])`` accepted nodes of every row: the old pending token and the
         accepted drafts before the new pending token."""
         counts = torch.tensor([len(e) for e in emitted], device=self.device)
@@ -509,28 +514,30 @@ class _Run:
             self.kv_valid = torch.cat([self.kv_valid, new_valid], dim=1)
         self.committed += counts
         set_seen_tokens(self.cache, int(self.committed.max()))
-        self._advance(acceptance, tokens, emitted, hidden)
+        self._advance(acceptance, emitted, hidden)
 
-    def _advance(self, acceptance: Acceptance, tokens: torch.Tensor, emitted: list[list[int]], hidden) -> None:
+    def _advance(self, acceptance: Acceptance, emitted: list[list[int]], hidden) -> None:
         """Host side of a commit: the drafter, the token history and the pending tokens."""
         active = [b for b, e in enumerate(emitted) if e]
         pending = self.pending.tolist()
         # the committed tokens are the old pending token and the accepted drafts: emitted minus its last
         committed = [torch.tensor([pending[b]] + emitted[b][:-1], device=self.device) for b in active]
-        features = None
-        if hidden is not None and self.drafter.needs_features:  # (a shared features engine returns them to all)
-            paths = acceptance.path.to(hidden.device)
-            features = [hidden[b, paths[b, : len(emitted[b])]] for b in active]
-        self.drafter.commit(active, committed, features)
+        if not self.drafter_on_device:
+            features = None
+            if hidden is not None and self.drafter.needs_features:  # (a shared features engine returns them to all)
+                paths = acceptance.path.to(hidden.device, non_blocking=True)  # (from pageable memory: no wait for the device)
+                features = [hidden[b, paths[b, : len(emitted[b])]] for b in active]
+            self.drafter.commit(active, committed, features)
         for b, new in zip(active, committed):
             self.rows[b] = torch.cat([self.rows[b], new])
         self.pending = torch.tensor([e[-1] if e else p for e, p in zip(emitted, pending)], device=self.device)
 
-    def _pass(self, draft: Draft) -> tuple[Acceptance, torch.Tensor | None]:
-        """One target pass over a padded draft and its acceptance: ``(acceptance, last hidden state or None)``."""
+    def _pass(self, draft: Draft) -> tuple[Acceptance, torch.Tensor | None, Draft]:
+        """One target pass over a padded draft and its acceptance: ``(acceptance, last hidden state or None,
+        the draft where the host reads it)``."""
         out = self._verify(draft.tokens, draft.parents)
         acceptance = self._accept(draft.tokens, draft.parents, draft.probs, out.logits)
-        return acceptance, (out.hidden_states[-1] if self.drafter.needs_features else None)
+        return acceptance, (out.hidden_states[-1] if self.drafter.needs_features else None), draft
 
     def _start(self) -> None:
         """After the prefill, before the first pass."""
@@ -580,13 +587,17 @@ class _Run:
         with self._timed("draft_seconds"):
             draft = self._draft(active)
         with self._timed("verify_seconds"):
-            acceptance, hidden = self._pass(draft)
+            acceptance, hidden, verified = self._pass(draft)
+        self._conclude(acceptance, hidden, verified, active)
+
+    def _conclude(self, acceptance: Acceptance, hidden, verified: Draft, active: list[int]) -> None:
+        """End of an iteration: emit and record the accepted tokens, commit them, count."""
         with self._timed("commit_seconds"):
-            emitted = self._emit(acceptance, draft.tokens)
+            emitted = self._emit(acceptance, verified.tokens)
             self._record(emitted)
-            self._commit(acceptance, draft.tokens, emitted, hidden)
+            self._commit(acceptance, emitted, hidden)
         self.stats.iterations += 1
-        sizes = [sum(p != PAD for p in row) for row in draft.parents.tolist()]  # (host lists: cheaper than tensor ops)
+        sizes = [sum(p != PAD for p in row) for row in verified.parents.tolist()]  # (host lists: cheaper than tensor ops)
         self.stats.tree_sizes += [sizes[b] for b in active]
 
 
@@ -645,12 +656,35 @@ class _StaticRun(_Run):
         self.device = torch.device("cpu")
         self.rows = [r.cpu() for r in self.rows]
         self.pending = self.pending.cpu()
+        self.next_draft: Draft | None = None
+        self.pipelined = not self.do_sample and self.owner.tp_mesh is None and self.config.pipelined is not False
+        self.max_length = max(r.numel() for r in self.rows) + 1 + self.max_new_tokens  # (prompt, pending, new tokens)
+
+    def _iteration(self) -> None:
+        """Greedy: the pass is queued and, where the drafter can, the next draft behind it (pipelined:
+        ``SpecConfig.pipelined``); then the host waits for the pass alone and reads its result while the
+        device drafts. Sampling accepts on the host (:meth:`_pass`)."""
+        if self.do_sample:
+            super()._iteration()
+            return
+        active = [b for b in range(self.batch) if not self.finished[b]]
+        draft, self.next_draft = self.next_draft, None
+        if draft is None:
+            with self._timed("draft_seconds"):
+                draft = self._draft(active)
+        with self._timed("verify_seconds"):
+            last = self.engine.launch(draft.tokens, draft.parents, draft.chain)
+        if self.pipelined and any(self.max_new_tokens - len(self.new_tokens[b]) > 1 for b in active):  # (else all end now)
+            with self._timed("draft_seconds"):
+                proposed = self.drafter.propose_after(last, self.config, self.max_length)
+                self.next_draft = None if proposed is None else self._placed(proposed, list(range(self.batch)))
+            self.pipelined = self.drafter_on_device = proposed is not None
+        acceptance = self.engine.collect()
+        self._conclude(acceptance, last.hidden, Draft(*self.engine.verified_draft, chain=draft.chain), active)
 
     def _pass(self, draft: Draft):
+        """A sampling pass: the engine verifies, the host accepts and tells the engine what to commit."""
         tokens, parents = draft.tokens, draft.parents
-        if not self.do_sample:
-            result, acceptance = self.engine.verify(tokens, parents, accept=True, chain=draft.chain)
-            return acceptance, result.hidden
         result, _ = self.engine.verify(tokens, parents, accept=False, chain=draft.chain)
         device = result.logits.device
         probs = draft.probs.to(device) if draft.probs is not None else None
@@ -658,14 +692,15 @@ class _StaticRun(_Run):
         live = torch.tensor([not f for f in self.finished])
         counts = acceptance.num_accepted.cpu() * live
         self.engine.commit(acceptance.path, counts)
-        return Acceptance(acceptance.path.cpu(), counts, acceptance.next_token.cpu()), result.hidden
+        host = Draft(tokens.cpu(), parents.cpu(), chain=draft.chain)
+        return Acceptance(acceptance.path.cpu(), counts, acceptance.next_token.cpu()), result.hidden, host
 
-    def _commit(self, acceptance: Acceptance, tokens, emitted, hidden) -> None:
+    def _commit(self, acceptance: Acceptance, emitted, hidden) -> None:
         kept = [len(e) for e in emitted]
         if kept != acceptance.num_accepted.tolist() or self.finished != self.engine_finished:
             self.engine.trim(acceptance.num_accepted, kept, self.finished)
             self.engine_finished = list(self.finished)
-        self._advance(acceptance, tokens, emitted, hidden)
+        self._advance(acceptance, emitted, hidden)
 
     def _finish(self) -> None:
         self.cache = self.engine.finish()

@@ -17,6 +17,11 @@ propose (catch-up, every draft level, the tree's selection) is one program compi
 elementwise work fused: the kernel count bounds a propose) and one captured CUDA graph, replayed. More
 new pairs than that (the prompt's, at a row's first propose) are cached first by one uncaptured head call,
 all but the last ``depth + 1``, so that every propose replays its graph.
+
+Pipelined (:meth:`EagleDrafter.propose_after`): after the first propose, each propose's inputs come from
+the verify pass's device outputs (the accepted path's tokens and features, the counts, the new pending
+token) by a few gathers, and the rows' cached pair counts live on the device: the host reads nothing and
+writes nothing, and the same captured graph replays.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from torch import nn
 
 from ..config import SpecConfig
-from ..drafting import Draft, Drafter, DraftRequest
+from ..drafting import Draft, Drafter, DraftRequest, PassOutputs
 from ..graph_capture import capture
 from ..tree_builder import Frontier, build_draft
 from .eagle_head import EagleHead
@@ -99,7 +104,7 @@ class _Plan:
     its pending token."""
 
     row_ids: list[int]
-    new: list[int]
+    new: list[int] | None  # (None: known on the device only, a pipelined propose)
     every_row: bool
     inputs: torch.Tensor
 
@@ -177,6 +182,7 @@ class EagleDrafter(Drafter):
         self._features: list[torch.Tensor] = []  # per row: committed features waiting for their pair
         self._buffers = _Buffers(0, 1, 1, head.fuse.weight.device, self._dtype)
         self._last_hidden = torch.empty(0)  # [B, D]: head output at each row's newest cached pair
+        self._device_cached: torch.Tensor | None = None  # [B] pairs per row, once pipelined (then _cached is stale)
 
     @classmethod
     def from_pretrained(
@@ -203,6 +209,7 @@ class EagleDrafter(Drafter):
         for b, feats in enumerate(features):
             self._check_features(feats, f"features[{b}]")
         self._cached = [0] * len(sequences)
+        self._device_cached = None
         self._features = [feats.to(device, self._dtype) for feats in features]
         if self._buffers.fits(len(sequences), cfg.num_heads, cfg.head_dim, device, self._dtype):
             self._last_hidden.zero_()  # (the buffers' old pairs stay, masked, until overwritten)
@@ -212,6 +219,7 @@ class EagleDrafter(Drafter):
         self._graphs.clear()
 
     def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
+        self._check_host_state()
         if features is None or len(features) != len(rows):
             raise ValueError("EagleDrafter.commit needs the target's features at the committed positions")
         for b, toks, feats in zip(rows, tokens, features):
@@ -222,6 +230,7 @@ class EagleDrafter(Drafter):
             self._features[b] = torch.cat([self._features[b], feats.to(self._features[b])])
 
     def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
+        self._check_host_state()
         if not request.rows:
             raise ValueError("DraftRequest has no rows to draft for")
         with torch.no_grad():
@@ -237,6 +246,41 @@ class EagleDrafter(Drafter):
                 draft = self._device_propose(plan, features, config, static, compiled)
             self._mark_cached(plan)
             return draft
+
+    def propose_after(self, last: PassOutputs, config: SpecConfig, max_length: int) -> Draft | None:
+        """Every row's next draft from the pass's device outputs (module docstring); None without static
+        shapes or features, or before the rows' host bookkeeping is settled (a first propose)."""
+        rows = len(self._cached)
+        if last.hidden is None or not self._static_shapes(config) or last.tokens.shape[0] != rows:
+            return None
+        device, width = self._buffers.keys.device, config.depth + 1
+        if self._device_cached is None:
+            if any(f.shape[0] for f in self._features) or not all(self._cached):
+                return None  # (features waiting for their pair: the host path caches them first)
+            self._device_cached = torch.tensor(self._cached, device=device)
+        beam = 1 if config.mode == "chain" else min(config.tree_top_k, self.vocab_size)
+        if self._buffers.reserve(max_length + width, (config.depth - 1) * beam):  # (the whole call's room, once)
+            self._graphs.clear()
+        with torch.no_grad():
+            # pair j of a row: the feature at its path's node j, the token after it (the path's next node, or
+            # the new pending token after the last accepted node); columns past the count are padding
+            path = nn.functional.pad(last.path, (0, max(0, width - last.path.shape[1])), value=-1)[:, :width].clamp(min=0)
+            following = last.tokens.gather(1, path).roll(-1, dims=1)
+            pending = last.next_token[:, None]
+            tokens = torch.where(torch.arange(width, device=device) == last.counts[:, None] - 1, pending, following)
+            meta = torch.stack([torch.arange(rows, device=device), self._device_cached, last.counts], dim=1)
+            plan = _Plan(list(range(rows)), None, True, torch.cat([meta, tokens, pending], dim=1))
+            features = _gather_slots(last.hidden, path).to(self._dtype)
+            draft = self._replay(plan, features, config) if self._graphs_on(config) else None
+            if draft is None:
+                compiled = self._buffers.keys.is_cuda if self.compiled is None else self.compiled
+                draft = self._device_propose(plan, features, config, True, compiled)
+            self._device_cached += last.counts
+        return draft
+
+    def _check_host_state(self) -> None:
+        if self._device_cached is not None:
+            raise RuntimeError("EagleDrafter: its rows follow the device since propose_after(); call begin() first")
 
     def _catch_up_all_but(self, last: int, request: DraftRequest, config: SpecConfig) -> None:
         """Cache the new pairs of each row but its ``last`` ones, in one uncaptured head call: the
@@ -306,7 +350,8 @@ class EagleDrafter(Drafter):
             torch.cat([seq[self._cached[b] + 1 :], seq.new_zeros(width - n), seq[-1:]])
             for b, seq, n in zip(request.rows, seqs, new)
         ]
-        inputs = torch.cat([meta, torch.stack(tokens)], dim=1).to(self._buffers.keys.device)
+        # (from pageable host memory the copy is staged at once: non_blocking waits for no device work)
+        inputs = torch.cat([meta, torch.stack(tokens)], dim=1).to(self._buffers.keys.device, non_blocking=True)
         return _Plan(list(request.rows), new, list(request.rows) == list(range(len(self._cached))), inputs)
 
     def _new_features(self, plan: _Plan) -> torch.Tensor:
