@@ -270,7 +270,7 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
                       "--suites", "gsm8k", "humaneval", "--limit-prompts", "1", "--eager-prompts", "1", "--new-tokens", "5",
                       "--warmup-tokens", "2", "--device", "cpu", "--dtype", "float32", "--inner", "eager"])
     assert set(results["errors"]) == {"ngram_tree"} and "a route that fails" in results["errors"]["ngram_tree"]
-    assert set(results["warmup_s"]) == set(E.ROUTES)
+    assert set(results["warmup_s"]) == {*E.ROUTES, "fp32_check"}  # (the fp32 twin explaining mismatches: warmed too)
     assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
     assert set(results["records"][1]["routes"]) == set(E.ROUTES) - {"ngram_tree"}  # dropped, the others went on
     for record in results["records"]:
@@ -303,7 +303,7 @@ def test_resume_measures_only_the_prompts_left_and_keeps_every_call(checkpoints,
             "--dtype", "float32", "--inner", "eager"]
     first = E.main(base + ["--limit-prompts", "3", "--max-wall-minutes", "1e-6"])  # no prompt fits: all warm-up
     assert first["records"] == [] and "--max-wall-minutes" in first["stopped"] and set(first["warmup_s"]) == {
-        "plain", "eagle_chain", "ngram_chain"}
+        "plain", "eagle_chain", "ngram_chain", "fp32_check"}
     assert set(engines[0]._engines) == {True}  # one engine (and graph) for plain decoding and both speculative routes
     second = E.main(base + ["--limit-prompts", "1", "--resume"])
     third = E.main(base + ["--limit-prompts", "3", "--resume"])

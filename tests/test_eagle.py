@@ -372,3 +372,25 @@ def test_propose_cost_does_not_grow_with_the_sequence(config, static):
     assert ops[steady[0]]["aten._local_scalar_dense"] == (config.mode == "tree" and not static)
     for length in (12, 150):
         assert shapes[length, 1] == shapes[length, 2] == shapes[length, 3], "attention shapes changed"
+
+
+def test_a_prompt_catch_up_has_one_attention_shape_per_power_of_two():
+    """A row's first propose caches the prompt's pairs (all but the last depth + 1) in one uncaptured head
+    call padded to a power of two from 64: prompts of 20 and 60 tokens give its attention one query shape
+    and a prompt of 100 the next (on the H200 each new masked attention shape is a cuDNN plan of tens of
+    ms, which a per-length shape paid at almost every new prompt). The drafts are checked against the
+    scratch oracle in test_cache_rollback_matches_recomputing_from_scratch."""
+    target, head = make(seed=5)
+    drafter = EagleDrafter(head, target, static_shapes=True, compiled=False)
+    config = SpecConfig(mode="chain", depth=4)
+    gen = torch.Generator().manual_seed(6)
+    queries = {}
+    for length in (20, 60, 100):
+        seq = torch.randint(0, VOCAB, (length,), generator=gen)
+        drafter.begin([seq[:-1]], [torch.randn(length - 1, 32, dtype=torch.float64, generator=gen)])
+        counter = _Dispatches()
+        with counter:
+            drafter.propose(DraftRequest([0], [seq]), config)
+        queries[length] = {q[2] for q, _ in counter.attention}
+    # the catch-up's, then the propose's (depth + 1 new pairs) and its levels (one node each)
+    assert queries == {20: {64, 5, 1}, 60: {64, 5, 1}, 100: {128, 5, 1}}

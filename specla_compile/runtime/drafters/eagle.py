@@ -285,11 +285,14 @@ class EagleDrafter(Drafter):
     def _catch_up_all_but(self, last: int, request: DraftRequest, config: SpecConfig) -> None:
         """Cache the new pairs of each row but its ``last`` ones, in one uncaptured head call: the
         prompt's, at a row's first propose. The propose itself then keeps its fixed shapes and replays
-        its graph; uncaptured, a whole propose costs 10-17 ms of launches on the H200."""
+        its graph; uncaptured, a whole propose costs 10-17 ms of launches on the H200. The call's pairs are
+        padded to a power of two from 64: its masked attention's shape (a cuDNN plan built at each new
+        shape, tens of ms) follows the prompt length only in a few steps."""
         long = [(b, seq[: seq.shape[0] - last]) for b, seq in zip(request.rows, request.sequences)
                 if seq.shape[0] - 1 - self._cached[b] > last]
         if long:
-            plan = self._plan(DraftRequest([b for b, _ in long], [seq for _, seq in long]), config, static=False)
+            plan = self._plan(DraftRequest([b for b, _ in long], [seq for _, seq in long]), config, static=False,
+                              round_up=True)
             self._catch_up(plan, self._new_features(plan))
             self._mark_cached(plan)
 
@@ -318,10 +321,11 @@ class EagleDrafter(Drafter):
         """Target LM head over predicted features."""
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
-    def _plan(self, request: DraftRequest, config: SpecConfig, static: bool) -> _Plan:
+    def _plan(self, request: DraftRequest, config: SpecConfig, static: bool, round_up: bool = False) -> _Plan:
         """Check the rows' bookkeeping, make room in the buffers, and move what the device needs there in
         one copy: per row its index, cached and new pair counts, new tokens and pending token. With
-        ``static`` shapes, the new pairs are padded to ``depth + 1`` when they fit."""
+        ``static`` shapes, the new pairs are padded to ``depth + 1`` when they fit; with ``round_up``, to a
+        power of two from 64."""
         new = []
         for b, seq in zip(request.rows, request.sequences):
             self._check_row(b)
@@ -341,6 +345,8 @@ class EagleDrafter(Drafter):
         width = max(new)
         if static and width <= config.depth + 1:
             width = config.depth + 1
+        if round_up:
+            width = _room(width, 64)
         beam = 1 if config.mode == "chain" else min(config.tree_top_k, self.vocab_size)
         if self._buffers.reserve(max(self._cached[b] for b in request.rows) + width, (config.depth - 1) * beam):
             self._graphs.clear()
