@@ -481,8 +481,8 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
             print(f"warm-up {route}: {results['warmup_s'][route]:.1f}s", flush=True)
         except Exception:
             failed(route)
-    # the fp32 twin that explains mismatches, made and its kernels compiled outside the timed window (its
-    # first forward took about two minutes inside it once and cut the sixth study to 2 prompts)
+    # the fp32 twin that explains mismatches, made and its kernels compiled outside the timed window (most
+    # likely what took 131 s of the sixth study's second prompt and cut that study to 2 prompts)
     _, results["warmup_s"]["fp32_check"] = timed(lambda: [bench.fp32_logits(ids) for ids in warms])
     print(f"warm-up fp32 check: {results['warmup_s']['fp32_check']:.1f}s", flush=True)
     results["warmup_total_s"] = call["warmup_total_s"] = sum(results["warmup_s"].values())

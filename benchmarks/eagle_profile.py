@@ -239,7 +239,7 @@ def write_markdown(results: dict, out_dir: str) -> None:
     shape = results["shape"]
     setup = (f"device: {results.get('device')}, torch {results.get('torch')}, head and LM head at hidden {shape['hidden']}, "
              f"vocabulary {shape['vocab']}, bf16, B=1, {shape['prompt']}-token prompt")
-    lines = ["# EAGLE propose on the GPU", "", setup, "",
+    lines = ["# EAGLE drafting on the GPU", "", setup, "",
              "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | uncaptured, ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.get("routes", {}).items():
@@ -250,7 +250,7 @@ def write_markdown(results: dict, out_dir: str) -> None:
     if "loop" in results:
         loop = results["loop"]
         title = (f"## One generate iteration ({loop['target_layers']}-layer target at hidden {loop['hidden']}, random "
-                 f"weights, {loop['new_tokens']} new tokens)")
+                 f"weights, {loop['new_tokens']} new tokens; eagle_tree_host: SpecConfig(pipelined=False))")
         header = ("| route | ms per iteration | draft / verify / commit phases, ms | GPU kernels, ms | GPU waiting, ms | "
                   "syncs | copies | graph launches | kernel launches |")
         lines += ["", title, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
