@@ -328,11 +328,11 @@ def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits(setting):
         calls = {"commit": 0, "after": 0}
         real_commit, real_after = drafter.commit, drafter.propose_after
 
-        def commit(*args, real=real_commit):
+        def commit(*args, real=real_commit, calls=calls):
             calls["commit"] += 1
             return real(*args)
 
-        def propose_after(*args, real=real_after):
+        def propose_after(*args, real=real_after, calls=calls):
             draft = real(*args)
             calls["after"] += draft is not None
             return draft
