@@ -307,12 +307,13 @@ class StaticEngine:
         nodes: keep ``kept[b]`` of them instead (they are still pending, so nothing was applied yet), and
         commit nothing more for ``finished`` rows."""
         device = self.committed.device
-        kept_t = torch.tensor(kept, device=device)
+        # (non-blocking copies: a blocking one would wait for the draft a pipelined run queued behind the pass)
+        kept_t = torch.tensor(kept).to(device, non_blocking=True)
         for bucket in self.buckets.values():
             if bucket.session.num_pending is not None:
                 bucket.session.num_pending.copy_(torch.minimum(bucket.session.num_pending, kept_t))
-        self.committed -= accepted.to(device) - kept_t
-        self.active.copy_(~torch.tensor(finished, device=device))
+        self.committed -= accepted.to(device, non_blocking=True) - kept_t
+        self.active.copy_(~torch.tensor(finished).to(device, non_blocking=True))
         if self.kv_valid is not None:
             start = self.columns - int(accepted.max())
             self.kv_valid[:, start:] = False

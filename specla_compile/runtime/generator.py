@@ -525,7 +525,7 @@ class _Run:
         if not self.drafter_on_device:
             features = None
             if hidden is not None and self.drafter.needs_features:  # (a shared features engine returns them to all)
-                paths = acceptance.path.to(hidden.device, non_blocking=True)  # (from pageable memory: no wait for the device)
+                paths = acceptance.path.to(hidden.device, non_blocking=True)  # (pageable: staged, no stream synchronisation)
                 features = [hidden[b, paths[b, : len(emitted[b])]] for b in active]
             self.drafter.commit(active, committed, features)
         for b, new in zip(active, committed):

@@ -259,7 +259,9 @@ class EagleDrafter(Drafter):
                 return None  # (features waiting for their pair: the host path caches them first)
             self._device_cached = torch.tensor(self._cached, device=device)
         beam = 1 if config.mode == "chain" else min(config.tree_top_k, self.vocab_size)
-        if self._buffers.reserve(max_length + width, (config.depth - 1) * beam):  # (the whole call's room, once)
+        # the whole call's room, once: a row's count runs up to depth + 1 pairs past its budget in its last pass
+        # (the host trims it; the device state does not), and each later propose writes width padding pairs
+        if self._buffers.reserve(max_length + 2 * width, (config.depth - 1) * beam):
             self._graphs.clear()
         with torch.no_grad():
             # pair j of a row: the feature at its path's node j, the token after it (the path's next node, or
@@ -356,7 +358,7 @@ class EagleDrafter(Drafter):
             torch.cat([seq[self._cached[b] + 1 :], seq.new_zeros(width - n), seq[-1:]])
             for b, seq, n in zip(request.rows, seqs, new)
         ]
-        # (from pageable host memory the copy is staged at once: non_blocking waits for no device work)
+        # (non_blocking from pageable memory: the driver stages the data, no stream synchronisation as a blocking copy)
         inputs = torch.cat([meta, torch.stack(tokens)], dim=1).to(self._buffers.keys.device, non_blocking=True)
         return _Plan(list(request.rows), new, list(request.rows) == list(range(len(self._cached))), inputs)
 
