@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_gpu import kernel_profile, summarize_kernels
+from e2e_gpu import kernel_profile, summarize_kernels, timed
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
@@ -148,13 +148,10 @@ def loop_section(args, results: dict) -> None:
         warm = time.perf_counter() - started
         rows = []
         for _ in range(args.calls):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = call()
-            torch.cuda.synchronize()
+            out, seconds = timed(call)
             st = out.stats
-            rows.append((time.perf_counter() - t0 - st.prefill_seconds, st.iterations, st.draft_seconds,
-                         st.verify_seconds, st.commit_seconds, st.new_tokens))
+            rows.append((seconds - st.prefill_seconds, st.iterations, st.draft_seconds, st.verify_seconds,
+                         st.commit_seconds, st.new_tokens))
         rows.sort()
         wall, iters, draft, verify, commit, tokens = rows[len(rows) // 2]  # the median call
         sequences[route] = out.sequences[0].tolist()

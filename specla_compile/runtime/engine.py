@@ -171,23 +171,20 @@ class StaticEngine:
 
     # --- one pass ----------------------------------------------------------------------------------
 
-    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, *, accept: bool,
-               chain: bool | None = None) -> tuple[StepResult, Acceptance | None]:
-        """Run one pass over the draft ``tokens, parents [B, N]`` (host or device tensors). With ``accept``,
-        greedy acceptance and the commit of the accepted paths run in the same step and their result is
-        returned on the host (:meth:`launch` then :meth:`collect`); otherwise call :meth:`commit` next.
-        ``chain``: whether the draft is a chain (:class:`~.drafting.Draft`'s flag); None: read from ``parents``."""
-        if accept:
-            self.launch(tokens, parents, chain)
-            return self.last.result, self.collect()
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, chain: bool | None = None) -> StepResult:
+        """Run one pass over the draft ``tokens, parents [B, N]`` (host or device tensors) whose caller accepts
+        (sampling, the prefill): call :meth:`commit` next. ``chain``: whether the draft is a chain
+        (:class:`~.drafting.Draft`'s flag); None: read from ``parents``. Greedy passes accept on the device:
+        :meth:`launch`, then :meth:`collect`."""
         bucket = self._begin_pass(tokens, parents, "host", chain)
         self._run(bucket, accept=False)
-        return bucket.result, None
+        return bucket.result
 
     def launch(self, tokens: torch.Tensor, parents: torch.Tensor, chain: bool | None = None) -> PassOutputs:
-        """Queue one accepting pass over a draft (as :meth:`verify`) and the copy of its result to the host,
-        without waiting for either: returns the pass's device outputs, from which a drafter may queue the
-        next draft before :meth:`collect` waits for this pass alone."""
+        """Queue one pass over a draft (as :meth:`verify`) with greedy acceptance and the commit of the
+        accepted paths in the same step, and the copy of its result to the host, without waiting for either:
+        returns the pass's device outputs, from which a drafter may queue the next draft before
+        :meth:`collect` waits for this pass alone."""
         bucket = self._begin_pass(tokens, parents, "accept", chain)
         self._run(bucket, accept=True)
         if bucket.staged is not None:
@@ -284,8 +281,9 @@ class StaticEngine:
             for b, count in enumerate(counts):
                 tokens[b, :count] = host[b][start : start + count]
                 parents[b, : max(count, 1)] = torch.arange(-1, max(count, 1) - 1)  # (a finished row: an inert root)
-            result, _ = self.verify(tokens, parents, accept=False, chain=True)
-            self._commit(self.last, path, torch.tensor(counts, device=self.committed.device))
+            result = self.verify(tokens, parents, chain=True)
+            # (non_blocking from pageable memory: staged by the driver, no stream synchronisation between passes)
+            self._commit(self.last, path, torch.tensor(counts).to(self.committed.device, non_blocking=True))
             for b, count in enumerate(counts):
                 if count and start + count == lengths[b]:
                     logits[b] = result.logits[b, count - 1].clone()

@@ -685,7 +685,7 @@ class _StaticRun(_Run):
     def _pass(self, draft: Draft):
         """A sampling pass: the engine verifies, the host accepts and tells the engine what to commit."""
         tokens, parents = draft.tokens, draft.parents
-        result, _ = self.engine.verify(tokens, parents, accept=False, chain=draft.chain)
+        result = self.engine.verify(tokens, parents, chain=draft.chain)
         device = result.logits.device
         probs = draft.probs.to(device) if draft.probs is not None else None
         acceptance = sample_accept(tokens.to(device), parents.to(device), warp_probs(result.logits, *self.warp), probs, self.generator)

@@ -239,11 +239,7 @@ class EagleDrafter(Drafter):
                 self._catch_up_all_but(config.depth + 1, request, config)
             plan = self._plan(request, config, static)
             features = self._new_features(plan)
-            fixed = static and plan.tokens.shape[1] == config.depth + 1
-            draft = self._replay(plan, features, config) if fixed and self._graphs_on(config) else None
-            if draft is None:
-                compiled = fixed and (self._buffers.keys.is_cuda if self.compiled is None else self.compiled)
-                draft = self._device_propose(plan, features, config, static, compiled)
+            draft = self._run_plan(plan, features, config, static, fixed=static and plan.tokens.shape[1] == config.depth + 1)
             self._mark_cached(plan)
             return draft
 
@@ -273,11 +269,18 @@ class EagleDrafter(Drafter):
             meta = torch.stack([torch.arange(rows, device=device), self._device_cached, last.counts], dim=1)
             plan = _Plan(list(range(rows)), None, True, torch.cat([meta, tokens, pending], dim=1))
             features = _gather_slots(last.hidden, path).to(self._dtype)
-            draft = self._replay(plan, features, config) if self._graphs_on(config) else None
-            if draft is None:
-                compiled = self._buffers.keys.is_cuda if self.compiled is None else self.compiled
-                draft = self._device_propose(plan, features, config, True, compiled)
+            draft = self._run_plan(plan, features, config, static=True, fixed=True)
             self._device_cached += last.counts
+        return draft
+
+    def _run_plan(self, plan: _Plan, features: torch.Tensor, config: SpecConfig, static: bool, fixed: bool) -> Draft:
+        """A propose's device work: with ``fixed`` shapes (new pairs padded to exactly ``depth + 1``) a replay
+        of its captured graph where graphs are on, else the work itself (compiled by inductor when the shapes
+        are fixed, by default on CUDA)."""
+        draft = self._replay(plan, features, config) if fixed and self._graphs_on(config) else None
+        if draft is None:
+            compiled = fixed and (self._buffers.keys.is_cuda if self.compiled is None else self.compiled)
+            draft = self._device_propose(plan, features, config, static, compiled)
         return draft
 
     def _check_host_state(self) -> None:
