@@ -228,3 +228,28 @@ def test_vocab_top_k_at_a_real_vocabulary(rows, k):
         expected_lp, expected_ids = ref.vocab_top_k_reference(x, k)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(log_probs, expected_lp, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_paths_of_a_layer_stack_replays_in_a_cuda_graph():
+    """One 24-layer pass's records (bf16 keys/values/conv inputs, fp32 gates) gathered along tree paths by
+    ``ops.gather_paths_`` inside a captured graph, replayed with new paths and new records: equal to one
+    PyTorch gather per record every time."""
+    rows, nodes = 2, 16
+    shapes = [((HEADS, DIM), torch.bfloat16), ((VALUE_HEADS, DIM), torch.bfloat16), ((VALUE_HEADS,), torch.float32),
+              ((VALUE_HEADS,), torch.float32), ((1024,), torch.bfloat16), ((1024,), torch.bfloat16),
+              ((2048,), torch.bfloat16)] * 24
+    srcs = [torch.randn(rows, nodes, *shape, device="cuda").to(dtype) for shape, dtype in shapes]
+    dsts = [torch.full_like(s, float("nan")) for s in srcs]
+    index = torch.zeros(rows, nodes, dtype=torch.long, device="cuda")
+    ops.gather_paths_(dsts, srcs, index)  # (compiles the kernel outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.gather_paths_(dsts, srcs, index)
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        for s in srcs:
+            s.copy_(torch.randn(s.shape, device="cuda", generator=gen))
+        index.copy_(torch.randint(-1, nodes, (rows, nodes), device="cuda", generator=gen))
+        graph.replay()
+        for dst, expected in zip(dsts, ref.gather_paths_reference(srcs, index), strict=True):
+            assert torch.equal(dst, expected)

@@ -31,6 +31,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_interpreter's process")
 if INTERPRETED:
     from specla_compile.kernels import triton_conv as tc
+    from specla_compile.kernels import triton_gather as tg
     from specla_compile.kernels import triton_topk as tk
     from specla_compile.kernels import triton_verify as tv
 
@@ -262,3 +263,30 @@ def test_vocab_top_k(rows, vocab, k, block, dtype):
     if block < vocab:
         with pytest.raises(ValueError, match="at most 16 tokens per row"):
             tk.vocab_top_k(scores, block + 1, block=16)
+
+
+@interpreted
+def test_gather_paths_in_few_launches():
+    """Every record's accepted path in one call, against one PyTorch gather per record: rows of 32-bit
+    words (bf16 and fp32), of 16-bit words (an odd bf16 row), of bytes (int8, odd), longer than a block,
+    a source that is a slice of a larger one, one whose rows are not contiguous (gathered by PyTorch), more tensors than one launch
+    takes, paths ending in -1; destinations start as NaN or garbage, so a row left unwritten fails."""
+    gen = torch.Generator().manual_seed(7)
+    rows, nodes, length = 2, 7, 5
+    shapes = [((4, 8), torch.bfloat16), ((4,), torch.float32), ((3,), torch.bfloat16), ((5,), torch.int8),
+              ((1500,), torch.float32), ((2, 3), torch.float64)] * 4  # 24 pairs: two launches of 32-bit words
+    srcs = [(100 * torch.randn(rows, nodes, *shape, generator=gen)).to(dtype) for shape, dtype in shapes]
+    srcs[1] = torch.randn(rows, nodes + 3, 4, generator=gen)[:, 1:-2]  # rows of a larger tensor
+    srcs[2] = torch.randn(rows, nodes, 3, 2, generator=gen).to(torch.bfloat16).transpose(2, 3)  # PyTorch's gather
+    index = torch.randint(0, nodes, (rows, length), generator=gen)
+    index[1, 3:] = -1
+    index[0, -1] = nodes - 1
+    dsts = [torch.full((rows, length, *s.shape[2:]), float("nan")).to(s.dtype) if s.is_floating_point()
+            else torch.full((rows, length, *s.shape[2:]), 77, dtype=s.dtype) for s in srcs]
+    tg.gather_paths_(dsts, srcs, index)
+    for dst, expected in zip(dsts, ref.gather_paths_reference(srcs, index), strict=True):
+        assert torch.equal(dst, expected)
+    words = {tg._widest_words(t) for t in srcs}
+    assert words == {4, 2, 1}
+    with pytest.raises(ValueError, match="cannot gather"):
+        tg.gather_paths_([dsts[0][:, :2]], [srcs[0]], index)

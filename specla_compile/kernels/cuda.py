@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import dispatch, ops, triton_conv, triton_topk, triton_verify
+from . import dispatch, ops, triton_conv, triton_gather, triton_topk, triton_verify
 
 
 def _reference_of(op: torch.library.CustomOpDef) -> Callable:
@@ -89,3 +89,4 @@ def _conv_state_commit_(conv_state, x, num_accepted):
 
 
 ops.vocab_top_k.register_kernel("cuda")(triton_topk.vocab_top_k)
+ops.gather_paths_.register_kernel("cuda")(triton_gather.gather_paths_)

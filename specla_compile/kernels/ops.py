@@ -232,6 +232,20 @@ def _(conv_state, x, num_accepted):
     return None
 
 
+@torch.library.custom_op("specla::gather_paths_", mutates_args=("dsts",))
+def gather_paths_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], index: torch.Tensor) -> None:
+    """``dsts[i][b, a] = srcs[i][b, index[b, a]]`` for every pair (``[B, N, ...]`` into ``[B, A, ...]``,
+    -1 entries read node 0): a static tree pass's accepted path of every layer's fresh records, written
+    into the pending buffers (``reference.gather_paths_reference``)."""
+    for dst, gathered in zip(dsts, ref.gather_paths_reference(srcs, index), strict=True):
+        dst.copy_(gathered)
+
+
+@gather_paths_.register_fake
+def _(dsts, srcs, index):
+    return None
+
+
 # --- drafting --------------------------------------------------------------------------------------
 
 

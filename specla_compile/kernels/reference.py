@@ -297,3 +297,9 @@ def vocab_top_k_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, t
     log_probs = torch.log_softmax(scores.float(), dim=-1)
     values, ids = log_probs.sort(dim=-1, descending=True, stable=True)
     return values[:, :k].contiguous(), ids[:, :k].contiguous()
+
+
+def gather_paths_reference(srcs: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
+    """Each ``srcs[i] [B, N, ...]`` along ``index [B, A]``: ``out[b, a] = src[b, index[b, a]]`` (-1 entries
+    read node 0), one gather per tensor: a tree's accepted path of every fresh factor record."""
+    return [gather_nodes(src, index) for src in srcs]

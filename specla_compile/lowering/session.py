@@ -100,16 +100,15 @@ class VerifySession:
 
     def _accept_in_place(self, accepted: torch.Tensor, prefix: bool) -> None:
         """Static sessions: a prefix is one multi-tensor copy per dtype (a few launches for every layer);
-        a tree path is one gather per record, written straight into the pending buffer."""
+        a tree path is one gather of every record, written straight into the pending buffers (on CUDA a few
+        launches in all: ``triton_gather``)."""
         pairs = [(buffer, fresh) for key, records in self.records.items() for buffer, fresh in zip(self.pending[key], records)]
         if prefix:
             for dtype in {buffer.dtype for buffer, _ in pairs}:
                 same = [(b, f) for b, f in pairs if b.dtype == dtype]
                 torch._foreach_copy_([b for b, _ in same], [f for _, f in same])
             return
-        index = accepted.clamp(min=0)  # once for every record (gather_nodes would clamp per record: a kernel each)
-        for buffer, fresh in pairs:
-            torch.gather(fresh, 1, index.view(*index.shape, *[1] * (fresh.dim() - 2)).expand_as(fresh), out=buffer)
+        ops.gather_paths_([buffer for buffer, _ in pairs], [fresh for _, fresh in pairs], accepted)
 
     def flush(self) -> None:
         """Commit every pending record into the model's cache now."""
