@@ -17,6 +17,7 @@ import argparse
 import cProfile
 import dataclasses
 import io
+import itertools
 import json
 import os
 import pstats
@@ -32,6 +33,7 @@ from e2e_gpu import kernel_profile, summarize_kernels, timed
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+from specla_compile.runtime.drafters.eagle import ATTENTION
 from specla_compile.runtime.drafting import DraftRequest
 
 CONFIGS = {  # the routes of benchmarks/e2e_trained.py
@@ -131,12 +133,16 @@ def loop_section(args, results: dict) -> None:
     model = trained_shape_target(args.vocab)
     hidden = model.config.hidden_size
     head = EagleHead(EagleConfig(hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
-    drafter = EagleDrafter(head, model)
+    tree_replays = {r["attention"]: r["replay_ms"] for name, r in results["routes"].items()
+                    if name.startswith("tree") and "replay_ms" in r}
+    attention = min(tree_replays, key=tree_replays.get) if tree_replays else None
+    drafter = EagleDrafter(head, model, attention=attention)
     configs = {"eagle_chain": CONFIGS["chain_L8"], "eagle_tree": CONFIGS["tree_k4_d6_n16"],
                "eagle_tree_host": dataclasses.replace(CONFIGS["tree_k4_d6_n16"], pipelined=False)}
     gen = SpeculativeGenerator(model, drafter, configs["eagle_tree"], shared_features=True)
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
-    loop = results["loop"] = {"target_layers": model.config.num_hidden_layers, "hidden": hidden, "new_tokens": 128}
+    loop = results["loop"] = {"target_layers": model.config.num_hidden_layers, "hidden": hidden, "new_tokens": 128,
+                              "attention": attention}
     sequences = {}
     for route in LOOP_ROUTES:
         if route != "plain":
@@ -192,6 +198,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--prompt", type=int, default=200)
     p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--attention", nargs="+", choices=("default", *ATTENTION), default=["default"],
+                   help="the head's attention kernels to time in the propose section (default: PyTorch's choice); "
+                        "the loop section drafts with the one whose tree propose replays fastest")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: eagle_profile.py needs a CUDA GPU")
@@ -214,10 +223,14 @@ def propose_section(args, results: dict) -> None:
     target = stub_target(args.hidden, args.vocab, torch.bfloat16)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig(args.hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
-    for name, config in CONFIGS.items():
-        route = results["routes"][name] = {}
+    for (name, config), attention in itertools.product(CONFIGS.items(), args.attention):
+        kernel = None if attention == "default" else attention
+        name = name if kernel is None else f"{name}, {attention} attention"
+        route = results["routes"][name] = {"attention": kernel}
         for mode, static in (("graphed", None), ("uncaptured", False)):
-            drafter = EagleDrafter(head, target, static_shapes=static)
+            if mode == "uncaptured" and kernel is not None:
+                continue  # (the attention kernel does not change a propose's launch count)
+            drafter = EagleDrafter(head, target, static_shapes=static, attention=kernel)
             route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden)
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph
@@ -227,7 +240,7 @@ def propose_section(args, results: dict) -> None:
         route["host_ms"] = route["graphed"]["ms_per_propose"] - route["replay_ms"]
         print(f"{name}: graphed {route['graphed']['ms_per_propose']:.3f} ms per propose (replay {route['replay_ms']:.3f}, "
               f"{route['profile']['kernels_per_pass']:.0f} kernels, busy {route['profile']['busy_ms']:.3f}), "
-              f"uncaptured {route['uncaptured']['ms_per_propose']:.3f} ms", flush=True)
+              f"uncaptured {route.get('uncaptured', {}).get('ms_per_propose', float('nan')):.3f} ms", flush=True)
         print(json.dumps(route["profile"], indent=1), flush=True)
 
 
@@ -241,13 +254,15 @@ def write_markdown(results: dict, out_dir: str) -> None:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.get("routes", {}).items():
         p = r["profile"]
+        uncaptured = f"{r['uncaptured']['ms_per_propose']:.3f}" if "uncaptured" in r else "-"
         lines.append(f"| {name} | {r['graphed']['ms_per_propose']:.3f} | {r['replay_ms']:.3f} | {r['host_ms']:.3f} | "
                      f"{p['kernels_per_pass']:.0f} | {p['busy_ms']:.3f} | {p['by_kind_ms'].get('gemm', 0):.3f} | "
-                     f"{r['uncaptured']['ms_per_propose']:.3f} |")
+                     f"{uncaptured} |")
     if "loop" in results:
         loop = results["loop"]
         title = (f"## One generate iteration ({loop['target_layers']}-layer target at hidden {loop['hidden']}, random "
-                 f"weights, {loop['new_tokens']} new tokens; eagle_tree_host: SpecConfig(pipelined=False))")
+                 f"weights, {loop['new_tokens']} new tokens, {loop.get('attention') or 'default'} attention; "
+                 "eagle_tree_host: SpecConfig(pipelined=False))")
         header = ("| route | ms per iteration | draft / verify / commit phases, ms | GPU kernels, ms | GPU waiting, ms | "
                   "syncs | copies | graph launches | kernel launches |")
         lines += ["", title, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -394,3 +394,30 @@ def test_a_prompt_catch_up_has_one_attention_shape_per_power_of_two():
         queries[length] = {q[2] for q, _ in counter.attention}
     # the catch-up's, then the propose's (depth + 1 new pairs) and its levels (one node each)
     assert queries == {20: {64, 5, 1}, 60: {64, 5, 1}, 100: {128, 5, 1}}
+
+
+def test_attention_choice_changes_the_kernel_not_the_draft():
+    """``attention="math"`` runs the head's attention as matrix products (PyTorch's own choice on a CPU is
+    its fused flash kernel), uncaptured and compiled, in the prompt's catch-up and in every level, and drafts
+    what the default drafts; an unknown name is refused at construction."""
+    target, head = make(seed=6)
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)
+    gen = torch.Generator().manual_seed(8)
+    seq = torch.randint(0, VOCAB, (30,), generator=gen)
+    feats = features_of(target, seq)[:-1]
+    drafts = {}
+    for attention, compiled in ((None, False), ("math", False), ("math", True)):
+        drafter = EagleDrafter(head, target, static_shapes=True, compiled=compiled, attention=attention)
+        drafter.begin([seq[:-1]], [feats])
+        counter = _Dispatches()
+        with counter:
+            drafts[attention, compiled] = drafter.propose(DraftRequest([0], [seq]), config)
+        fused = counter.ops["aten._scaled_dot_product_flash_attention_for_cpu"]
+        if attention is None:
+            assert fused > 0
+        else:
+            assert fused == 0 and (compiled or counter.ops["aten.bmm"] > 0)
+    for key in (("math", False), ("math", True)):
+        assert_same_draft(drafts[key], drafts[None, False])
+    with pytest.raises(ValueError, match="attention must be None or one of"):
+        EagleDrafter(head, target, attention="flash")

@@ -26,6 +26,7 @@ writes nothing, and the same captured graph replays.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest, PassOutputs
@@ -43,6 +45,9 @@ from .eagle_head import EagleHead
 log = logging.getLogger("specla_compile")
 
 PROPOSE_PROGRAMS = 64  # compiled propose programs a process may hold (EagleDrafter._device_propose)
+# The attention kernels a propose may use (EagleDrafter's ``attention``; PyTorch's math as the fallback):
+# a propose's attention is a few queries over the whole key buffer under a mask.
+ATTENTION = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
 class _Buffers:
@@ -160,14 +165,19 @@ class EagleDrafter(Drafter):
     ``static_shapes``: draft in fixed shapes and, on CUDA, replay each propose's captured graph (module
     docstring); None (default): on CUDA unless ``SpecConfig(cuda_graphs=False)``. ``compiled``: run a
     fixed-shape propose's device work as one program compiled by inductor; None (default): on CUDA.
-    The drafts are the same either way, up to padding nodes.
+    The drafts are the same either way, up to padding nodes. ``attention``: the head's attention kernel in
+    a propose, one of ``ATTENTION`` (``"math"``: matrix products and a softmax that inductor fuses); None
+    (default): PyTorch's choice.
     """
 
     needs_features = True
 
     def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None,
-                 compiled: bool | None = None):
+                 compiled: bool | None = None, attention: str | None = None):
+        if attention is not None and attention not in ATTENTION:
+            raise ValueError(f"EagleDrafter: attention must be None or one of {sorted(ATTENTION)}, got {attention!r}")
         head.config.check_target(target)
+        self.attention = attention
         head.pack_projections()
         self.static_shapes = static_shapes
         self.compiled = compiled
@@ -283,6 +293,12 @@ class EagleDrafter(Drafter):
             draft = self._device_propose(plan, features, config, static, compiled)
         return draft
 
+    def _attention_kernels(self) -> contextlib.AbstractContextManager:
+        """The chosen attention kernel, with math as its fallback."""
+        if self.attention is None:
+            return contextlib.nullcontext()
+        return sdpa_kernel(list(dict.fromkeys([ATTENTION[self.attention], SDPBackend.MATH])))
+
     def _check_host_state(self) -> None:
         if self._device_cached is not None:
             raise RuntimeError("EagleDrafter: its rows follow the device since propose_after(); call begin() first")
@@ -298,7 +314,8 @@ class EagleDrafter(Drafter):
         if long:
             plan = self._plan(DraftRequest([b for b, _ in long], [seq for _, seq in long]), config, static=False,
                               round_up=True)
-            self._catch_up(plan, self._new_features(plan))
+            with self._attention_kernels():
+                self._catch_up(plan, self._new_features(plan))
             self._mark_cached(plan)
 
     def _mark_cached(self, plan: _Plan) -> None:
@@ -392,8 +409,9 @@ class EagleDrafter(Drafter):
                        fixed_size: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The device work of a propose, as tensors (what inductor compiles); reads only the plan's
         device inputs and whether it covers every row."""
-        self._catch_up(plan, features)
-        draft = build_draft(_TreeRollout(self, plan), plan.pending, config, fixed_size)
+        with self._attention_kernels():  # (inside the compiled code: Dynamo guards on the choice)
+            self._catch_up(plan, features)
+            draft = build_draft(_TreeRollout(self, plan), plan.pending, config, fixed_size)
         return draft.tokens, draft.parents
 
     def _replay(self, plan: _Plan, features: torch.Tensor, config: SpecConfig) -> Draft | None:
