@@ -40,7 +40,7 @@ QWEN3_5_SMALL = dict(  # a Qwen3.5 0.8B-class text config: 3 GDN layers to 1 ful
 P_VALUES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CHAIN_LENGTHS = (2, 4, 8, 12)
 TREES = ((2, 16), (4, 16), (2, 32), (4, 32))  # (top_k, nodes)
-SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile")
+SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile", "fla_passes")
 
 
 def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.nn.Module:
@@ -458,6 +458,29 @@ def fla_quick(args, results: dict) -> None:
         print("profile", json.dumps(section["profile"], indent=1), "op profile", json.dumps(section["op_profile"], indent=1), flush=True)
     except Exception:
         section["profile_error"] = traceback.format_exc()
+
+
+def fla_passes(args, results: dict) -> None:
+    """Only the captured passes, in about a minute and a half of a cold process: replay times of the 1- and
+    16-node chain passes and the 16- and 32-node tree passes, and the 16-node tree pass's kernels."""
+    model = build("fla", torch.bfloat16, args.layers)
+    prompt = prompts_for(model, 1, 1)[0]
+    section = results.setdefault("fla_passes", {})
+    gen = make_generator(model)
+    gen.decode(prompt, 2)
+    gen.drafter, gen.config = OracleDrafter([[0]], 1.0, 15), chain_config(15)
+    gen.generate(prompt, 2)
+    section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16)}
+    for nodes in (16, 32):
+        config, depth = tree_config(4, nodes)
+        gen.drafter, gen.config = OracleDrafter([[0]], 1.0, depth, 4), config
+        gen.generate(prompt, 2)
+        section.setdefault("pass_ms_tree", {})[str(nodes)] = pass_ms(gen, nodes, chain=False)
+        print("pass ms", section["pass_ms"], "trees", section["pass_ms_tree"], flush=True)
+        write_report(results, args.out)
+    bucket = next(iter(gen._engines.values())).buckets[bucket_key(16, False)]
+    profile = kernel_profile(bucket.graph)
+    section["profile_16_tree"] = {k: v for k, v in profile.items() if k != "one_layer"}
 
 
 def fla_profile(args, results: dict) -> None:
