@@ -274,7 +274,7 @@ def test_gather_paths_in_few_launches():
     gen = torch.Generator().manual_seed(7)
     rows, nodes, length = 2, 7, 5
     shapes = [((4, 8), torch.bfloat16), ((4,), torch.float32), ((3,), torch.bfloat16), ((5,), torch.int8),
-              ((1500,), torch.float32), ((2, 3), torch.float64)] * 4  # 24 pairs: two launches of 32-bit words
+              ((1500,), torch.float32), ((2, 3), torch.float64)] * 5  # 30 pairs: 20 of 32-bit words, two launches
     srcs = [(100 * torch.randn(rows, nodes, *shape, generator=gen)).to(dtype) for shape, dtype in shapes]
     srcs[1] = torch.randn(rows, nodes + 3, 4, generator=gen)[:, 1:-2]  # rows of a larger tensor
     srcs[2] = torch.randn(rows, nodes, 3, 2, generator=gen).to(torch.bfloat16).transpose(2, 3)  # PyTorch's gather
