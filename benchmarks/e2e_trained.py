@@ -430,10 +430,15 @@ class Bench:
 
     @torch.no_grad()
     def fp32_logits(self, prefix: torch.Tensor) -> torch.Tensor:
-        """The target's last logits after ``prefix [1, T]`` in fp32 (an fp32 copy, made at the first call)."""
+        """The target's last logits after ``prefix [1, T]`` in fp32 (an fp32 copy, made at the first call), by
+        PyTorch code alone (``plain_torch_fla``: the chunked recurrence; fla's fp32 Triton kernels took 116 s of
+        autotuning in the seventh study's warm-up, a third of its measuring time)."""
+        from specla_compile.training.chunked_gdn import plain_torch_fla
+
         if self._fp32 is None:
             self._fp32 = self.model if self.dtype == torch.float32 else copy.deepcopy(self.model).float()
-        return self._fp32(input_ids=prefix).logits[0, -1].float()
+        with plain_torch_fla():
+            return self._fp32(input_ids=prefix).logits[0, -1].float()
 
     @torch.no_grad()
     def near_tie(self, ids: torch.Tensor, plain: list[int], other: list[int]) -> dict:

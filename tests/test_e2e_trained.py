@@ -346,3 +346,24 @@ def test_pipeline_end_to_end_on_cpu_at_tiny_sizes(prompt_files, tmp_path):
     assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["met"]
     assert targets["the whole pipeline from a fresh GPU machine"]["met"]
     assert "trained_pipeline.py" in targets["the whole pipeline from a fresh GPU machine"]["measured"]
+
+
+def test_fp32_margins_come_from_the_pytorch_recurrence(checkpoints, prompt_files, monkeypatch):
+    """A mismatch's fp32 logits come from an fp32 copy of the bf16 target run by PyTorch code alone (fla's
+    recurrence swapped for the chunked one: no Triton kernel to autotune), equal to the fp32 model's own."""
+    import torch
+
+    from specla_compile.training import chunked_gdn
+
+    entered = []
+    real = chunked_gdn.plain_torch_fla
+    monkeypatch.setattr(chunked_gdn, "plain_torch_fla", lambda *a: entered.append(a) or real(*a))
+    args = E.parse_args(["--target", str(checkpoints / "target"), "--eagle", str(checkpoints / "eagle"), "--out", "unused",
+                         "--prompts-dir", str(prompt_files), "--suites", "gsm8k", "--device", "cpu", "--dtype", "bfloat16",
+                         "--inner", "eager"])
+    bench = E.Bench(args)
+    ids = torch.randint(0, bench.model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(3))
+    logits = bench.fp32_logits(ids)
+    assert entered and logits.dtype == torch.float32 and bench.model.dtype == torch.bfloat16
+    reference = bench.model.float()(input_ids=ids).logits[0, -1]  # fla's own path (the CPU references)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
