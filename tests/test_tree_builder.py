@@ -155,3 +155,47 @@ def test_draft_from_paths_pads_rows():
     assert draft.parents.tolist() == [[-1, 0, 1, 0], [-1, PAD, PAD, PAD]]
     assert draft.tokens[0].tolist() == [4, 7, 8, 9] and draft.tokens[1, 0] == 2
     validate_parents(draft.parents)
+
+
+class DraftVocabLM(PathLM):
+    """PathLM scoring only the token ids in ``vocab`` (a draft vocabulary): column j is token vocab[j]."""
+
+    def __init__(self, vocab: int, seed: int, ids: torch.Tensor):
+        super().__init__(vocab, seed)
+        self.vocab_ids = ids
+
+    @property
+    def draft_vocab(self) -> torch.Tensor:  # (what the builder reads)
+        return self.vocab_ids
+
+    def __call__(self, frontier: Frontier) -> torch.Tensor:
+        return super().__call__(frontier)[..., self.vocab_ids]
+
+
+class MaskedLM(PathLM):
+    """PathLM over the whole vocabulary with every token outside ``ids`` at -inf."""
+
+    def __init__(self, vocab: int, seed: int, ids: torch.Tensor):
+        super().__init__(vocab, seed)
+        self.outside = torch.ones(vocab, dtype=torch.bool)
+        self.outside[ids] = False
+
+    def __call__(self, frontier: Frontier) -> torch.Tensor:
+        return super().__call__(frontier).masked_fill(self.outside, float("-inf"))
+
+
+@pytest.mark.parametrize("config", [SpecConfig(mode="chain", depth=5),
+                                    SpecConfig(mode="tree", depth=4, tree_top_k=3, budget=9, tau=2.0),
+                                    SpecConfig(mode="tree", depth=3, tree_top_k=4, budget=12)])
+@pytest.mark.parametrize("fixed_size", [False, True])
+def test_a_draft_vocabulary_drafts_what_masking_the_other_tokens_drafts(config, fixed_size):
+    """A step that scores only a draft vocabulary (unsorted ids, a step object with ``draft_vocab``) gives the
+    draft that the whole vocabulary gives with every other token at -inf: the builder maps score columns
+    back to token ids at every level, and its log-probabilities normalise over the same tokens."""
+    vocab = 50
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:17]
+    pending = torch.tensor([int(ids[0]), 3, int(ids[5])])
+    draft = build_draft(DraftVocabLM(vocab, 4, ids), pending, config, fixed_size)
+    expected = build_draft(MaskedLM(vocab, 4, ids), pending, config, fixed_size)
+    assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+    assert set(draft.tokens[:, 1:][draft.parents[:, 1:] != PAD].tolist()) <= set(ids.tolist())

@@ -45,7 +45,8 @@ class Frontier:
 
 
 # Returns next-token scores ``[R, W, V]`` after each frontier node: log-probabilities or logits
-# (the builder applies log_softmax, so both work).
+# (the builder applies log_softmax, so both work). A step object whose ``draft_vocab`` attribute is a tensor
+# of token ids scores only those tokens: column ``j`` of its scores is token ``draft_vocab[j]``.
 StepFn = Callable[[Frontier], torch.Tensor]
 
 
@@ -59,9 +60,10 @@ def build_draft(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_s
     if pending.dim() != 1 or pending.numel() == 0:
         raise ValueError(f"pending must be a non-empty 1-D tensor of token ids, got shape {tuple(pending.shape)}")
     pending = pending.long()
+    vocab = getattr(step, "draft_vocab", None)
     if config.mode == "chain":
-        return _chain(step, pending, config.depth)
-    return _tree(step, pending, config, fixed_size)
+        return _chain(step, pending, config.depth, vocab)
+    return _tree(step, pending, config, fixed_size, vocab)
 
 
 def _scores(step: StepFn, frontier: Frontier) -> torch.Tensor:
@@ -72,18 +74,24 @@ def _scores(step: StepFn, frontier: Frontier) -> torch.Tensor:
     return scores
 
 
-def _chain(step: StepFn, pending: torch.Tensor, depth: int) -> Draft:
+def _token_ids(columns: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """Token ids of score columns (themselves, without a draft vocabulary)."""
+    return columns if vocab is None else vocab[columns]
+
+
+def _chain(step: StepFn, pending: torch.Tensor, depth: int, vocab: torch.Tensor | None) -> Draft:
     tokens = [pending[:, None]]
     slots = torch.zeros_like(tokens[0])
     for level in range(depth):
         frontier = Frontier(tokens[-1], None if level == 0 else slots, level)
-        tokens.append(_scores(step, frontier).argmax(-1))  # (a chain needs no normalisation: same argmax)
+        best = _scores(step, frontier).argmax(-1)  # (a chain needs no normalisation: same argmax)
+        tokens.append(_token_ids(best, vocab))
     rows, n = pending.shape[0], depth + 1
     parents = torch.arange(-1, n - 1, device=pending.device).expand(rows, n).clone()
     return Draft(tokens=torch.cat(tokens, dim=1), parents=parents, chain=True)
 
 
-def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: bool) -> Draft:
+def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: bool, vocab: torch.Tensor | None) -> Draft:
     rows, device = pending.shape[0], pending.device
     row_ix = torch.arange(rows, device=device)[:, None]
     # Candidates of every level, concatenated level after level (so parents precede children).
@@ -94,10 +102,11 @@ def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: b
     offset = 0
     for level in range(config.depth):
         scores = _scores(step, frontier)
-        width, vocab = frontier.tokens.shape[1], scores.shape[-1]
-        k = min(config.tree_top_k, vocab)
+        width, columns = frontier.tokens.shape[1], scores.shape[-1]
+        k = min(config.tree_top_k, columns)
         # [R, W, k], children sorted by likelihood (log-probabilities of the k best only: one launch on GPUs)
-        child_lp, child_tok = (t.view(rows, width, k) for t in ops.vocab_top_k(scores.reshape(rows * width, vocab), k))
+        child_lp, child_col = (t.view(rows, width, k) for t in ops.vocab_top_k(scores.reshape(rows * width, columns), k))
+        child_tok = _token_ids(child_col, vocab)
         score = (beam_score[..., None] + child_lp).reshape(rows, width * k)
         cand_token.append(child_tok.reshape(rows, width * k))
         cand_parent.append(beam_ids[..., None].expand(rows, width, k).reshape(rows, width * k))

@@ -167,15 +167,24 @@ class EagleDrafter(Drafter):
     fixed-shape propose's device work as one program compiled by inductor; None (default): on CUDA.
     The drafts are the same either way, up to padding nodes. ``attention``: the head's attention kernel in
     a propose, one of ``ATTENTION`` (``"math"``: matrix products and a softmax that inductor fuses); None
-    (default): PyTorch's choice.
+    (default): PyTorch's choice. ``draft_vocab``: draft only the head's ``draft_vocab`` most frequent tokens
+    (its ``token_ranking``, from its training data), through a copy of those rows of the target's LM head
+    made here: each draft level reads that many rows instead of the whole vocabulary (FR-Spec's
+    frequency-ranked drafting). The output stays exact (the target verifies); a token outside the draft
+    vocabulary can only be emitted by the target itself. None (default): the whole vocabulary.
     """
 
     needs_features = True
 
     def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None,
-                 compiled: bool | None = None, attention: str | None = None):
+                 compiled: bool | None = None, attention: str | None = None, draft_vocab: int | None = None):
         if attention is not None and attention not in ATTENTION:
             raise ValueError(f"EagleDrafter: attention must be None or one of {sorted(ATTENTION)}, got {attention!r}")
+        if draft_vocab is not None and head.token_ranking is None:
+            raise ValueError("EagleDrafter: draft_vocab needs a head with a token ranking (one trained by "
+                             "examples/train_eagle.py since the ranking was added)")
+        if draft_vocab is not None and not 1 <= draft_vocab <= head.config.vocab_size:
+            raise ValueError(f"EagleDrafter: draft_vocab must be in [1, {head.config.vocab_size}], got {draft_vocab}")
         head.config.check_target(target)
         self.attention = attention
         head.pack_projections()
@@ -186,7 +195,13 @@ class EagleDrafter(Drafter):
         self._compiled_propose: Callable | None = None
         self.head = head.eval()
         self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        lm_head = target.get_output_embeddings()
+        self._lm_weight, self._lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
+        self.draft_vocab = None  # [N] token ids the draft levels score (None: every token)
+        if draft_vocab is not None:  # (copies of the LM head's rows for them)
+            self.draft_vocab = head.token_ranking[:draft_vocab].to(lm_head.weight.device)
+            self._lm_weight = self._lm_weight[self.draft_vocab]
+            self._lm_bias = None if self._lm_bias is None else self._lm_bias[self.draft_vocab]
         self.vocab_size = head.config.vocab_size
         self._cached: list[int] = []  # per row: pairs in the buffers
         self._features: list[torch.Tensor] = []  # per row: committed features waiting for their pair
@@ -196,12 +211,13 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike, target: nn.Module, dtype: torch.dtype | None = None
+        cls, path: str | os.PathLike, target: nn.Module, dtype: torch.dtype | None = None, **options
     ) -> EagleDrafter:
         """Load a head saved by :meth:`save_pretrained` (or the training script) for ``target``,
-        on the device of the target's embeddings."""
+        on the device of the target's embeddings; ``options`` go to the constructor (``draft_vocab``, ...)."""
         return cls(
-            EagleHead.from_pretrained(path, device=target.get_input_embeddings().weight.device, dtype=dtype), target
+            EagleHead.from_pretrained(path, device=target.get_input_embeddings().weight.device, dtype=dtype), target,
+            **options,
         )
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
@@ -264,7 +280,7 @@ class EagleDrafter(Drafter):
             if any(f.shape[0] for f in self._features) or not all(self._cached):
                 return None  # (features waiting for their pair: the host path caches them first)
             self._device_cached = torch.tensor(self._cached, device=device)
-        beam = 1 if config.mode == "chain" else min(config.tree_top_k, self.vocab_size)
+        beam = self._beam(config)
         # the whole call's room, once: a row's count runs up to depth + 1 pairs past its budget in its last pass
         # (the host trims it; the device state does not), and each later propose writes width padding pairs
         if self._buffers.reserve(max_length + 2 * width, (config.depth - 1) * beam):
@@ -292,6 +308,11 @@ class EagleDrafter(Drafter):
             compiled = fixed and (self._buffers.keys.is_cuda if self.compiled is None else self.compiled)
             draft = self._device_propose(plan, features, config, static, compiled)
         return draft
+
+    def _beam(self, config: SpecConfig) -> int:
+        """Frontier nodes per draft level after the first."""
+        scored = self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+        return 1 if config.mode == "chain" else min(config.tree_top_k, scored)
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager:
         """The chosen attention kernel, with math as its fallback."""
@@ -340,8 +361,8 @@ class EagleDrafter(Drafter):
             raise ValueError(f"{what} must be [positions, {self.head.config.hidden_size}], got {tuple(feats.shape)}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Target LM head over predicted features."""
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        """Target LM head over predicted features: ``[..., V]``, or ``[..., N]`` for the draft vocabulary's tokens."""
+        return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
 
     def _plan(self, request: DraftRequest, config: SpecConfig, static: bool, round_up: bool = False) -> _Plan:
         """Check the rows' bookkeeping, make room in the buffers, and move what the device needs there in
@@ -369,7 +390,7 @@ class EagleDrafter(Drafter):
             width = config.depth + 1
         if round_up:
             width = _room(width, 64)
-        beam = 1 if config.mode == "chain" else min(config.tree_top_k, self.vocab_size)
+        beam = self._beam(config)
         if self._buffers.reserve(max(self._cached[b] for b in request.rows) + width, (config.depth - 1) * beam):
             self._graphs.clear()
         seqs = request.sequences
@@ -461,6 +482,7 @@ class _TreeRollout:
 
     def __init__(self, drafter: EagleDrafter, plan: _Plan):
         self.drafter, self.project, self.attend = drafter, drafter.head.project, drafter.head.attend
+        self.draft_vocab = drafter.draft_vocab  # (the tree builder maps score columns to these token ids)
         self.keys, self.values = drafter._buffers.rows(plan.rows, plan.every_row)
         self.column = drafter._buffers.capacity  # the next free scratch column
         columns = torch.arange(self.keys.shape[2], device=self.keys.device)

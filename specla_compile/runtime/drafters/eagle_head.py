@@ -110,6 +110,9 @@ class EagleHead(nn.Module):
         # inference copies of q/k/v and gate/up as one weight each (pack_projections); never saved
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("gate_up_weight", None, persistent=False)
+        # every token id, most frequent in the head's training data first (set by the trainer, saved with the
+        # head): the first N of them are a draft vocabulary (EagleDrafter's ``draft_vocab``)
+        self.register_buffer("token_ranking", None)
 
     @torch.no_grad()
     def pack_projections(self) -> None:
@@ -187,8 +190,30 @@ class EagleHead(nn.Module):
             raise ValueError(f"{config_file} does not describe an EAGLE head (model_type != 'specla_eagle_head')")
         head = cls(EagleConfig(**raw))
         state = load_file(weights_file)
+        ranking = state.pop("token_ranking", None)  # (heads saved before it have none)
         head.load_state_dict(state)
+        if ranking is not None:
+            head.set_token_ranking(ranking)
         return head.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+
+    def set_token_ranking(self, ranking: torch.Tensor) -> None:
+        """Keep ``ranking``, every token id once, most frequent first (see ``token_ranking``)."""
+        ranking = ranking.to(device=self.fuse.weight.device, dtype=torch.long)
+        if ranking.shape != (self.config.vocab_size,) or not torch.equal(
+            ranking.sort().values, torch.arange(self.config.vocab_size, device=ranking.device)
+        ):
+            raise ValueError(f"a token ranking must hold each of the {self.config.vocab_size} token ids once, "
+                             f"got shape {tuple(ranking.shape)}")
+        self.token_ranking = ranking
+
+
+def rank_tokens(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Every token id by its count in ``token_ids`` (any shape), most frequent first (ties: lower id first)."""
+    token_ids = token_ids.flatten().long().cpu()
+    if token_ids.numel() and not 0 <= int(token_ids.min()) <= int(token_ids.max()) < vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{int(token_ids.min())}, {int(token_ids.max())}]")
+    counts = torch.bincount(token_ids, minlength=vocab_size)
+    return torch.sort(counts, descending=True, stable=True).indices
 
 
 def causal_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
