@@ -592,7 +592,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="plain is always run (the baseline); eagle_tree_fr (the tree route drafting only the head's "
                         "--draft-vocab most frequent tokens) runs when named")
     p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="eagle_tree_fr's draft vocabulary (at most the target's vocabulary)")
+                   help="eagle_tree_fr's draft vocabulary: the head's most frequent training tokens (at most "
+                        "the whole vocabulary: a larger number drafts every token)")
     p.add_argument("--limit-prompts", type=int, default=None, help="at most this many prompts per suite")
     p.add_argument("--eager-prompts", type=int, default=3, help="prompts per suite that also run the eager loop")
     p.add_argument("--new-tokens", type=int, default=128)

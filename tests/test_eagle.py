@@ -1,3 +1,4 @@
+import functools
 import json
 import os
 from collections import Counter
@@ -398,27 +399,32 @@ def test_a_prompt_catch_up_has_one_attention_shape_per_power_of_two():
 
 def test_attention_choice_changes_the_kernel_not_the_draft():
     """``attention="math"`` runs the head's attention as matrix products (PyTorch's own choice on a CPU is
-    its fused flash kernel), uncaptured and compiled, in the prompt's catch-up and in every level, and drafts
-    what the default drafts; an unknown name is refused at construction."""
+    its fused flash kernel) in the prompt's catch-up and in every level, uncaptured, and in the program
+    inductor compiles (no attention call in its code, where the default's has one), and drafts what the
+    default drafts; an unknown name is refused at construction."""
+    from torch._inductor.utils import run_and_get_code
+
     target, head = make(seed=6)
     config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)
     gen = torch.Generator().manual_seed(8)
     seq = torch.randint(0, VOCAB, (30,), generator=gen)
     feats = features_of(target, seq)[:-1]
     drafts = {}
-    for attention, compiled in ((None, False), ("math", False), ("math", True)):
+    for attention, compiled in ((None, False), ("math", False), (None, True), ("math", True)):
         drafter = EagleDrafter(head, target, static_shapes=True, compiled=compiled, attention=attention)
         drafter.begin([seq[:-1]], [feats])
+        propose = functools.partial(drafter.propose, DraftRequest([0], [seq]), config)
+        if compiled:  # (a dispatch mode would make Dynamo skip the frame: read the generated code instead)
+            drafts[attention, compiled], code = run_and_get_code(propose)
+            assert any("scaled_dot_product" in c for c in code) == (attention is None)
+            continue
         counter = _Dispatches()
         with counter:
-            drafts[attention, compiled] = drafter.propose(DraftRequest([0], [seq]), config)
+            drafts[attention, compiled] = propose()
         fused = counter.ops["aten._scaled_dot_product_flash_attention_for_cpu"]
-        if attention is None:
-            assert fused > 0
-        else:
-            assert fused == 0 and (compiled or counter.ops["aten.bmm"] > 0)
-    for key in (("math", False), ("math", True)):
-        assert_same_draft(drafts[key], drafts[None, False])
+        assert fused > 0 if attention is None else (fused == 0 and counter.ops["aten.bmm"] > 0)
+    for draft in drafts.values():
+        assert_same_draft(draft, drafts[None, False])
     with pytest.raises(ValueError, match="attention must be None or one of"):
         EagleDrafter(head, target, attention="flash")
 
@@ -471,8 +477,13 @@ def test_token_ranking_is_saved_checked_and_required_for_a_draft_vocabulary(tmp_
         head.set_token_ranking(torch.zeros(VOCAB, dtype=torch.long))
     head.set_token_ranking(ranking)
     head.save_pretrained(tmp_path)
-    loaded = EagleDrafter.from_pretrained(tmp_path, target, draft_vocab=3)
+    loaded = EagleDrafter.from_pretrained(tmp_path, target, dtype=torch.bfloat16, draft_vocab=3)
     assert torch.equal(loaded.head.token_ranking, ranking) and loaded.draft_vocab.tolist() == [7, 2, 5]
+    assert loaded.head.fuse.weight.dtype == torch.bfloat16 and loaded.head.token_ranking.dtype == torch.long
+    fresh = EagleHead(head.config)
+    fresh.load_state_dict(head.state_dict())  # (a head built without a ranking takes one from a state dict)
+    assert torch.equal(fresh.token_ranking, ranking)
+    assert EagleDrafter(head, target, draft_vocab=VOCAB).draft_vocab is None  # the whole vocabulary: no copy
     for size in (0, VOCAB + 1):
         with pytest.raises(ValueError, match=r"draft_vocab must be in \[1, 300\]"):
             EagleDrafter(head, target, draft_vocab=size)

@@ -269,7 +269,8 @@ def test_vocab_top_k(rows, vocab, k, block, dtype):
 def test_gather_paths_in_few_launches():
     """Every record's accepted path in one call, against one PyTorch gather per record: rows of 32-bit
     words (bf16 and fp32), of 16-bit words (an odd bf16 row), of bytes (int8, odd), longer than a block,
-    a source that is a slice of a larger one, one whose rows are not contiguous (gathered by PyTorch), more tensors than one launch
+    a source that is a slice of a larger one, one whose rows are not contiguous (gathered by PyTorch), one-element
+    rows whose size-1 dimension has a stride other than 1, more tensors than one launch
     takes, paths ending in -1; destinations start as NaN or garbage, so a row left unwritten fails."""
     gen = torch.Generator().manual_seed(7)
     rows, nodes, length = 2, 7, 5
@@ -278,6 +279,7 @@ def test_gather_paths_in_few_launches():
     srcs = [(100 * torch.randn(rows, nodes, *shape, generator=gen)).to(dtype) for shape, dtype in shapes]
     srcs[1] = torch.randn(rows, nodes + 3, 4, generator=gen)[:, 1:-2]  # rows of a larger tensor
     srcs[2] = torch.randn(rows, nodes, 3, 2, generator=gen).to(torch.bfloat16).transpose(2, 3)  # PyTorch's gather
+    srcs[5] = torch.randn(rows, 1, nodes, generator=gen, dtype=torch.float64).transpose(1, 2)  # one-element rows, stride 7
     index = torch.randint(0, nodes, (rows, length), generator=gen)
     index[1, 3:] = -1
     index[0, -1] = nodes - 1
@@ -290,3 +292,5 @@ def test_gather_paths_in_few_launches():
     assert words == {4, 2, 1}
     with pytest.raises(ValueError, match="cannot gather"):
         tg.gather_paths_([dsts[0][:, :2]], [srcs[0]], index)
+    with pytest.raises(ValueError, match="cannot gather"):  # a source with fewer batch rows than the path
+        tg.gather_paths_([dsts[0]], [srcs[0][:1]], index)

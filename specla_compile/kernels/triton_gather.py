@@ -59,7 +59,10 @@ def _widest_words(t: torch.Tensor) -> int:
 
 def _as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t [B, N, ...]`` as ``[B, N, W]`` words of ``dtype`` (a view)."""
-    return t.reshape(t.shape[0], t.shape[1], -1).view(dtype)
+    flat = t.reshape(t.shape[0], t.shape[1], -1)
+    if flat.shape[2] == 1:  # (a one-element row may carry any stride there; a dtype view needs 1)
+        flat = flat.as_strided(flat.shape, (*flat.stride()[:2], 1))
+    return flat.view(dtype)
 
 
 WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -72,7 +75,8 @@ def gather_paths_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], index: tor
     batch, length = index.shape
     groups: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for dst, src in zip(dsts, srcs, strict=True):
-        if (dst.dtype, dst.shape[0], dst.shape[1], dst.shape[2:]) != (src.dtype, batch, length, src.shape[2:]):
+        if (dst.dtype, dst.device, dst.shape[:2], dst.shape[2:], src.shape[0]) != (
+                src.dtype, index.device, (batch, length), src.shape[2:], batch):
             raise ValueError(f"gather_paths_: cannot gather {tuple(src.shape)} {src.dtype} along a {tuple(index.shape)} "
                              f"path into {tuple(dst.shape)} {dst.dtype}")
         if dst.numel() == 0:

@@ -46,7 +46,8 @@ class Frontier:
 
 # Returns next-token scores ``[R, W, V]`` after each frontier node: log-probabilities or logits
 # (the builder applies log_softmax, so both work). A step object whose ``draft_vocab`` attribute is a tensor
-# of token ids scores only those tokens: column ``j`` of its scores is token ``draft_vocab[j]``.
+# of token ids scores only those tokens: column ``j`` of its scores is token ``draft_vocab[j]`` (exact ties
+# then go to the earlier column, not to the lower token id).
 StepFn = Callable[[Frontier], torch.Tensor]
 
 

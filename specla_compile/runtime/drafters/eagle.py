@@ -171,7 +171,8 @@ class EagleDrafter(Drafter):
     (its ``token_ranking``, from its training data), through a copy of those rows of the target's LM head
     made here: each draft level reads that many rows instead of the whole vocabulary (FR-Spec's
     frequency-ranked drafting). The output stays exact (the target verifies); a token outside the draft
-    vocabulary can only be emitted by the target itself. None (default): the whole vocabulary.
+    vocabulary can only be emitted by the target itself. None (default) or the vocabulary's size: every
+    token, through the target's LM head module.
     """
 
     needs_features = True
@@ -195,13 +196,14 @@ class EagleDrafter(Drafter):
         self._compiled_propose: Callable | None = None
         self.head = head.eval()
         self.embed = target.get_input_embeddings()
-        lm_head = target.get_output_embeddings()
-        self._lm_weight, self._lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
+        self.lm_head = target.get_output_embeddings()
         self.draft_vocab = None  # [N] token ids the draft levels score (None: every token)
-        if draft_vocab is not None:  # (copies of the LM head's rows for them)
-            self.draft_vocab = head.token_ranking[:draft_vocab].to(lm_head.weight.device)
-            self._lm_weight = self._lm_weight[self.draft_vocab]
-            self._lm_bias = None if self._lm_bias is None else self._lm_bias[self.draft_vocab]
+        if draft_vocab is not None and draft_vocab < head.config.vocab_size:
+            with torch.no_grad():  # (copies of the LM head's rows for those tokens)
+                self.draft_vocab = head.token_ranking[:draft_vocab].to(self.lm_head.weight.device)
+                self._lm_weight = self.lm_head.weight[self.draft_vocab]
+                bias = getattr(self.lm_head, "bias", None)
+                self._lm_bias = None if bias is None else bias[self.draft_vocab]
         self.vocab_size = head.config.vocab_size
         self._cached: list[int] = []  # per row: pairs in the buffers
         self._features: list[torch.Tensor] = []  # per row: committed features waiting for their pair
@@ -362,6 +364,8 @@ class EagleDrafter(Drafter):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target LM head over predicted features: ``[..., V]``, or ``[..., N]`` for the draft vocabulary's tokens."""
+        if self.draft_vocab is None:
+            return self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
 
     def _plan(self, request: DraftRequest, config: SpecConfig, static: bool, round_up: bool = False) -> _Plan:

@@ -190,11 +190,14 @@ class EagleHead(nn.Module):
             raise ValueError(f"{config_file} does not describe an EAGLE head (model_type != 'specla_eagle_head')")
         head = cls(EagleConfig(**raw))
         state = load_file(weights_file)
-        ranking = state.pop("token_ranking", None)  # (heads saved before it have none)
-        head.load_state_dict(state)
-        if ranking is not None:
-            head.set_token_ranking(ranking)
-        return head.to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+        head.load_state_dict(state)  # (heads saved before the token ranking have none)
+        return head.to(device=device, dtype=dtype or next(v.dtype for v in state.values() if v.is_floating_point()))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        key = prefix + "token_ranking"
+        if self.token_ranking is None and key in state_dict:  # (a buffer registered as None expects no key)
+            self.set_token_ranking(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def set_token_ranking(self, ranking: torch.Tensor) -> None:
         """Keep ``ranking``, every token id once, most frequent first (see ``token_ranking``)."""
