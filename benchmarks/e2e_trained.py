@@ -67,6 +67,8 @@ import numpy as np
 import torch
 from torch._inductor.async_compile import AsyncCompile
 
+from specla_compile.runtime.drafters.eagle_head import has_token_ranking
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_gpu import targets_markdown, timed  # noqa: E402
 
@@ -387,17 +389,6 @@ def token_hash(tokens: list[int]) -> str:
     return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:16]
 
 
-def _has_token_ranking(eagle: Path) -> bool:
-    """Whether the head saved in ``eagle`` keeps its training tokens' ranking (read without loading weights)."""
-    from safetensors import safe_open
-
-    weights = eagle / "model.safetensors"
-    if not weights.is_file():
-        return False
-    with safe_open(str(weights), "pt") as f:
-        return "token_ranking" in f.keys()  # noqa: SIM118 (safe_open is not a mapping)
-
-
 class Bench:
     """One compiled target, one generator and engine, every route."""
 
@@ -624,7 +615,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--target: no config.json in {args.target}")
     if any(r.startswith("eagle") for r in args.routes) and (not args.eagle or not Path(args.eagle, "config.json").is_file()):
         problems.append(f"--eagle: no config.json in {args.eagle} (or leave the eagle routes out of --routes)")
-    elif "eagle_tree_fr" in args.routes and not _has_token_ranking(Path(args.eagle)):
+    elif "eagle_tree_fr" in args.routes and not has_token_ranking(args.eagle):
         problems.append(f"--routes eagle_tree_fr: the head in {args.eagle} has no token ranking (trained before "
                         "examples/train_eagle.py ranked its tokens; leave the route out)")
     stems = (list(MIXED) if "mixed" in args.suites else []) + (["gsm8k"] if "gsm8k" in args.suites else [])

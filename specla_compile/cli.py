@@ -101,6 +101,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default="ngram",
         help="ngram, eagle:PATH (an EAGLE head directory) or model:PATH (a small causal LM)",
     )
+    add("--draft-vocab", type=int, default=None,
+        help="eagle drafter: draft only the head's N most frequent training tokens (None: every token)")
     add("--prompt", default=DEFAULT_PROMPT, help="the prompt text")
     add("--max-new-tokens", type=int, default=96, help="tokens to generate")
     add("--mode", choices=("chain", "tree"), default="tree", help="draft shape")
@@ -143,6 +145,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--drafter must be ngram, eagle:PATH or model:PATH, got {args.drafter!r}")
     if path:
         _check_checkpoint(parser, path, f"--drafter {kind}: path")
+    if args.draft_vocab is not None:
+        from .runtime.drafters.eagle_head import has_token_ranking
+
+        if kind != "eagle":
+            parser.error("--draft-vocab needs --drafter eagle:PATH")
+        if args.draft_vocab < 1:
+            parser.error(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
+        if not has_token_ranking(path):
+            parser.error(f"--draft-vocab: the EAGLE head in {path!r} has no token ranking (train it with "
+                         "examples/train_eagle.py, which saves one)")
     tokenizer = args.tokenizer or args.model
     if tokenizer not in (None, BYTES):
         if not os.path.isdir(tokenizer):
@@ -208,7 +220,8 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     return model, None if tokenizer_path == BYTES else AutoTokenizer.from_pretrained(tokenizer_path)
 
 
-def make_drafter(spec: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> Drafter:
+def make_drafter(spec: str, target: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                 draft_vocab: int | None = None) -> Drafter:
     """The drafter named by ``--drafter`` (already checked by :func:`check_args`)."""
     from .runtime.drafters import EagleDrafter, ModelDrafter, NgramDrafter
 
@@ -216,7 +229,7 @@ def make_drafter(spec: str, target: torch.nn.Module, device: torch.device, dtype
     if kind == "ngram":
         return NgramDrafter()
     if kind == "eagle":
-        return EagleDrafter.from_pretrained(path, target, dtype=dtype)
+        return EagleDrafter.from_pretrained(path, target, dtype=dtype, draft_vocab=draft_vocab)
     import fla  # noqa: F401  (an fla drafter checkpoint needs fla's Auto classes)
 
     return ModelDrafter.from_pretrained(path, device=device, dtype=dtype)
@@ -288,7 +301,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     model, tokenizer = load(args)
     model = model.to(device, dtype).eval()  # (the embedded model trains on the CPU in float32 first)
     try:
-        drafter = make_drafter(args.drafter, model, device, dtype)
+        drafter = make_drafter(args.drafter, model, device, dtype, args.draft_vocab)
     except ValueError as exc:  # a head or LM that does not fit the target
         parser.error(f"--drafter {args.drafter!r}: {exc}")
     input_ids = encode(args.prompt, tokenizer, device)

@@ -26,12 +26,15 @@ FAST = ["--train-steps", "0", "--prompt", "Twinkle, twinkle, little star", "--ma
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
-    """A byte-vocabulary Llama drafter, an EAGLE head for the embedded model, and a Qwen3.5 target saved
-    without tokenizer files."""
+    """A byte-vocabulary Llama drafter, an EAGLE head for the embedded model (without and with a token
+    ranking), and a Qwen3.5 target saved without tokenizer files."""
     root = tmp_path_factory.mktemp("checkpoints")
     tiny_lm(vocab=256, seed=1).save_pretrained(root / "drafter")
     torch.manual_seed(0)
-    EagleHead(EagleConfig.for_target(cli.embedded_model(steps=0))).save_pretrained(root / "eagle")
+    head = EagleHead(EagleConfig.for_target(cli.embedded_model(steps=0)))
+    head.save_pretrained(root / "eagle")
+    head.set_token_ranking(torch.randperm(head.config.vocab_size))
+    head.save_pretrained(root / "eagle_ranked")
     tiny_model("qwen3_5", layers=2).save_pretrained(root / "qwen_no_tokenizer")
     return root
 
@@ -48,6 +51,7 @@ def run_script(argv: list[str], monkeypatch) -> None:
         ("ngram", ["--mode", "tree"]),
         ("model:{root}/drafter", ["--mode", "chain", "--depth", "3"]),
         ("eagle:{root}/eagle", ["--mode", "tree", "--depth", "2", "--budget", "4"]),
+        ("eagle:{root}/eagle_ranked", ["--mode", "tree", "--depth", "2", "--budget", "4", "--draft-vocab", "64"]),
     ],
 )
 def test_generate_runs_with_each_drafter(drafter, shape, checkpoints, tmp_path, monkeypatch, capsys):
@@ -92,6 +96,9 @@ def bad_inputs(root: Path) -> list[tuple[list[str], str]]:
         (["--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["--sample-top-k", "-2"], "top_k must be >= 0"),
         (["--prompt", ""], "--prompt is empty"),
+        (["--draft-vocab", "8"], "--draft-vocab needs --drafter eagle:PATH"),
+        (["--drafter", f"eagle:{root / 'eagle'}", "--draft-vocab", "8"], "has no token ranking"),
+        (["--drafter", f"eagle:{root / 'eagle_ranked'}", "--draft-vocab", "0"], "--draft-vocab must be >= 1"),
         (["--inner", "bogus"], "argument --inner: invalid choice"),
         (["--dtype", "int8"], "argument --dtype: invalid choice"),
         (["--device", "bogus"], "--device 'bogus'"),

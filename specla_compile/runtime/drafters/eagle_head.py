@@ -210,6 +210,17 @@ class EagleHead(nn.Module):
         self.token_ranking = ranking
 
 
+def has_token_ranking(path: str | os.PathLike) -> bool:
+    """Whether the head saved in ``path`` keeps a token ranking: read from its weights file's header, no
+    tensor loaded (a check before slow work)."""
+    weights = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(weights):
+        return False
+    with open(weights, "rb") as f:  # safetensors: an 8-byte little-endian length, then a JSON header
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return "token_ranking" in header
+
+
 def rank_tokens(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Every token id by its count in ``token_ids`` (any shape), most frequent first (ties: lower id first)."""
     token_ids = token_ids.flatten().long().cpu()
