@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tree import gather_nodes
+
 GROUP = 16  # tensors per launch (each one more branch in the kernel)
 BLOCK = 1024  # words a program moves per step
 
@@ -82,7 +84,7 @@ def gather_paths_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], index: tor
         if dst.numel() == 0:
             continue
         if not (_rows_contiguous(dst) and _rows_contiguous(src)):
-            dst.copy_(src.gather(1, index.clamp(min=0).view(batch, length, *[1] * (src.dim() - 2)).expand_as(dst)))
+            dst.copy_(gather_nodes(src, index))
             continue
         word = WORD_DTYPES[min(_widest_words(dst), _widest_words(src))]
         groups.setdefault(word, []).append((_as_words(dst, word), _as_words(src, word)))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -216,9 +217,8 @@ def has_token_ranking(path: str | os.PathLike) -> bool:
     weights = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(weights):
         return False
-    with open(weights, "rb") as f:  # safetensors: an 8-byte little-endian length, then a JSON header
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return "token_ranking" in header
+    with safe_open(weights, "pt") as f:
+        return "token_ranking" in f.keys()  # noqa: SIM118 (safe_open is not a mapping)
 
 
 def rank_tokens(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
