@@ -134,7 +134,7 @@ def loop_section(args, results: dict) -> None:
     hidden = model.config.hidden_size
     head = EagleHead(EagleConfig(hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
     tree_replays = {r["attention"]: r["replay_ms"] for name, r in results["routes"].items()
-                    if name.startswith("tree") and "replay_ms" in r}
+                    if name.startswith("tree") and "replay_ms" in r and not r.get("draft_vocab")}
     attention = min(tree_replays, key=tree_replays.get) if tree_replays else None
     drafter = EagleDrafter(head, model, attention=attention)
     configs = {"eagle_chain": CONFIGS["chain_L8"], "eagle_tree": CONFIGS["tree_k4_d6_n16"],
@@ -198,9 +198,12 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--prompt", type=int, default=200)
     p.add_argument("--iterations", type=int, default=30)
-    p.add_argument("--attention", nargs="+", choices=("default", *ATTENTION), default=["default"],
-                   help="the head's attention kernels to time in the propose section (default: PyTorch's choice); "
+    p.add_argument("--attention", nargs="+", choices=ATTENTION, default=["pytorch", "specla"],
+                   help="the head's attention kernels to time in the propose section; "
                         "the loop section drafts with the one whose tree propose replays fastest")
+    p.add_argument("--draft-vocab", nargs="+", type=int, default=[0],
+                   help="draft vocabularies to time in the propose section (0: the whole vocabulary; a random "
+                        "token ranking: the cost does not depend on which tokens)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: eagle_profile.py needs a CUDA GPU")
@@ -223,14 +226,15 @@ def propose_section(args, results: dict) -> None:
     target = stub_target(args.hidden, args.vocab, torch.bfloat16)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig(args.hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
-    for (name, config), attention in itertools.product(CONFIGS.items(), args.attention):
-        kernel = None if attention == "default" else attention
-        name = name if kernel is None else f"{name}, {attention} attention"
-        route = results["routes"][name] = {"attention": kernel}
+    head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
+    for (name, config), attention, vocab in itertools.product(CONFIGS.items(), args.attention, args.draft_vocab):
+        draft_vocab = vocab or None
+        name = f"{name}, {attention} attention" + (f", draft vocabulary {vocab}" if vocab else "")
+        route = results["routes"][name] = {"attention": attention, "draft_vocab": draft_vocab}
         for mode, static in (("graphed", None), ("uncaptured", False)):
-            if mode == "uncaptured" and kernel is not None:
-                continue  # (the attention kernel does not change a propose's launch count)
-            drafter = EagleDrafter(head, target, static_shapes=static, attention=kernel)
+            if mode == "uncaptured" and (attention, draft_vocab) != (args.attention[0], None):
+                continue  # (neither changes a propose's launch count)
+            drafter = EagleDrafter(head, target, static_shapes=static, attention=attention, draft_vocab=draft_vocab)
             route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden)
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph

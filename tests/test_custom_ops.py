@@ -169,3 +169,18 @@ def test_vocab_top_k():
     assert torch.equal(ids, torch.log_softmax(scores, -1).topk(4).indices)
     torch.testing.assert_close(log_probs, torch.log_softmax(scores, -1).topk(4).values)
     assert torch.equal(vocab_top_k_reference(torch.zeros(1, 5), 3)[1], torch.tensor([[0, 1, 2]]))  # ties: lower ids first
+
+
+def test_draft_attention():
+    """A draft head's attention in one op: PyTorch's masked scaled-dot-product attention (fp64), zeros for a
+    query that sees no key, a mask shared by every row."""
+    gen = torch.Generator().manual_seed(4)
+    q, keys, values = (torch.randn(2, 3, s, 8, generator=gen, dtype=torch.float64) for s in (5, 20, 20))
+    mask = torch.rand(1, 5, 20, generator=gen) < 0.5
+    mask[0, 0, 0], mask[0, -1] = True, False
+    torch.library.opcheck(ops.draft_attention, (q, keys, values, mask, 0.25))
+    out = ops.draft_attention(q, keys, values, mask, 0.25)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, :, :-1], keys, values, attn_mask=mask[:, None, :-1],
+                                                           scale=0.25)
+    torch.testing.assert_close(out[:, :, :-1], sdpa)
+    assert torch.equal(out[:, :, -1], torch.zeros(2, 3, 8, dtype=torch.float64))

@@ -1,4 +1,5 @@
 import functools
+import itertools
 import json
 import os
 from collections import Counter
@@ -398,10 +399,10 @@ def test_a_prompt_catch_up_has_one_attention_shape_per_power_of_two():
 
 
 def test_attention_choice_changes_the_kernel_not_the_draft():
-    """``attention="math"`` runs the head's attention as matrix products (PyTorch's own choice on a CPU is
-    its fused flash kernel) in the prompt's catch-up and in every level, uncaptured, and in the program
-    inductor compiles (no attention call in its code, where the default's has one), and drafts what the
-    default drafts; an unknown name is refused at construction."""
+    """``attention="math"`` runs the head's attention as matrix products (``"pytorch"``, the default on a
+    CPU, is PyTorch's fused flash kernel there) and ``"specla"`` as ``specla::draft_attention``, in the prompt's catch-up and
+    in every level, uncaptured, and in the program inductor compiles (no SDPA call in its code, where the
+    default's has one), and drafts what the default drafts; an unknown name is refused at construction."""
     from torch._inductor.utils import run_and_get_code
 
     target, head = make(seed=6)
@@ -410,21 +411,25 @@ def test_attention_choice_changes_the_kernel_not_the_draft():
     seq = torch.randint(0, VOCAB, (30,), generator=gen)
     feats = features_of(target, seq)[:-1]
     drafts = {}
-    for attention, compiled in ((None, False), ("math", False), (None, True), ("math", True)):
+    assert EagleDrafter(head, target).attention == "pytorch"  # (the default off CUDA)
+    for attention, compiled in itertools.product(("pytorch", "math", "specla"), (False, True)):
         drafter = EagleDrafter(head, target, static_shapes=True, compiled=compiled, attention=attention)
         drafter.begin([seq[:-1]], [feats])
         propose = functools.partial(drafter.propose, DraftRequest([0], [seq]), config)
         if compiled:  # (a dispatch mode would make Dynamo skip the frame: read the generated code instead)
             drafts[attention, compiled], code = run_and_get_code(propose)
-            assert any("scaled_dot_product" in c for c in code) == (attention is None)
+            assert any("scaled_dot_product" in c for c in code) == (attention == "pytorch")
+            assert any("specla.draft_attention" in c for c in code) == (attention == "specla")
             continue
         counter = _Dispatches()
         with counter:
             drafts[attention, compiled] = propose()
         fused = counter.ops["aten._scaled_dot_product_flash_attention_for_cpu"]
-        assert fused > 0 if attention is None else (fused == 0 and counter.ops["aten.bmm"] > 0)
+        ours = counter.ops["specla.draft_attention"]
+        assert fused > 0 if attention == "pytorch" else (fused == 0 and counter.ops["aten.bmm"] + ours > 0)
+        assert (ours > 0) == (attention == "specla")
     for draft in drafts.values():
-        assert_same_draft(draft, drafts[None, False])
+        assert_same_draft(draft, drafts["pytorch", False])
     with pytest.raises(ValueError, match="attention must be None or one of"):
         EagleDrafter(head, target, attention="flash")
 

@@ -253,3 +253,24 @@ def test_gather_paths_of_a_layer_stack_replays_in_a_cuda_graph():
         graph.replay()
         for dst, expected in zip(dsts, ref.gather_paths_reference(srcs, index), strict=True):
             assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("rows, queries, columns", [(1, 1, 544), (1, 4, 1056), (4, 7, 544), (2, 16, 4128), (1, 40, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_draft_attention_at_the_heads_shape(rows, queries, columns, dtype):
+    """An EAGLE head's attention (8 heads of 128) over its key buffer on the GPU, against the fp64 reference:
+    a random mask over a prefix of each row (the cached pairs) plus scattered scratch columns (a tree's
+    ancestors), one query that sees no key (zeros), 40 queries (a prompt's catch-up: PyTorch's attention)."""
+    gen = torch.Generator().manual_seed(rows * columns + queries)
+    q = torch.randn(rows, queries, 8, 128, generator=gen).to(dtype).cuda().transpose(1, 2)
+    keys, values = (torch.randn(rows, 8, columns, 128, generator=gen).to(dtype).cuda() for _ in range(2))
+    lengths = torch.randint(1, columns - 32, (rows, 1, 1), generator=gen)
+    mask = (torch.arange(columns) < lengths) | (torch.rand(rows, queries, columns, generator=gen) < 0.05)
+    mask[:, -1] = queries == 1
+    mask = mask.cuda()
+    with poisoned_allocations():
+        out = ops.draft_attention(q, keys, values, mask, 128**-0.5)
+    expected = ref.draft_attention_reference(q.double(), keys.double(), values.double(), mask, 128**-0.5)
+    if queries > 1:
+        assert torch.equal(out[:, :, -1].float(), torch.zeros_like(out[:, :, -1].float()))
+    assert rel_err(out, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)

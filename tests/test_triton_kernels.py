@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_under_interpreter's process")
 if INTERPRETED:
+    from specla_compile.kernels import triton_attention as ta
     from specla_compile.kernels import triton_conv as tc
     from specla_compile.kernels import triton_gather as tg
     from specla_compile.kernels import triton_topk as tk
@@ -294,3 +295,30 @@ def test_gather_paths_in_few_launches():
         tg.gather_paths_([dsts[0][:, :2]], [srcs[0]], index)
     with pytest.raises(ValueError, match="cannot gather"):  # a source with fewer batch rows than the path
         tg.gather_paths_([dsts[0]], [srcs[0][:1]], index)
+
+
+@interpreted
+@pytest.mark.parametrize("rows, heads, queries, columns, dim, block_t, shared_mask",
+                         [(2, 3, 4, 150, 32, 64, False), (1, 2, 16, 64, 24, 32, True), (3, 1, 1, 40, 16, 16, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter's bf16 tl.dot is wrong)
+def test_draft_attention(rows, heads, queries, columns, dim, block_t, shared_mask, dtype):
+    """Few queries over a masked key buffer, split across key blocks, against the fp64 reference: random
+    masks (the last block partial, one block with nothing visible, one query that sees no key at all:
+    zeros), queries read through a transposed view (as the EAGLE head makes them), a mask shared by every
+    row, head sizes that are not powers of two; the output starts as NaN-poisoned memory."""
+    gen = torch.Generator().manual_seed(rows * columns + dim)
+    q = torch.randn(rows, queries, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    keys, values = (torch.randn(rows, heads, columns, dim, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(1 if shared_mask else rows, queries, columns, generator=gen) < 0.4
+    mask[:, :, block_t : 2 * block_t] = False
+    blind = queries > 1  # (the last query sees no key)
+    mask[:, -1] &= not blind
+    with poisoned_allocations():
+        out = ta.draft_attention(q, keys, values, mask, 0.3, block_t=block_t)
+    expected = ref.draft_attention_reference(q.double(), keys.double(), values.double(), mask, 0.3)
+    assert out.dtype == dtype and out.shape == (rows, heads, queries, dim)
+    assert torch.equal(out[:, :, -1].float(), torch.zeros(rows, heads, dim)) == blind
+    assert rel_err(out, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    with pytest.raises(ValueError, match="at most 16 queries"):
+        ta.draft_attention(torch.randn(1, 1, 17, 16), keys[:1, :1].float(), values[:1, :1].float(),
+                           torch.ones(1, 17, columns, dtype=torch.bool), 0.3)

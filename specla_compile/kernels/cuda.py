@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import dispatch, ops, triton_conv, triton_gather, triton_topk, triton_verify
+from . import dispatch, ops, triton_attention, triton_conv, triton_gather, triton_topk, triton_verify
 
 
 def _reference_of(op: torch.library.CustomOpDef) -> Callable:
@@ -90,3 +90,13 @@ def _conv_state_commit_(conv_state, x, num_accepted):
 
 ops.vocab_top_k.register_kernel("cuda")(triton_topk.vocab_top_k)
 ops.gather_paths_.register_kernel("cuda")(triton_gather.gather_paths_)
+
+
+@ops.draft_attention.register_kernel("cuda")
+def _draft_attention(q, keys, values, mask, scale):
+    if torch.float64 in (q.dtype, keys.dtype, values.dtype):
+        return _reference_of(ops.draft_attention)(q, keys, values, mask, scale)
+    if q.shape[2] > triton_attention.MAX_QUERIES:  # (a prompt's catch-up: many queries, one uncaptured call)
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale)
+        return out.masked_fill(~mask.any(-1)[:, None, :, None], 0).contiguous()
+    return triton_attention.draft_attention(q, keys, values, mask, scale)

@@ -261,3 +261,17 @@ def _(scores, k):
     if scores.dim() != 2 or not 1 <= k <= scores.shape[1]:
         raise ValueError(f"vocab_top_k takes scores [N, V] and 1 <= k <= V, got {tuple(scores.shape)} and k={k}")
     return scores.new_empty(scores.shape[0], k, dtype=torch.float32), scores.new_empty(scores.shape[0], k, dtype=torch.long)
+
+
+@torch.library.custom_op("specla::draft_attention", mutates_args=())
+def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """A draft head's attention: ``q [R, H, S, d]`` over ``keys, values [R, H, T, d]`` under ``mask [R or 1,
+    S, T]`` (True = may attend) -> ``[R, H, S, d]``; a query that sees no key gets zeros
+    (``reference.draft_attention_reference``)."""
+    return ref.draft_attention_reference(q, keys, values, mask, scale)
+
+
+@draft_attention.register_fake
+def _(q, keys, values, mask, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -303,3 +303,14 @@ def gather_paths_reference(srcs: list[torch.Tensor], index: torch.Tensor) -> lis
     """Each ``srcs[i] [B, N, ...]`` along ``index [B, A]``: ``out[b, a] = src[b, index[b, a]]`` (-1 entries
     read node 0), one gather per tensor: a tree's accepted path of every fresh factor record."""
     return [gather_nodes(src, index) for src in srcs]
+
+
+def draft_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """``softmax(q k^T * scale) v`` over the keys each query may see: ``q [R, H, S, d]``, ``keys, values
+    [R, H, T, d]``, ``mask [R or 1, S, T]`` (True = may attend); a query that sees no key gets zeros.
+    Computed in float64 for float64 inputs, else float32; returns ``q``'s dtype."""
+    work = compute_dtype(q, keys, values)
+    scores = torch.einsum("rhsd,rhtd->rhst", q.to(work), keys.to(work)) * scale
+    weights = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("rhst,rhtd->rhsd", weights, values.to(work)).to(q.dtype)

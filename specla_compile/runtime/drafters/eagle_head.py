@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -154,12 +155,17 @@ class EagleHead(nn.Module):
         return x, q, k, split(v)
 
     def attend(
-        self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+        attention: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Second half of :meth:`forward`: ``q`` attends over ``keys, values [R, H, T, d]`` under ``mask
-        [R or 1, S, T]``; returns the predicted next features ``[R, S, D]``."""
+        [R or 1, S, T]``; returns the predicted next features ``[R, S, D]``. ``attention(q, keys, values,
+        mask)``, when given, replaces PyTorch's ``scaled_dot_product_attention`` (a drafter's own kernel)."""
         rows, s, _ = x.shape
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+        if attention is None:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+        else:
+            attn = attention(q, keys, values, mask)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(rows, s, -1))
         h = self.mlp_norm(x)
         if self.gate_up_weight is None:
