@@ -98,5 +98,5 @@ def _draft_attention(q, keys, values, mask, scale):
         return _reference_of(ops.draft_attention)(q, keys, values, mask, scale)
     if q.shape[2] > triton_attention.MAX_QUERIES:  # (a prompt's catch-up: many queries, one uncaptured call)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale)
-        return out.masked_fill(~mask.any(-1)[:, None, :, None], 0).contiguous()
+        return ops.heads_last(out.masked_fill(~mask.any(-1)[:, None, :, None], 0))
     return triton_attention.draft_attention(q, keys, values, mask, scale)

@@ -57,9 +57,10 @@ def _block_kernel(q, keys, values, mask, part_m, part_l, part_acc, scale, H, S, 
 
 
 @triton.jit
-def _merge_kernel(part_m, part_l, part_acc, out, S, D, BLOCKS,
+def _merge_kernel(part_m, part_l, part_acc, out, H, S, D, BLOCKS,
                   S_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr):
-    """Grid: (R * H, S). One query's output from its key blocks' partials (zeros if it saw no key)."""
+    """Grid: (R * H, S). One query's output from its key blocks' partials (zeros if it saw no key), stored
+    at ``out[r, s, h]`` of an ``[R, S, H, d]`` buffer."""
     rh, s = tl.program_id(0), tl.program_id(1)
     b = tl.arange(0, BLOCKS_PAD)
     d = tl.arange(0, D_PAD)
@@ -72,7 +73,8 @@ def _merge_kernel(part_m, part_l, part_acc, out, S, D, BLOCKS,
     # (a block that saw nothing stored no values: its lanes are not read)
     acc = tl.load(part_acc + slots[:, None] * D_PAD + d[None, :], mask=(weight > 0)[:, None] & (d < D)[None, :], other=0.0)
     o = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out + (rh * S + s) * D + d, o.to(out.dtype.element_ty), mask=d < D)
+    r, h = rh // H, rh % H
+    tl.store(out + ((r * S + s) * H + h) * D + d, o.to(out.dtype.element_ty), mask=d < D)
 
 
 def key_block(columns: int) -> int:
@@ -83,7 +85,7 @@ def key_block(columns: int) -> int:
 def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
                     *, block_t: int | None = None) -> torch.Tensor:
     """``q [R, H, S, d]`` (S <= ``MAX_QUERIES``) over ``keys, values [R, H, T, d]`` under ``mask [R or 1, S, T]``
-    -> ``[R, H, S, d]`` in ``q``'s dtype (fp32 products, fp32 inputs in full fp32)."""
+    -> ``[R, H, S, d]`` in ``q``'s dtype (fp32 products, fp32 inputs in full fp32), laid out as ``[R, S, H, d]``."""
     rows, heads, queries, dim = q.shape
     columns = keys.shape[2]
     if (queries > MAX_QUERIES or keys.shape != (rows, heads, columns, dim) or values.shape != keys.shape
@@ -92,7 +94,7 @@ def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
                          f"{tuple(keys.shape)}, values {tuple(values.shape)} under mask {tuple(mask.shape)}")
     if not (q.stride(3) == keys.stride(3) == values.stride(3) == 1):
         q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
-    out = torch.empty(rows, heads, queries, dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(rows, queries, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     if out.numel() == 0 or columns == 0:
         return out.zero_()
     block_t = block_t or key_block(columns)
@@ -108,6 +110,6 @@ def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
         *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], mask_row, *mask.stride()[1:],
         S_PAD=s_pad, D_PAD=d_pad, BLOCK_T=block_t, IEEE=q.dtype == torch.float32,
     )
-    _merge_kernel[(rows * heads, queries)](part_m, part_l, part_acc, out, queries, dim, blocks,
+    _merge_kernel[(rows * heads, queries)](part_m, part_l, part_acc, out, heads, queries, dim, blocks,
                                            S_PAD=s_pad, D_PAD=d_pad, BLOCKS_PAD=max(2, triton.next_power_of_2(blocks)))
     return out

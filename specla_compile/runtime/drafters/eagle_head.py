@@ -172,7 +172,9 @@ class EagleHead(nn.Module):
             gate, up = self.gate_proj(h), self.up_proj(h)
         else:
             gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        # the residual added by the GEMM itself (addmm): no separate kernel after it in a draft level
+        act = F.silu(gate) * up
+        return torch.addmm(x.reshape(-1, x.shape[-1]), act.reshape(-1, act.shape[-1]), self.down_proj.weight.t()).view_as(x)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head's own weights only) to ``path``."""

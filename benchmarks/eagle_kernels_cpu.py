@@ -1,0 +1,89 @@
+"""What one EAGLE propose launches: the device calls of the program inductor compiles for it, counted on a CPU.
+
+On the H200 a graphed propose is bound by its kernel count (about 4 us per kernel, see
+``eagle_profile.md``), and inductor's fusion decisions do not depend on the device: the CPU code of the
+same propose calls one fused kernel where the GPU code calls one Triton kernel, and the same GEMMs and
+custom ops. This counts them per route (the study's chain and tree) at a small head, with the head's
+attention as ``specla::draft_attention`` (the CUDA default), and lists each call, in order:
+
+    python benchmarks/eagle_kernels_cpu.py --out benchmarks/results   # eagle_kernels_cpu.{json,md}
+
+A count is a floor of the GPU's: cuBLAS may add a split-K reduction to a GEMM, and the custom ops are two
+kernels each on CUDA (``vocab_top_k``, ``draft_attention``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from specla_compile.runtime.config import SpecConfig
+from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+from specla_compile.runtime.drafting import DraftRequest
+
+ROUTES = {  # the routes of benchmarks/e2e_trained.py
+    "chain_L8": SpecConfig(mode="chain", depth=8, bucket=16),
+    "tree_k4_d6_n16": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+}
+# a device call in inductor's generated ``call``: a fused kernel, an extern GEMM, an op it does not lower
+CALL = re.compile(r"^(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+)(?=[.(])")
+
+
+class _Target(torch.nn.Module):
+    """What a drafter reads of its target: input embeddings and an LM head."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+
+def device_calls(config: SpecConfig, vocab: int = 1000, hidden: int = 128) -> list[str]:
+    """The device calls of one compiled propose (the catch-up of ``depth + 1`` pairs, then the levels)."""
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(hidden, vocab, 4, 2 * hidden)).eval()
+    drafter = EagleDrafter(head, _Target(vocab, hidden).eval(), static_shapes=True, compiled=True, attention="specla")
+    seq = torch.randint(0, vocab, (40,))
+    drafter.begin([seq[:-1]], [torch.randn(39, hidden)])
+    torch._dynamo.reset()
+    _, code = run_and_get_code(functools.partial(drafter.propose, DraftRequest([0], [seq]), config))
+    body = code[-1][code[-1].index("def call("):]
+    return [m.group(1) for m in map(CALL.match, (line.strip() for line in body.splitlines())) if m]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    results = {"torch": torch.__version__, "routes": {}}
+    lines = ["# Device calls of one compiled EAGLE propose (inductor's CPU code, specla attention)", "",
+             f"torch {torch.__version__}; `python benchmarks/eagle_kernels_cpu.py --out DIR`", "",
+             "| route | calls | GEMMs | custom ops | fused kernels |", "| --- | --- | --- | --- | --- |"]
+    for name, config in ROUTES.items():
+        calls = device_calls(config)
+        kinds = {kind: sum(c.startswith(prefix) for c in calls)
+                 for kind, prefix in (("gemm", "extern_kernels"), ("custom", "torch.ops"), ("fused", "cpp_fused"))}
+        results["routes"][name] = {"calls": len(calls), **kinds, "sequence": calls}
+        lines.append(f"| {name} | {len(calls)} | {kinds['gemm']} | {kinds['custom']} | {kinds['fused']} |")
+        print(f"{name}: {len(calls)} device calls ({kinds})", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "eagle_kernels_cpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out, "eagle_kernels_cpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
