@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2000, help="total optimizer steps (including resumed ones)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the token cross-entropy term")
+    p.add_argument("--unroll", type=int, default=1,
+                   help="train the head also on its own predictions, this many steps deep, as drafting runs it "
+                        "(EAGLE-3's training-time test; 1: on the target's features only)")
     p.add_argument("--grad-clip", type=float, default=0.5)
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--num-heads", type=int, default=None, help="head's attention heads (default: the target's)")
@@ -91,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("seq_len", "batch_size", "steps", "save_every", "eval_every", "eval_blocks", "gdn_chunk"):
         if getattr(args, name) < 1 or (name == "seq_len" and args.seq_len < 2):
             raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    if not 1 <= args.unroll < args.seq_len - 1:
+        raise ValueError(f"--unroll must be in [1, {args.seq_len - 2}] for --seq-len {args.seq_len}, got {args.unroll}")
     for name in ("max_minutes", "max_wall_minutes"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -155,22 +160,27 @@ def heldout_agreement(
     head: EagleHead, target: torch.nn.Module, blocks: dict[str, torch.Tensor], args: argparse.Namespace
 ) -> dict:
     """Top-1 agreement of the head's next-token prediction with the target's, per held-out source
-    and over all (the fraction of positions where a one-token draft would be accepted greedily)."""
+    and over all (the fraction of positions where a one-token draft would be accepted greedily); with
+    ``--unroll``, also of each later step (``top1_s``: the head on its own predictions, s - 1 levels deep)."""
     was_training = head.training
     head.eval()
-    out, hits, total = {}, 0.0, 0
+    out, hits, total = {}, {}, 0
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     for source, source_blocks in blocks.items():
-        agree, count = 0.0, 0
+        agree, count = {}, 0
         for i in range(0, len(source_blocks), args.batch_size):
             ids = source_blocks[i : i + args.batch_size].to(args.device)
             feats = target(input_ids=ids, output_hidden_states=True)
-            _, stats = eagle_loss(head, embed, lm_head, ids, feats.hidden_states[-1], feats.logits, args.cls_weight)
-            n = ids.shape[0] * (ids.shape[1] - 1)
-            agree, count = agree + stats["top1"] * n, count + n
-        out[source] = {"top1": agree / count, "positions": count}
-        hits, total = hits + agree, total + count
-    out["all"] = {"top1": hits / total, "positions": total}
+            _, stats = eagle_loss(head, embed, lm_head, ids, feats.hidden_states[-1], feats.logits, args.cls_weight,
+                                  args.unroll)
+            n = ids.shape[0] * (ids.shape[1] - 1)  # (later steps have a few positions less: weighted alike)
+            for key in (k for k in stats if k.startswith("top1")):
+                agree[key] = agree.get(key, 0.0) + stats[key] * n
+            count += n
+        out[source] = {**{k: v / count for k, v in agree.items()}, "positions": count}
+        hits = {k: hits.get(k, 0.0) + v for k, v in agree.items()}
+        total += count
+    out["all"] = {**{k: v / total for k, v in hits.items()}, "positions": total}
     head.train(was_training)
     return out
 
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             ids = blocks[batch_indices(len(blocks), step, args.batch_size, args.seed)].to(args.device)
             with torch.no_grad():
                 out = target(input_ids=ids, output_hidden_states=True)
-            loss, stats = eagle_loss(head, embed, lm_head, ids, out.hidden_states[-1], out.logits, args.cls_weight)
+            loss, stats = eagle_loss(head, embed, lm_head, ids, out.hidden_states[-1], out.logits, args.cls_weight,
+                                     args.unroll)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)

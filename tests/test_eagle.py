@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
-from specla_compile.runtime.drafters.eagle_head import causal_mask
+from specla_compile.runtime.drafters.eagle_head import causal_mask, eagle_loss, unrolled_predictions
 from specla_compile.runtime.drafting import Draft, DraftRequest, PassOutputs
 from specla_compile.runtime.tree_builder import build_draft
 from specla_compile.tree import PAD
@@ -42,6 +42,48 @@ def test_head_shapes_and_cache_consistency():
     tail_mask = torch.ones(3, 7, dtype=torch.bool).tril(4)[None]
     h2 = head.attend(x, q, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), tail_mask)
     torch.testing.assert_close(torch.cat([h1, h2], 1), hidden)
+
+
+def test_unrolled_training_steps_see_what_draft_levels_see():
+    """unrolled_predictions (EAGLE-3's training-time test): step s at position t equals the head run the way a
+    drafter runs it, one level at a time: the real pairs 0..t cached (a causal run over them), then per level
+    one pair (the previous level's predicted feature, the next token) attending to the cache, its ancestors'
+    pairs and itself."""
+    _, head = make()
+    rows, length, steps = 2, 9, 3
+    feats, embeds = (torch.randn(rows, length, 32, dtype=torch.float64) for _ in range(2))
+    predictions = unrolled_predictions(head, feats, embeds, steps)
+    assert [p.shape for p in predictions] == [(rows, length - s, 32) for s in range(steps)]
+    pos = torch.arange(length).expand(rows, length)
+    for t in range(length - steps + 1):
+        hidden, keys, values = head(feats[:, : t + 1], embeds[:, : t + 1], pos[:, : t + 1], causal_mask(t + 1))
+        predicted = hidden[:, -1:]
+        torch.testing.assert_close(predicted[:, 0], predictions[0][:, t])
+        for s in range(2, steps + 1):
+            x, q, k, v = head.project(predicted, embeds[:, t + s - 1 : t + s], pos[:, t : t + 1] + s - 1)
+            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            predicted = head.attend(x, q, keys, values, torch.ones(1, 1, keys.shape[2], dtype=torch.bool))
+            torch.testing.assert_close(predicted[:, 0], predictions[s - 1][:, t])
+    with pytest.raises(ValueError, match="unrolled steps"):
+        unrolled_predictions(head, feats, embeds, length)
+
+
+def test_unrolled_loss_trains_every_step():
+    """eagle_loss(unroll=2): the mean of the two steps' losses, each step's top-1 agreement reported, the
+    second step's loss trains the head; unroll=1 is the plain loss (step 1 of the unrolled one)."""
+    target, head = make()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    out = target(input_ids=ids, output_hidden_states=True)
+    feats, logits = out.hidden_states[-1].detach(), out.logits.detach()
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    one, stats_one = eagle_loss(head, embed, lm_head, ids, feats, logits)
+    two, stats_two = eagle_loss(head, embed, lm_head, ids, feats, logits, unroll=2)
+    assert set(stats_one) == {"reg", "cls", "top1"} and set(stats_two) == {"reg", "cls", "top1", "top1_2"}
+    assert stats_one == {k: stats_two[k] for k in stats_one}  # (step 1 is the same computation)
+    second = 2 * two - one  # the second step's loss alone
+    assert second.item() > 0
+    second.backward()
+    assert head.fuse.weight.grad.abs().sum() > 0
 
 
 def test_packed_projections_give_the_same_outputs_and_are_never_saved():

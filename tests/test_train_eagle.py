@@ -108,6 +108,14 @@ def test_bad_corpus_and_resume_errors(workdir):
         script.main(args(workdir, workdir / "fresh", 5, "--resume"))
     with pytest.raises(ValueError, match="fewer than one block"):
         script.make_blocks(list(range(10)), 32)
+    with pytest.raises(ValueError, match=r"--unroll must be in \[1, 30\]"):
+        script.parse_args(args(workdir, workdir / "fresh", 5, "--unroll", "31"))
+
+
+def test_unrolled_training_reports_each_step(workdir):
+    """--unroll 2: the head also trains on its own predictions; each step logs the second step's agreement."""
+    history = load_script().main(args(workdir, workdir / "head", 4, "--unroll", "2"))
+    assert len(history) == 4 and all(0 <= r["top1_2"] <= 1 and r["loss"] > 0 for r in history)
 
 
 def test_batches_cover_every_block_each_epoch():

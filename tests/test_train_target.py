@@ -405,6 +405,9 @@ def test_eagle_head_trains_on_the_target_corpus_and_reports_heldout_agreement(tr
     torch.manual_seed(0)
     fresh = eagle.heldout_agreement(EagleHead(EagleConfig.for_target(target)), target, blocks, args)
     assert trained_head["all"]["top1"] > fresh["all"]["top1"]
+    args.unroll = 2  # (--unroll: the second step's agreement too, the first unchanged)
+    unrolled = eagle.heldout_agreement(EagleHead.from_pretrained(out, dtype=torch.float32), target, blocks, args)
+    assert unrolled["all"]["top1"] == pytest.approx(trained_head["all"]["top1"]) and 0 <= unrolled["all"]["top1_2"] <= 1
 
 
 def test_prepared_data_is_reused_and_a_time_budget_stops_after_saving(script, corpus_dir, tmp_path):

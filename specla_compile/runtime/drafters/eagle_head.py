@@ -243,6 +243,33 @@ def causal_mask(length: int, device: torch.device | str | None = None) -> torch.
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]
 
 
+def unrolled_predictions(head: EagleHead, features: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's feature predictions over a block, run ``steps`` times on its own outputs, as drafting runs it
+    (EAGLE-3's training-time test). ``features [B, L, D]`` are f_0..f_{L-1}, ``embeds [B, L, D]`` the embeddings
+    of x_1..x_L. Step 1 reads pair t = (f_t, x_{t+1}) at position t under a causal mask and predicts f_{t+1}.
+    Step s reads (its step s - 1 prediction of f_{t+s-1}, x_{t+s}) at position t + s - 1 and attends where a
+    draft level s - 1 attends: to the real pairs 0..t (the cache) and to the pairs of steps 2..s at the same t
+    (its draft ancestors and itself); it predicts f_{t+s}. Returns the predictions of each step, ``[B, L - s + 1,
+    D]`` for step s."""
+    length = features.shape[1]
+    if not 1 <= steps < length:
+        raise ValueError(f"unrolled steps must be in [1, {length - 1}] for a block of {length} pairs, got {steps}")
+    device = features.device
+    positions = torch.arange(length, device=device).expand(features.shape[0], length)
+    predicted, keys, values = head(features, embeds, positions, causal_mask(length, device))
+    out, blocks = [predicted], [torch.ones(length, length, dtype=torch.bool, device=device).tril()]
+    for s in range(2, steps + 1):
+        n = length - s + 1
+        t = torch.arange(n, device=device)
+        x, q, k, v = head.project(out[-1][:, :n], embeds[:, s - 1 :], positions[:, :n] + s - 1)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        # real pairs up to t; then, in each unrolled step's block, the column of the same t
+        blocks = [b[:n] for b in blocks] + [t[:, None] == t[None, :]]
+        blocks[0] = torch.arange(length, device=device)[None, :] <= t[:, None]
+        out.append(head.attend(x, q, keys, values, torch.cat(blocks, dim=1)[None]))
+    return out
+
+
 def eagle_loss(
     head: EagleHead,
     embed: nn.Module,
@@ -251,23 +278,31 @@ def eagle_loss(
     features: torch.Tensor,
     target_logits: torch.Tensor,
     cls_weight: float = 0.1,
+    unroll: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE's training loss on a block ``input_ids [B, T]`` with the target's ``features [B, T, D]``
     (last hidden state) and ``target_logits [B, T, V]``: Smooth-L1 regression of the predicted
     feature onto f_{t+1}, plus ``cls_weight`` times the cross-entropy of the head's next-token
-    distribution against the target's at t+1. Returns the loss and float statistics (reg, cls,
-    top-1 agreement with the target)."""
+    distribution against the target's at t+1. ``unroll`` > 1 adds the same loss for the head run on its own
+    predictions (:func:`unrolled_predictions`), averaged over the steps. Returns the loss and float statistics
+    (reg, cls, top-1 agreement with the target, of step 1; ``top1_s`` of each later step s)."""
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [batch, length >= 2], got {tuple(input_ids.shape)}")
     dtype = head.fuse.weight.dtype
-    length = input_ids.shape[1] - 1
-    positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], length)
     with torch.no_grad():
         embeds = embed(input_ids[:, 1:]).to(dtype)
-        target_probs = target_logits[:, 1:].float().softmax(-1)
-    predicted, _, _ = head(features[:, :-1].to(dtype), embeds, positions, causal_mask(length, input_ids.device))
-    reg = F.smooth_l1_loss(predicted.float(), features[:, 1:].float())
-    log_probs = torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
-    cls = -(target_probs * log_probs).sum(-1).mean()
-    agree = (log_probs.argmax(-1) == target_probs.argmax(-1)).float().mean()
-    return reg + cls_weight * cls, {"reg": reg.item(), "cls": cls.item(), "top1": agree.item()}
+    predictions = unrolled_predictions(head, features[:, :-1].to(dtype), embeds, unroll)
+    loss, stats = 0.0, {}
+    for s, predicted in enumerate(predictions, start=1):
+        with torch.no_grad():
+            target_probs = target_logits[:, s:].float().softmax(-1)
+        reg = F.smooth_l1_loss(predicted.float(), features[:, s:].float())
+        log_probs = torch.log_softmax(lm_head(predicted.to(lm_head.weight.dtype)).float(), dim=-1)
+        cls = -(target_probs * log_probs).sum(-1).mean()
+        agree = (log_probs.argmax(-1) == target_probs.argmax(-1)).float().mean()
+        loss = loss + (reg + cls_weight * cls) / len(predictions)
+        if s == 1:
+            stats.update(reg=reg.item(), cls=cls.item(), top1=agree.item())
+        else:
+            stats[f"top1_{s}"] = agree.item()
+    return loss, stats
