@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the token cross-entropy term")
     p.add_argument("--unroll", type=int, default=1,
                    help="train the head also on its own predictions, this many steps deep, as drafting runs it "
-                        "(EAGLE-3's training-time test; 1: on the target's features only)")
+                        "(EAGLE-3's training-time test; the steps' losses averaged; 1: on the target's features only)")
     p.add_argument("--grad-clip", type=float, default=0.5)
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--num-heads", type=int, default=None, help="head's attention heads (default: the target's)")

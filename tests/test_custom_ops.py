@@ -185,3 +185,5 @@ def test_draft_attention():
                                                            scale=0.25)
     torch.testing.assert_close(out[:, :, :-1], sdpa)
     assert torch.equal(out[:, :, -1], torch.zeros(2, 3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="a bool mask"):  # (an integer mask would invert bitwise, silently)
+        ops.draft_attention(q, keys, values, mask.int(), 0.25)

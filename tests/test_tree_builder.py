@@ -203,11 +203,12 @@ def test_a_draft_vocabulary_drafts_what_masking_the_other_tokens_drafts(config, 
 
 def test_beam_pick_is_a_stable_top_k():
     """The beam's pick among a level's candidates: the k best, best first, ties to the lower index (as a
-    stable descending sort), -inf last; random rows with many ties against that sort."""
+    stable descending sort), -inf and NaN last; random rows with many ties against that sort."""
     from specla_compile.runtime.tree_builder import _best
 
     scores = torch.tensor([[1.0, 3.0, 3.0, float("-inf"), 2.0], [float("-inf")] * 4 + [0.0]])
     assert _best(scores, 3).tolist() == [[1, 2, 4], [4, 0, 1]]
+    assert _best(torch.tensor([[float("nan"), float("nan"), 1.0, 2.0]]), 3).tolist() == [[3, 2, 0]]  # NaN as -inf
     gen = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 5, (50, 16), generator=gen).float()
     expected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :4]

@@ -320,6 +320,10 @@ def test_draft_attention(rows, heads, queries, columns, dim, block_t, shared_mas
     assert out.dtype == dtype and out.shape == (rows, heads, queries, dim) and out.transpose(1, 2).is_contiguous()
     assert torch.equal(out[:, :, -1].float(), torch.zeros(rows, heads, dim)) == blind
     assert rel_err(out, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    with pytest.raises(ValueError, match="a bool mask"):
+        ta.draft_attention(q, keys, values, mask.int(), 0.3)
+    with pytest.raises(ValueError, match="one dtype for the rest"):
+        ta.draft_attention(q.double(), keys, values, mask, 0.3)
     with pytest.raises(ValueError, match="at most 16 queries"):
-        ta.draft_attention(torch.randn(1, 1, 17, 16), keys[:1, :1].float(), values[:1, :1].float(),
+        ta.draft_attention(torch.randn(1, 1, 17, dim), keys[:1, :1].float(), values[:1, :1].float(),
                            torch.ones(1, 17, columns, dtype=torch.bool), 0.3)

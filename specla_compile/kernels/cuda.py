@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import dispatch, ops, triton_attention, triton_conv, triton_gather, triton_topk, triton_verify
+from . import dispatch, ops, reference, triton_attention, triton_conv, triton_gather, triton_topk, triton_verify
 
 
 def _reference_of(op: torch.library.CustomOpDef) -> Callable:
@@ -97,6 +97,7 @@ def _draft_attention(q, keys, values, mask, scale):
     if torch.float64 in (q.dtype, keys.dtype, values.dtype):
         return _reference_of(ops.draft_attention)(q, keys, values, mask, scale)
     if q.shape[2] > triton_attention.MAX_QUERIES:  # (a prompt's catch-up: many queries, one uncaptured call)
+        reference.check_draft_attention(q, keys, values, mask)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale)
         return ops.heads_last(out.masked_fill(~mask.any(-1)[:, None, :, None], 0))
     return triton_attention.draft_attention(q, keys, values, mask, scale)

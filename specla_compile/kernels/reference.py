@@ -305,11 +305,25 @@ def gather_paths_reference(srcs: list[torch.Tensor], index: torch.Tensor) -> lis
     return [gather_nodes(src, index) for src in srcs]
 
 
+def check_draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``q [R, H, S, d]``, ``keys, values [R, H, T, d]`` (one dtype) and a bool
+    ``mask [R or 1, S, T]`` fit together."""
+    rows, heads, queries, dim = q.shape
+    columns = keys.shape[2]
+    if (mask.dtype != torch.bool or not q.dtype == keys.dtype == values.dtype
+            or keys.shape != (rows, heads, columns, dim) or values.shape != keys.shape
+            or mask.dim() != 3 or mask.shape[0] not in (1, rows) or mask.shape[1:] != (queries, columns)):
+        raise ValueError(f"draft_attention: cannot attend q {tuple(q.shape)} {q.dtype} over keys {tuple(keys.shape)} "
+                         f"{keys.dtype}, values {tuple(values.shape)} {values.dtype} under mask {tuple(mask.shape)} "
+                         f"{mask.dtype} (a bool mask, one dtype for the rest)")
+
+
 def draft_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                               scale: float) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` over the keys each query may see: ``q [R, H, S, d]``, ``keys, values
     [R, H, T, d]``, ``mask [R or 1, S, T]`` (True = may attend); a query that sees no key gets zeros.
     Computed in float64 for float64 inputs, else float32; returns ``q``'s dtype."""
+    check_draft_attention(q, keys, values, mask)
     work = compute_dtype(q, keys, values)
     scores = torch.einsum("rhsd,rhtd->rhst", q.to(work), keys.to(work)) * scale
     weights = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import check_draft_attention
+
 MAX_QUERIES = 16  # queries per (row, head) that the kernels take in one block
 
 
@@ -23,7 +25,7 @@ def _block_kernel(q, keys, values, mask, part_m, part_l, part_acc, scale, H, S, 
                   S_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
     """Grid: (R * H, key blocks). Partial softmax of every query of (row, head) over one block of keys:
     its max ``m``, its sum ``l`` of exp(score - m) and the sum of exp(score - m) * value (fp32)."""
-    rh, block = tl.program_id(0), tl.program_id(1)
+    rh, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     blocks = tl.num_programs(1)
     r, h = (rh // H).to(tl.int64), (rh % H).to(tl.int64)
     s = tl.arange(0, S_PAD)
@@ -61,7 +63,7 @@ def _merge_kernel(part_m, part_l, part_acc, out, H, S, D, BLOCKS,
                   S_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr):
     """Grid: (R * H, S). One query's output from its key blocks' partials (zeros if it saw no key), stored
     at ``out[r, s, h]`` of an ``[R, S, H, d]`` buffer."""
-    rh, s = tl.program_id(0), tl.program_id(1)
+    rh, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
     b = tl.arange(0, BLOCKS_PAD)
     d = tl.arange(0, D_PAD)
     slots = (rh * BLOCKS + b) * S_PAD + s
@@ -85,13 +87,14 @@ def key_block(columns: int) -> int:
 def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
                     *, block_t: int | None = None) -> torch.Tensor:
     """``q [R, H, S, d]`` (S <= ``MAX_QUERIES``) over ``keys, values [R, H, T, d]`` under ``mask [R or 1, S, T]``
-    -> ``[R, H, S, d]`` in ``q``'s dtype (fp32 products, fp32 inputs in full fp32), laid out as ``[R, S, H, d]``."""
+    -> ``[R, H, S, d]`` in ``q``'s dtype, laid out as ``[R, S, H, d]``. Sums in fp32; the softmax weights are
+    rounded to the inputs' dtype before their product with the values (as FlashAttention does), and fp32
+    inputs multiply in full fp32."""
+    check_draft_attention(q, keys, values, mask)
     rows, heads, queries, dim = q.shape
     columns = keys.shape[2]
-    if (queries > MAX_QUERIES or keys.shape != (rows, heads, columns, dim) or values.shape != keys.shape
-            or mask.dim() != 3 or mask.shape[0] not in (1, rows) or mask.shape[1:] != (queries, columns)):
-        raise ValueError(f"draft_attention: cannot attend q {tuple(q.shape)} (at most {MAX_QUERIES} queries) over keys "
-                         f"{tuple(keys.shape)}, values {tuple(values.shape)} under mask {tuple(mask.shape)}")
+    if queries > MAX_QUERIES:
+        raise ValueError(f"draft_attention: at most {MAX_QUERIES} queries per (row, head), got {queries}")
     if not (q.stride(3) == keys.stride(3) == values.stride(3) == 1):
         q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
     out = torch.empty(rows, queries, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)

@@ -128,6 +128,7 @@ def _best(score: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest of each row's few candidates ``score [R, n]``, best first, ties to the lower
     index: each candidate's rank counted pairwise, elementwise work that inductor fuses with its neighbours
     (``topk`` is two kernels, about 10 us on the H200, for a level's 16 candidates)."""
+    score = score.nan_to_num(nan=float("-inf"))  # (NaN compares false with everything: ranks would repeat)
     index = torch.arange(score.shape[-1], device=score.device)
     other, this = score[:, None, :], score[:, :, None]
     ahead = (other > this) | ((other == this) & (index[None, :] < index[:, None]))  # [R, n, n]: j ranks before i

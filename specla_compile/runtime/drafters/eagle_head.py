@@ -172,7 +172,8 @@ class EagleHead(nn.Module):
             gate, up = self.gate_proj(h), self.up_proj(h)
         else:
             gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        # the residual added by the GEMM itself (addmm): no separate kernel after it in a draft level
+        # the residual added by the GEMM itself (addmm): no separate kernel after it in a draft level (under
+        # autocast the sum comes out in the autocast dtype)
         act = F.silu(gate) * up
         return torch.addmm(x.reshape(-1, x.shape[-1]), act.reshape(-1, act.shape[-1]), self.down_proj.weight.t()).view_as(x)
 
@@ -257,16 +258,16 @@ def unrolled_predictions(head: EagleHead, features: torch.Tensor, embeds: torch.
     device = features.device
     positions = torch.arange(length, device=device).expand(features.shape[0], length)
     predicted, keys, values = head(features, embeds, positions, causal_mask(length, device))
-    out, blocks = [predicted], [torch.ones(length, length, dtype=torch.bool, device=device).tril()]
+    out, unrolled = [predicted], []  # (unrolled: the mask's block over each later step's pairs)
     for s in range(2, steps + 1):
         n = length - s + 1
         t = torch.arange(n, device=device)
         x, q, k, v = head.project(out[-1][:, :n], embeds[:, s - 1 :], positions[:, :n] + s - 1)
         keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-        # real pairs up to t; then, in each unrolled step's block, the column of the same t
-        blocks = [b[:n] for b in blocks] + [t[:, None] == t[None, :]]
-        blocks[0] = torch.arange(length, device=device)[None, :] <= t[:, None]
-        out.append(head.attend(x, q, keys, values, torch.cat(blocks, dim=1)[None]))
+        # the real pairs up to t; then, in each unrolled step's block, the column of the same t
+        unrolled = [b[:n] for b in unrolled] + [t[:, None] == t[None, :]]
+        real = torch.arange(length, device=device)[None, :] <= t[:, None]
+        out.append(head.attend(x, q, keys, values, torch.cat([real, *unrolled], dim=1)[None]))
     return out
 
 
