@@ -197,8 +197,10 @@ def summarize(records: list[dict], route: str, samples: int = 2000) -> dict | No
     if route in SPEC_ROUTES:
         out["accepted_length"] = bootstrap_ratio([r["tokens"] - 1 for r in run], [r["passes"] for r in run], samples)
         out["first_token_match"] = bootstrap_ratio([r["first_hits"] for r in run], [r["passes"] for r in run], samples)
-        verify = sum(r["verify_s"] for r in run)
+        verify, passes = sum(r["verify_s"] for r in run), sum(r["passes"] for r in run)
         out["draft_over_verify"] = sum(r["draft_s"] for r in run) / verify if verify > 0 else None
+        if passes:  # (mean phase times per iteration, over the suite's prompts)
+            out["draft_ms"], out["verify_ms"] = (1000 * sum(r[k] for r in run) / passes for k in ("draft_s", "verify_s"))
     return out
 
 
@@ -299,11 +301,13 @@ def markdown(results: dict) -> str:
         lines += ["", f"Stopped early: {results['stopped']}."]
     for suite, routes in results.get("summary", {}).items():
         lines += ["", f"## {suite}", "", ("| route | prompts | speedup [95% CI] | accepted length [95% CI] | first-token match | "
-                                          "identical to plain | ms/token | draft / verify |"), "| --- |" + " --- |" * 7]
+                                          "identical to plain | ms/token | draft / verify | draft, verify ms per iteration |"),
+                  "| --- |" + " --- |" * 8]
         for route, s in routes.items():
+            phases = f"{s['draft_ms']:.2f}, {s['verify_ms']:.2f}" if "draft_ms" in s else "-"
             lines.append(f"| {route} | {s['prompts']} | {_fmt(s, 'speedup')} | {_fmt(s, 'accepted_length')} | "
                          f"{_fmt(s, 'first_token_match')} | {s['identical']}/{s['prompts']} | {s['ms_per_token']:.2f} | "
-                         f"{_fmt(s, 'draft_over_verify')} |")
+                         f"{_fmt(s, 'draft_over_verify')} | {phases} |")
     for suite, cats in results.get("categories", {}).items():
         routes = [r for r in SPEC_ROUTES if any(r in c for c in cats.values())]
         lines += ["", f"Per category, {suite}: speedup / accepted length", "",

@@ -90,6 +90,10 @@ def test_summary_and_targets_from_records():
     assert mixed["eagle_tree"]["identical"] == 6 and 0.2 < mixed["eagle_tree"]["draft_over_verify"] < 0.4
     passes = [round(64 / (4.0 + i % 2)) for i in range(6)] + [round(64 / 3.0)]
     assert mixed["eagle_tree"]["accepted_length"]["value"] == pytest.approx(7 * 64 / sum(passes))
+    draft_s = [0.1 / 2.5] * 6 + [0.2 / 1.5]  # (the phases' mean per iteration, over every prompt's iterations)
+    assert mixed["eagle_tree"]["draft_ms"] == pytest.approx(1000 * sum(draft_s) / sum(passes))
+    assert mixed["eagle_tree"]["verify_ms"] == pytest.approx(1000 * (6 * 0.5 / 2.5 + 0.5 / 1.5) / sum(passes))
+    assert "draft_ms" not in mixed["plain"]
     assert set(results["categories"]["mixed"]) == {"math", "qa"} and "gsm8k" not in results["categories"]  # one category
 
     targets = {t["name"]: t for t in E.targets(results)}
