@@ -21,39 +21,23 @@ import os
 import re
 
 import torch
+from eagle_profile import CONFIGS, stub_target
 from torch._inductor.utils import run_and_get_code
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
 from specla_compile.runtime.drafting import DraftRequest
 
-ROUTES = {  # the routes of benchmarks/e2e_trained.py
-    "chain_L8": SpecConfig(mode="chain", depth=8, bucket=16),
-    "tree_k4_d6_n16": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
-}
 # a device call in inductor's generated ``call``: a fused kernel, an extern GEMM, an op it does not lower
 CALL = re.compile(r"^(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+)(?=[.(])")
-
-
-class _Target(torch.nn.Module):
-    """What a drafter reads of its target: input embeddings and an LM head."""
-
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.embed, self.head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.embed
-
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self.head
 
 
 def device_calls(config: SpecConfig, vocab: int = 1000, hidden: int = 128) -> list[str]:
     """The device calls of one compiled propose (the catch-up of ``depth + 1`` pairs, then the levels)."""
     torch.manual_seed(0)
     head = EagleHead(EagleConfig(hidden, vocab, 4, 2 * hidden)).eval()
-    drafter = EagleDrafter(head, _Target(vocab, hidden).eval(), static_shapes=True, compiled=True, attention="specla")
+    target = stub_target(hidden, vocab, torch.float32, "cpu")
+    drafter = EagleDrafter(head, target, static_shapes=True, compiled=True, attention="specla")
     seq = torch.randint(0, vocab, (40,))
     drafter.begin([seq[:-1]], [torch.randn(39, hidden)])
     torch._dynamo.reset()
@@ -70,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     lines = ["# Device calls of one compiled EAGLE propose (inductor's CPU code, specla attention)", "",
              f"torch {torch.__version__}; `python benchmarks/eagle_kernels_cpu.py --out DIR`", "",
              "| route | calls | GEMMs | custom ops | fused kernels |", "| --- | --- | --- | --- | --- |"]
-    for name, config in ROUTES.items():
+    for name, config in CONFIGS.items():  # (the routes of benchmarks/e2e_trained.py)
         calls = device_calls(config)
         kinds = {kind: sum(c.startswith(prefix) for c in calls)
                  for kind, prefix in (("gemm", "extern_kernels"), ("custom", "torch.ops"), ("fused", "cpp_fused"))}

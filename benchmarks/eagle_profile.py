@@ -42,13 +42,13 @@ CONFIGS = {  # the routes of benchmarks/e2e_trained.py
 }
 
 
-def stub_target(hidden: int, vocab: int, dtype: torch.dtype) -> torch.nn.Module:
+def stub_target(hidden: int, vocab: int, dtype: torch.dtype, device: str = "cuda") -> torch.nn.Module:
     """What the drafter reads of its target: input embeddings and LM head (a one-layer Llama)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=8)
-    return LlamaForCausalLM(config).to("cuda", dtype).eval()
+    return LlamaForCausalLM(config).to(device, dtype).eval()
 
 
 def run(drafter: EagleDrafter, config: SpecConfig, prompt: int, iterations: int, hidden: int) -> dict:

@@ -171,9 +171,9 @@ def test_eagle_kernel_count_of_a_tree_propose():
     and the MLP's residual inside the down projection's GEMM (two addmm per head call, the fused input's
     bias being the other); each level's top-k is a specla op, and no aten.topk is left (the beam is picked by
     fused elementwise work)."""
-    from eagle_kernels_cpu import ROUTES, device_calls
+    from eagle_kernels_cpu import CONFIGS, device_calls
 
-    calls = device_calls(ROUTES["tree_k4_d6_n16"])
+    calls = device_calls(CONFIGS["tree_k4_d6_n16"])
     assert calls.count("torch.ops.specla.draft_attention") == 6
     assert calls.count("torch.ops.specla.vocab_top_k") == 6
     assert calls.count("extern_kernels.addmm") == 2 * 6
