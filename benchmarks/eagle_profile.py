@@ -25,12 +25,14 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_gpu import kernel_profile, summarize_kernels, timed
 
+from specla_compile.runtime import engine as engine_module
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
 from specla_compile.runtime.drafters.eagle import ATTENTION
@@ -185,6 +187,45 @@ def loop_section(args, results: dict) -> None:
     loop["identical_to_plain"] = {route: sequences[route] == sequences["plain"] for route in LOOP_ROUTES[1:]}
     print(f"loop outputs: pipelined tree == host-loop tree: {loop['identical_to_host_loop']}; "
           f"== plain (bf16, random weights: near-ties may differ): {loop['identical_to_plain']}", flush=True)
+    loop["one_token_calls"] = one_token_calls(gen, configs["eagle_tree"], prompt)
+
+
+def one_token_calls(gen, tree, prompt: torch.Tensor) -> dict:
+    """What a call pays besides its iterations: a call of one new token (the prefill, the engine's start and
+    finish, the drafter's begin), plain and tree, on a 16-token prompt and on the whole one; median of 11,
+    with its prefill phase (CUDA events); and the host's costliest functions (cumulative) in the plain call
+    on the whole prompt."""
+    gen.config = tree
+    out = {}
+    for route, call in (("plain", gen.decode), ("eagle_tree", gen.generate)):
+        for length in sorted({16, prompt.shape[1]}):
+            ids = prompt[:, :length]
+            runs = sorted((timed(lambda: call(ids, 1)) for _ in range(11)), key=lambda run: run[1])
+            result, seconds = runs[len(runs) // 2]
+            entry = out[f"{route}, {length}-token prompt"] = {
+                "call_ms": 1000 * seconds, "prefill_ms": 1000 * result.stats.prefill_seconds,
+                "prefill_passes": result.stats.prefill_passes}
+            print(f"one-token call, {route}, {length}-token prompt: {entry}", flush=True)
+    first = gen.decode(prompt, 1).sequences
+    for nodes in (32, 64):  # longer prefill passes: fewer replays of a pass that costs about the same
+        try:
+            with mock.patch.object(engine_module, "PREFILL_NODES", nodes):
+                gen.decode(prompt, 1)  # (compiles and captures the bucket)
+                result, seconds = sorted((timed(lambda: gen.decode(prompt, 1)) for _ in range(11)), key=lambda r: r[1])[5]
+            out[f"plain, {prompt.shape[1]}-token prompt, {nodes}-token prefill passes"] = entry = {
+                "call_ms": 1000 * seconds, "prefill_ms": 1000 * result.stats.prefill_seconds,
+                "prefill_passes": -(-prompt.shape[1] // nodes), "same_first_token": bool((result.sequences == first).all())}
+            print(f"one-token call, plain, {nodes}-token prefill passes: {entry}", flush=True)
+        except Exception:  # noqa: BLE001 (a size the engine cannot take: say so, go on)
+            out[f"prefill passes of {nodes}"] = traceback.format_exc()
+            print(out[f"prefill passes of {nodes}"], flush=True)
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: gen.decode(prompt, 1))
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats("specla_compile|cuda", 30)
+    out["plain_host_cumulative"] = [line for line in text.getvalue().splitlines() if line.strip()][-31:]
+    print("\n".join(out["plain_host_cumulative"]), flush=True)
+    return out
 
 
 def main() -> None:
@@ -280,6 +321,11 @@ def write_markdown(results: dict, out_dir: str) -> None:
                          f"{rt['kernel_ms_per_iteration']:.3f} | {r['ms_per_iteration'] - rt['kernel_ms_per_iteration']:.3f} | "
                          f"{calls['cudaStreamSynchronize']} | {calls['cudaMemcpyAsync']} | {calls['cudaGraphLaunch']} | "
                          f"{calls['cudaLaunchKernel']} |")
+        for name, call in loop.get("one_token_calls", {}).items():
+            if isinstance(call, dict):
+                same = "" if "same_first_token" not in call else f", same first token: {call['same_first_token']}"
+                lines.append(f"- one-token call, {name}: {call['call_ms']:.2f} ms, of which prefill {call['prefill_ms']:.2f} ms "
+                             f"({call['prefill_passes']} passes{same})")
         if "identical_to_host_loop" in loop:
             lines.append(f"- outputs: pipelined tree drafting identical to the host loop's: {loop['identical_to_host_loop']}; "
                          f"identical to plain decoding (bf16, random weights): {loop['identical_to_plain']}")
