@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import io
 import itertools
 import json
@@ -190,6 +191,12 @@ def loop_section(args, results: dict) -> None:
     loop["one_token_calls"] = one_token_calls(gen, configs["eagle_tree"], prompt)
 
 
+def median_call(call, times: int = 11):
+    """``(output, seconds)`` of the median of ``times`` timed calls."""
+    runs = sorted((timed(call) for _ in range(times)), key=lambda run: run[1])
+    return runs[len(runs) // 2]
+
+
 def one_token_calls(gen, tree, prompt: torch.Tensor) -> dict:
     """What a call pays besides its iterations: a call of one new token (the prefill, the engine's start and
     finish, the drafter's begin), plain and tree, on a 16-token prompt and on the whole one; median of 11,
@@ -200,8 +207,7 @@ def one_token_calls(gen, tree, prompt: torch.Tensor) -> dict:
     for route, call in (("plain", gen.decode), ("eagle_tree", gen.generate)):
         for length in sorted({16, prompt.shape[1]}):
             ids = prompt[:, :length]
-            runs = sorted((timed(lambda: call(ids, 1)) for _ in range(11)), key=lambda run: run[1])
-            result, seconds = runs[len(runs) // 2]
+            result, seconds = median_call(functools.partial(call, ids, 1))
             entry = out[f"{route}, {length}-token prompt"] = {
                 "call_ms": 1000 * seconds, "prefill_ms": 1000 * result.stats.prefill_seconds,
                 "prefill_passes": result.stats.prefill_passes}
@@ -211,7 +217,7 @@ def one_token_calls(gen, tree, prompt: torch.Tensor) -> dict:
         try:
             with mock.patch.object(engine_module, "PREFILL_NODES", nodes):
                 gen.decode(prompt, 1)  # (compiles and captures the bucket)
-                result, seconds = sorted((timed(lambda: gen.decode(prompt, 1)) for _ in range(11)), key=lambda r: r[1])[5]
+                result, seconds = median_call(functools.partial(gen.decode, prompt, 1))
             out[f"plain, {prompt.shape[1]}-token prompt, {nodes}-token prefill passes"] = entry = {
                 "call_ms": 1000 * seconds, "prefill_ms": 1000 * result.stats.prefill_seconds,
                 "prefill_passes": -(-prompt.shape[1] // nodes), "same_first_token": bool((result.sequences == first).all())}
