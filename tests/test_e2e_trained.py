@@ -262,10 +262,11 @@ def checkpoints(tmp_path_factory):
 
 
 def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt_files, tmp_path, monkeypatch):
-    calls, lengths, run = [], [], E.Bench.run
+    calls, lengths, tokens, run = [], [], [], E.Bench.run
 
     def failing_run(self, route, ids, n):  # ngram_tree fails on its fourth call: 2 warm-ups, prompt 1, prompt 2
         calls.append(route)
+        tokens.append(n)
         lengths.append(ids.shape[1])
         if route == "ngram_tree" and calls.count(route) == 4:
             raise RuntimeError("a route that fails")
@@ -293,6 +294,10 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     # warm-up apart from measuring, on the shortest and the longest prompt (prefill's two fla paths)
     measured = [r["prompt_tokens"] for r in results["records"]]
     assert calls[:2] == ["plain", "plain"] and lengths[:2] == [min(measured), max(measured)] and min(measured) < max(measured)
+    # each prompt's timed runs come after an untimed plain call (1 token) and one of the first EAGLE route (2)
+    warm_ups = [i for i, (route, n) in enumerate(zip(calls, tokens)) if (route, n) == ("plain", 1)]
+    assert len(warm_ups) == 2 and all(calls[i + 1] == "eagle_chain" and tokens[i + 1] == 2 for i in warm_ups)
+    assert all(calls[i + 2] == "plain" and tokens[i + 2] == 5 and lengths[i] == lengths[i + 2] for i in warm_ups)
     assert results["warmup_total_s"] == pytest.approx(sum(results["warmup_s"].values()))
     assert [c["prompts"] for c in results["calls"]] == [2] and results["calls"][0]["measure_s"] > 0
     assert "warm-ups" in (tmp_path / "e2e_trained.md").read_text()
