@@ -10,7 +10,7 @@ from models import FAMILIES, VOCAB, left_padded_batch, tiny_model
 from test_generator import COMPILE, OracleDrafter, plain
 
 from specla_compile import SpecConfig, SpeculativeGenerator
-from specla_compile.runtime.cache_layout import cache_slots
+from specla_compile.runtime.cache_layout import cache_slots, zeroed_copy
 
 CONFIGS = {
     "chain": SpecConfig(mode="chain", depth=5, bucket=8),
@@ -313,6 +313,28 @@ def test_engine_prefill_gives_the_eager_prefills_tokens_cache_and_features():
     for b, p in enumerate(prompts):  # the cache a plain decode leaves: every prompt and new token but the last
         _, expected_cache = plain(model, p, 10)
         assert max((a[b] - e[0]).abs().max().item() for a, e in zip(_states(decoded.past_key_values), _states(expected_cache))) <= 1e-5
+
+
+def test_zeroed_copy_has_the_layout_and_zero_states_and_shares_nothing_with_its_template():
+    """The cache an engine prefill starts from: a copy of a used cache's layout (not a deepcopy) with zero
+    states; writing into either leaves the other alone. Hybrids are refused."""
+    model = tiny_model("fla")
+    with torch.no_grad():
+        template = model(input_ids=torch.randint(0, VOCAB, (2, 5)), use_cache=True).past_key_values
+    before = [t.clone() for t in _states(template)]
+    fresh = zeroed_copy(template)
+    assert [(t.shape, t.dtype) for t in _states(fresh)] == [(t.shape, t.dtype) for t in before]
+    assert all(not t.any() for t in _states(fresh)) and all(t.abs().sum() > 0 for t in before)
+    pointers = {t.data_ptr() for t in _states(template)}
+    assert not pointers & {t.data_ptr() for t in _states(fresh)}
+    for slot in cache_slots(fresh):  # new tensors in the copy's containers: the template keeps its own
+        slot.set(torch.ones_like(slot.get()))
+    assert all(torch.equal(a, b) for a, b in zip(_states(template), before))
+    assert all(torch.equal(t, torch.ones_like(t)) for t in _states(fresh))
+    with torch.no_grad():
+        hybrid = tiny_model("qwen3_5")(input_ids=torch.randint(0, VOCAB, (1, 3)), use_cache=True).past_key_values
+    with pytest.raises(NotImplementedError, match="without attention layers"):
+        zeroed_copy(hybrid)
 
 
 def test_engine_prefill_leaves_hybrids_and_continued_caches_to_the_eager_model(monkeypatch):

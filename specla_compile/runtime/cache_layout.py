@@ -217,6 +217,26 @@ def static_twin(cache, config, capacity: int):
     return twin
 
 
+def zeroed_copy(cache):
+    """A cache of ``cache``'s layout whose GDN states are zeros (what a prompt starts from), for a model without
+    attention layers. Only the layers and the containers of their states are copied: a deepcopy walks every
+    object of the cache (1.4 ms for 8 fla layers on the CI CPU, once per ``generate`` call)."""
+    if has_attention(cache):
+        raise NotImplementedError("zeroed_copy takes caches without attention layers")
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in out.layers:
+        if isinstance(getattr(layer, "state", None), dict):  # fla
+            layer.state = dict(layer.state)
+        for name in ("recurrent_states", "conv_states"):  # transformers' linear-attention layers
+            holder = getattr(layer, name, None)
+            if isinstance(holder, (dict, list)):
+                setattr(layer, name, copy.copy(holder))
+    for slot in cache_slots(out):
+        slot.set(torch.zeros_like(slot.get()))
+    return out
+
+
 def gdn_states(cache) -> list[torch.Tensor]:
     """Every GDN state (recurrent and conv) of ``cache``, layer by layer."""
     return [slot.get() for slot in cache_slots(cache) if slot.kind == "state"]

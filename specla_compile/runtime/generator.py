@@ -10,7 +10,6 @@ plain decoding of the same tokens.
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 import weakref
@@ -28,7 +27,6 @@ from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
 from .cache_layout import (
     cache_argument,
     compact_attention,
-    gdn_states,
     has_attention,
     left_padding_mask,
     past_columns_inputs,
@@ -36,6 +34,7 @@ from .cache_layout import (
     set_seen_tokens,
     snapshot,
     stack_rows,
+    zeroed_copy,
 )
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
@@ -639,11 +638,7 @@ class _StaticRun(_Run):
         if template is None or self.engine.committed.shape[0] != self.batch:
             one = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
             template = self.owner.model(input_ids=one, use_cache=True).past_key_values
-        if has_attention(template):
-            return None
-        cache = copy.deepcopy(template)
-        torch._foreach_zero_(gdn_states(cache))
-        return cache
+        return None if has_attention(template) else zeroed_copy(template)
 
     def _start(self) -> None:
         if not self.engine_started:
