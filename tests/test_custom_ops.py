@@ -180,7 +180,8 @@ def test_draft_attention():
     mask[0, 0, 0], mask[0, -1] = True, False
     torch.library.opcheck(ops.draft_attention, (q, keys, values, mask, 0.25))
     out = ops.draft_attention(q, keys, values, mask, 0.25)
-    assert out.transpose(1, 2).is_contiguous()  # (the heads side by side, as the output projection reads them)
+    assert out.shape == (2, 5, 3, 8) and out.is_contiguous()  # (the heads side by side, as the output projection reads them)
+    out = out.transpose(1, 2)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, :, :-1], keys, values, attn_mask=mask[:, None, :-1],
                                                            scale=0.25)
     torch.testing.assert_close(out[:, :, :-1], sdpa)

@@ -99,5 +99,5 @@ def _draft_attention(q, keys, values, mask, scale):
     if q.shape[2] > triton_attention.MAX_QUERIES:  # (a prompt's catch-up: many queries, one uncaptured call)
         reference.check_draft_attention(q, keys, values, mask)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale)
-        return ops.heads_last(out.masked_fill(~mask.any(-1)[:, None, :, None], 0))
-    return triton_attention.draft_attention(q, keys, values, mask, scale)
+        return out.masked_fill(~mask.any(-1)[:, None, :, None], 0).transpose(1, 2).contiguous()
+    return triton_attention.draft_attention(q, keys, values, mask, scale).transpose(1, 2)  # (its [R, S, H, d] memory)

@@ -263,21 +263,16 @@ def _(scores, k):
     return scores.new_empty(scores.shape[0], k, dtype=torch.float32), scores.new_empty(scores.shape[0], k, dtype=torch.long)
 
 
-def heads_last(t: torch.Tensor) -> torch.Tensor:
-    """``t [R, H, S, d]`` copied into the ``[R, S, H, d]`` layout (same shape)."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 @torch.library.custom_op("specla::draft_attention", mutates_args=())
 def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """A draft head's attention: ``q [R, H, S, d]`` over ``keys, values [R, H, T, d]`` under ``mask [R or 1,
-    S, T]`` (True = may attend) -> ``[R, H, S, d]`` laid out as ``[R, S, H, d]`` (the heads side by side: the
-    output projection reads them without a copy); a query that sees no key gets zeros
-    (``reference.draft_attention_reference``)."""
-    return heads_last(ref.draft_attention_reference(q, keys, values, mask, scale))
+    S, T]`` (True = may attend) -> ``[R, S, H, d]``, contiguous (the heads side by side: the output projection
+    reads them without a copy; a plain shape, where a transposed layout left inductor assuming another); a query
+    that sees no key gets zeros (``reference.draft_attention_reference``)."""
+    return ref.draft_attention_reference(q, keys, values, mask, scale).transpose(1, 2).contiguous()
 
 
 @draft_attention.register_fake
 def _(q, keys, values, mask, scale):
-    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])

@@ -172,10 +172,9 @@ class EagleHead(nn.Module):
             gate, up = self.gate_proj(h), self.up_proj(h)
         else:
             gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        # the residual added by the GEMM itself (addmm): no separate kernel after it in a draft level (under
-        # autocast the sum comes out in the autocast dtype)
-        act = F.silu(gate) * up
-        return torch.addmm(x.reshape(-1, x.shape[-1]), act.reshape(-1, act.shape[-1]), self.down_proj.weight.t()).view_as(x)
+        # (the residual as its own add, which inductor fuses with what follows: adding it inside the GEMM (addmm)
+        # took cuBLAS's bias-epilogue kernel, 3.4 us more per chain level on the H200 and no faster for the tree)
+        return x + self.down_proj(F.silu(gate) * up)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head's own weights only) to ``path``."""
