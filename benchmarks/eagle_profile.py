@@ -331,7 +331,7 @@ def write_markdown(results: dict, out_dir: str) -> None:
             if isinstance(call, dict):
                 same = "" if "same_first_token" not in call else f", same first token: {call['same_first_token']}"
                 lines.append(f"- one-token call, {name}: {call['call_ms']:.2f} ms, of which prefill {call['prefill_ms']:.2f} ms "
-                             f"({call['prefill_passes']} passes{same})")
+                             f"({call['prefill_passes']} pass{'es' if call['prefill_passes'] != 1 else ''}{same})")
         if "identical_to_host_loop" in loop:
             lines.append(f"- outputs: pipelined tree drafting identical to the host loop's: {loop['identical_to_host_loop']}; "
                          f"identical to plain decoding (bf16, random weights): {loop['identical_to_plain']}")
