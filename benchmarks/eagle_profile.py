@@ -199,9 +199,8 @@ def median_call(call, times: int = 11):
 
 def one_token_calls(gen, tree, prompt: torch.Tensor) -> dict:
     """What a call pays besides its iterations: a call of one new token (the prefill, the engine's start and
-    finish, the drafter's begin), plain and tree, on a 16-token prompt and on the whole one; median of 11,
-    with its prefill phase (CUDA events); and the host's costliest functions (cumulative) in the plain call
-    on the whole prompt."""
+    finish, the drafter's begin), plain and tree, on a 16-token prompt and on the whole one, median of 11,
+    with its prefill phase (CUDA events); and plain's on the whole prompt with longer prefill passes."""
     gen.config = tree
     out = {}
     for route, call in (("plain", gen.decode), ("eagle_tree", gen.generate)):
@@ -225,12 +224,6 @@ def one_token_calls(gen, tree, prompt: torch.Tensor) -> dict:
         except Exception:  # noqa: BLE001 (a size the engine cannot take: say so, go on)
             out[f"prefill passes of {nodes}"] = traceback.format_exc()
             print(out[f"prefill passes of {nodes}"], flush=True)
-    profiler = cProfile.Profile()
-    profiler.runcall(lambda: gen.decode(prompt, 1))
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats("specla_compile|cuda", 30)
-    out["plain_host_cumulative"] = [line for line in text.getvalue().splitlines() if line.strip()][-31:]
-    print("\n".join(out["plain_host_cumulative"]), flush=True)
     return out
 
 
