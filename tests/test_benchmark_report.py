@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import e2e_gpu  # noqa: E402
@@ -177,3 +178,19 @@ def test_eagle_kernel_count_of_a_tree_propose():
     assert calls.count("torch.ops.specla.vocab_top_k") == 6
     assert calls.count("extern_kernels.addmm") == 6
     assert not any("topk" in c for c in calls)
+
+
+def test_eagle_kernel_count_of_a_chain_propose():
+    """The chain (L = 8) compiles too: one specla attention per head call (the catch-up and levels 1-7; the
+    op's output shape is its memory layout: a transposed one made inductor's stride check fail, with two
+    threads, as the benchmark runs, not with the tests' one) and no top-k (its levels take the argmax)."""
+    from eagle_kernels_cpu import CONFIGS, device_calls
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        calls = device_calls(CONFIGS["chain_L8"])
+    finally:
+        torch.set_num_threads(threads)
+    assert calls.count("torch.ops.specla.draft_attention") == 8
+    assert not any("top_k" in c or "topk" in c for c in calls)
