@@ -36,7 +36,7 @@ and prefill on the shortest and the longest prompt, outside the timed runs) come
 measuring time only, from the end of the warm-ups; ``--max-wall-minutes`` caps the whole call. A prompt
 is started only when the time its predecessor took still fits both. Before a prompt's timed runs, an untimed
 call of plain decoding (one token) and of the first EAGLE route (two) runs what a new prompt length runs
-once (``Bench.warm_prompt``). ``--resume`` continues the JSON in
+once (``Bench.prompt_warmups``). ``--resume`` continues the JSON in
 ``--out`` (same target, head, dtype, new tokens and routes) with the prompts it has not measured, so a
 study of every prompt can span several calls of a GPU machine.
 
@@ -356,6 +356,7 @@ def plot(results: dict, path: str) -> None:
 
     suites = list(by_suite)
     measured = [r for r in ROUTES[1:] if any(r in routes for routes in by_suite.values())]  # (bars for these only)
+    palette = plt.get_cmap("tab10" if len(measured) <= 10 else "tab20")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     for ax, key, routes, label in ((axes[0], "speedup", measured, "speedup over graphed plain decoding"),
                                    (axes[1], "accepted_length", [r for r in measured if r in SPEC_ROUTES],
@@ -370,13 +371,14 @@ def plot(results: dict, path: str) -> None:
                 errors[0].append(v - s["ci"][0] if s["value"] is not None else 0)
                 errors[1].append(s["ci"][1] - v if s["value"] is not None else 0)
             ax.bar([j + i * width for j in range(len(suites))], values, width, yerr=errors, capsize=2, label=route,
-                   color=f"C{ROUTES.index(route)}")  # one color per route in both panels
+                   color=palette(measured.index(route)))  # one color per route in both panels
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(suites))], suites)
         ax.set_ylabel(label)
         if key == "speedup":
             ax.axhline(1.0, color="gray", lw=0.8)
     handles, names = axes[0].get_legend_handles_labels()  # (one legend under both panels, off the bars)
-    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    if names:
+        fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=8, frameon=False)
     fig.suptitle(f"Trained GDN target, {results.get('device')}, {results.get('dtype')}, B=1, greedy")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
@@ -463,15 +465,14 @@ class Bench:
                 "first_hits": sum(a > 0 for a in st.accepted_drafts), "draft_s": st.draft_seconds,
                 "verify_s": st.verify_seconds, "prefill_s": st.prefill_seconds, "commit_s": st.commit_seconds}, tokens
 
-    def warm_prompt(self, ids: torch.Tensor, routes: list[str]) -> None:
-        """Untimed, before a prompt's timed runs: what runs once per prompt length (fla's eager prefill of a
-        prompt longer than the engine prefills, the head's catch-up attention over the prompt) runs here, so
-        that plain decoding, timed first, does not pay it for the routes after it (a 1,152-token prompt's
-        plain run took 274 ms of prefill in the ninth study, the routes after it 27 ms)."""
-        self.run("plain", ids, 1)
+    @staticmethod
+    def prompt_warmups(routes: list[str]) -> list[tuple[str, int]]:
+        """The untimed runs ``(route, new tokens)`` before a prompt's timed ones: what runs once per prompt
+        length (fla's eager prefill of a prompt longer than the engine prefills, the head's catch-up attention
+        over the prompt) runs there, so that plain decoding, timed first, does not pay it for the routes after
+        it (a 1,152-token prompt's plain run took 274 ms of prefill in the ninth study, the routes after it 27 ms)."""
         eagle = next((r for r in routes if r.startswith("eagle")), None)
-        if eagle is not None:
-            self.run(eagle, ids, 2)
+        return [("plain", 1)] + ([(eagle, 2)] if eagle is not None else [])
 
     @torch.no_grad()
     def fp32_logits(self, prefix: torch.Tensor) -> torch.Tensor:
@@ -558,7 +559,11 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
         record = {"prompt": prompt.key, "suites": prompt.suites, "category": prompt.category,
                   "prompt_tokens": ids.shape[1], "routes": {}}
         outputs = {}
-        bench.warm_prompt(ids, routes)
+        for route, tokens in bench.prompt_warmups(routes):
+            try:
+                bench.run(route, ids, tokens)
+            except Exception:  # (as in its timed run: the route is dropped, the others go on)
+                failed(route)
         for route in list(routes):
             if route == "eager":
                 if not any(eager_left[s] > 0 for s in prompt.suites):

@@ -131,6 +131,9 @@ def test_report_files_from_partial_results_and_again_from_the_json(tmp_path):
     assert (tmp_path / "e2e_trained.png").stat().st_size > 1000
     again = E.main(["--plot", str(tmp_path / "e2e_trained.json"), "--out", str(tmp_path / "again")])
     assert again["targets"] == written["targets"] and (tmp_path / "again" / "e2e_trained.png").is_file()
+    baseline_only = {"dtype": "float32", "device": "cpu", "records": [_record("m0", ["mixed"], "qa", {})]}
+    E.write_report(baseline_only, str(tmp_path / "plain"))  # (no route but the baseline: a plot without a legend)
+    assert (tmp_path / "plain" / "e2e_trained.png").is_file()
 
 
 def test_bad_arguments_fail_with_one_line_before_loading(prompt_files, tmp_path):
@@ -301,6 +304,28 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     assert results["warmup_total_s"] == pytest.approx(sum(results["warmup_s"].values()))
     assert [c["prompts"] for c in results["calls"]] == [2] and results["calls"][0]["measure_s"] > 0
     assert "warm-ups" in (tmp_path / "e2e_trained.md").read_text()
+
+
+def test_a_route_failing_its_untimed_prompt_warm_up_is_dropped_and_the_study_goes_on(checkpoints, prompt_files, tmp_path,
+                                                                                   monkeypatch):
+    """The first EAGLE route fails in the untimed call before the first prompt's timed runs: that route is dropped
+    (its error kept), the next EAGLE route takes over the warm-up, and every prompt is measured."""
+    calls, run = [], E.Bench.run
+
+    def failing_run(self, route, ids, n):  # eagle_chain's third call: two route warm-ups, then the prompt's warm-up
+        calls.append((route, n))
+        if route == "eagle_chain" and calls.count(("eagle_chain", 2)) == 3:
+            raise RuntimeError("fails on this prompt")
+        return run(self, route, ids, n)
+
+    monkeypatch.setattr(E.Bench, "run", failing_run)
+    results = E.main(["--target", str(checkpoints / "target"), "--eagle", str(checkpoints / "eagle"), "--out", str(tmp_path),
+                      "--prompts-dir", str(prompt_files), "--suites", "gsm8k", "--limit-prompts", "2", "--new-tokens", "4",
+                      "--warmup-tokens", "2", "--device", "cpu", "--dtype", "float32", "--inner", "eager",
+                      "--routes", "plain", "eagle_chain", "eagle_tree"])
+    assert set(results["errors"]) == {"eagle_chain"} and "fails on this prompt" in results["errors"]["eagle_chain"]
+    assert [set(r["routes"]) for r in results["records"]] == [{"plain", "eagle_tree"}] * 2
+    assert calls[-4:] == [("plain", 1), ("eagle_tree", 2), ("plain", 4), ("eagle_tree", 4)]
 
 
 def test_resume_measures_only_the_prompts_left_and_keeps_every_call(checkpoints, prompt_files, tmp_path, monkeypatch):

@@ -325,6 +325,8 @@ def test_zeroed_copy_has_the_layout_and_zero_states_and_shares_nothing_with_its_
     fresh = zeroed_copy(template)
     assert [(t.shape, t.dtype) for t in _states(fresh)] == [(t.shape, t.dtype) for t in before]
     assert all(not t.any() for t in _states(fresh)) and all(t.abs().sum() > 0 for t in before)
+    for mine, theirs in zip(fresh.layers, template.layers):  # no container shared (an update to one is not the other's)
+        assert not any(v is vars(theirs)[k] for k, v in vars(mine).items() if isinstance(v, (dict, list)))
     pointers = {t.data_ptr() for t in _states(template)}
     assert not pointers & {t.data_ptr() for t in _states(fresh)}
     for slot in cache_slots(fresh):  # new tensors in the copy's containers: the template keeps its own

@@ -225,13 +225,10 @@ def zeroed_copy(cache):
         raise NotImplementedError("zeroed_copy takes caches without attention layers")
     out = copy.copy(cache)
     out.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in out.layers:
-        if isinstance(getattr(layer, "state", None), dict):  # fla
-            layer.state = dict(layer.state)
-        for name in ("recurrent_states", "conv_states"):  # transformers' linear-attention layers
-            holder = getattr(layer, name, None)
-            if isinstance(holder, (dict, list)):
-                setattr(layer, name, copy.copy(holder))
+    for layer in out.layers:  # every container of a layer its own (fla's state dict; transformers' state and flag dicts)
+        for name, value in vars(layer).items():
+            if isinstance(value, (dict, list)):
+                setattr(layer, name, copy.copy(value))
     for slot in cache_slots(out):
         slot.set(torch.zeros_like(slot.get()))
     return out
