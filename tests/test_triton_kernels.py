@@ -306,7 +306,7 @@ def test_draft_attention(rows, heads, queries, columns, dim, block_t, shared_mas
     masks (the last block partial, one block with nothing visible, one query that sees no key at all:
     zeros), queries read through a transposed view (as the EAGLE head makes them), a mask shared by every
     row, head sizes that are not powers of two; the output starts as NaN-poisoned memory and comes out with
-    the heads side by side ([R, S, H, d] memory)."""
+    the heads side by side ([R, S, H, d])."""
     gen = torch.Generator().manual_seed(rows * columns + dim)
     q = torch.randn(rows, queries, heads, dim, generator=gen).to(dtype).transpose(1, 2)
     keys, values = (torch.randn(rows, heads, columns, dim, generator=gen).to(dtype) for _ in range(2))
@@ -317,7 +317,8 @@ def test_draft_attention(rows, heads, queries, columns, dim, block_t, shared_mas
     with poisoned_allocations():
         out = ta.draft_attention(q, keys, values, mask, 0.3, block_t=block_t)
     expected = ref.draft_attention_reference(q.double(), keys.double(), values.double(), mask, 0.3)
-    assert out.dtype == dtype and out.shape == (rows, heads, queries, dim) and out.transpose(1, 2).is_contiguous()
+    assert out.dtype == dtype and out.shape == (rows, queries, heads, dim) and out.is_contiguous()  # (heads side by side)
+    out = out.transpose(1, 2)
     assert torch.equal(out[:, :, -1].float(), torch.zeros(rows, heads, dim)) == blind
     assert rel_err(out, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
     with pytest.raises(ValueError, match="a bool mask"):

@@ -100,4 +100,4 @@ def _draft_attention(q, keys, values, mask, scale):
         reference.check_draft_attention(q, keys, values, mask)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale)
         return out.masked_fill(~mask.any(-1)[:, None, :, None], 0).transpose(1, 2).contiguous()
-    return triton_attention.draft_attention(q, keys, values, mask, scale).transpose(1, 2)  # (its [R, S, H, d] memory)
+    return triton_attention.draft_attention(q, keys, values, mask, scale)

@@ -87,7 +87,7 @@ def key_block(columns: int) -> int:
 def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
                     *, block_t: int | None = None) -> torch.Tensor:
     """``q [R, H, S, d]`` (S <= ``MAX_QUERIES``) over ``keys, values [R, H, T, d]`` under ``mask [R or 1, S, T]``
-    -> ``[R, H, S, d]`` in ``q``'s dtype, laid out as ``[R, S, H, d]``. Sums in fp32; the softmax weights are
+    -> ``[R, S, H, d]`` in ``q``'s dtype (the heads side by side). Sums in fp32; the softmax weights are
     rounded to the inputs' dtype before their product with the values (as FlashAttention does), and fp32
     inputs multiply in full fp32."""
     check_draft_attention(q, keys, values, mask)
@@ -97,7 +97,7 @@ def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
         raise ValueError(f"draft_attention: at most {MAX_QUERIES} queries per (row, head), got {queries}")
     if not (q.stride(3) == keys.stride(3) == values.stride(3) == 1):
         q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
-    out = torch.empty(rows, queries, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    out = torch.empty(rows, queries, heads, dim, dtype=q.dtype, device=q.device)
     if out.numel() == 0 or columns == 0:
         return out.zero_()
     block_t = block_t or key_block(columns)

@@ -221,15 +221,16 @@ def zeroed_copy(cache):
     """A cache of ``cache``'s layout whose GDN states are zeros (what a prompt starts from), for a model without
     attention layers. Only the layers and the containers of their states are copied: a deepcopy walks every
     object of the cache (1.4 ms for 8 fla layers on the CI CPU, once per ``generate`` call)."""
-    if has_attention(cache):
-        raise NotImplementedError("zeroed_copy takes caches without attention layers")
     out = copy.copy(cache)
     out.layers = [copy.copy(layer) for layer in cache.layers]
     for layer in out.layers:  # every container of a layer its own (fla's state dict; transformers' state and flag dicts)
         for name, value in vars(layer).items():
             if isinstance(value, (dict, list)):
                 setattr(layer, name, copy.copy(value))
-    for slot in cache_slots(out):
+    slots = cache_slots(out)  # (one walk: the check, then the states)
+    if any(slot.kind == "kv" for slot in slots):
+        raise NotImplementedError("zeroed_copy takes caches without attention layers")
+    for slot in slots:
         slot.set(torch.zeros_like(slot.get()))
     return out
 

@@ -54,7 +54,7 @@ ATTENTION = ("pytorch", *SDPA_BACKENDS, "specla")
 
 
 def _specla_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return ops.draft_attention(q, keys, values, mask, q.shape[-1] ** -0.5).transpose(1, 2)  # ([R, H, S, d], as SDPA's)
+    return ops.draft_attention(q, keys, values, mask, q.shape[-1] ** -0.5)
 
 
 class _Buffers:

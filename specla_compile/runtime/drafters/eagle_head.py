@@ -160,13 +160,14 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """Second half of :meth:`forward`: ``q`` attends over ``keys, values [R, H, T, d]`` under ``mask
         [R or 1, S, T]``; returns the predicted next features ``[R, S, D]``. ``attention(q, keys, values,
-        mask)``, when given, replaces PyTorch's ``scaled_dot_product_attention`` (a drafter's own kernel)."""
+        mask) -> [R, S, H, d]``, when given, replaces PyTorch's ``scaled_dot_product_attention`` (a drafter's
+        own kernel, which writes the heads side by side as the output projection reads them)."""
         rows, s, _ = x.shape
         if attention is None:
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None]).transpose(1, 2)
         else:
             attn = attention(q, keys, values, mask)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(rows, s, -1))
+        x = x + self.o_proj(attn.reshape(rows, s, -1))
         h = self.mlp_norm(x)
         if self.gate_up_weight is None:
             gate, up = self.gate_proj(h), self.up_proj(h)
