@@ -265,13 +265,24 @@ def propose_section(args, results: dict) -> None:
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph
                 route["replay_ms"] = replay_ms(graph)
-                profile = kernel_profile(graph)
+                trace = os.path.join(args.out, "propose_trace.json")
+                profile = kernel_profile(graph, trace_path=trace)
                 route["profile"] = {k: v for k, v in profile.items() if k != "one_layer"}
+                route["profile"]["kernels_in_order"] = first_replay_kernels(trace, round(profile["kernels_per_pass"]))
+                os.remove(trace)
         route["host_ms"] = route["graphed"]["ms_per_propose"] - route["replay_ms"]
         print(f"{name}: graphed {route['graphed']['ms_per_propose']:.3f} ms per propose (replay {route['replay_ms']:.3f}, "
               f"{route['profile']['kernels_per_pass']:.0f} kernels, busy {route['profile']['busy_ms']:.3f}), "
               f"uncaptured {route.get('uncaptured', {}).get('ms_per_propose', float('nan')):.3f} ms", flush=True)
         print(json.dumps(route["profile"], indent=1), flush=True)
+
+
+def first_replay_kernels(trace_path: str, count: int) -> list[list]:
+    """The first replay's ``count`` GPU events of a ``kernel_profile`` trace in launch order: ``[name, us]``
+    each (what one level of a propose runs, for planning fusions)."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return [[e.get("name", "")[:90], round(e["dur"], 2)] for e in sorted(events, key=lambda e: e["ts"])[:count]]
 
 
 def write_markdown(results: dict, out_dir: str) -> None:

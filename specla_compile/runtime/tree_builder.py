@@ -139,15 +139,21 @@ def _best(score: torch.Tensor, k: int) -> torch.Tensor:
 def _select(parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, config: SpecConfig) -> torch.Tensor:
     """Kept candidates ``[R, M]``: within ``tau`` of the best at their depth, closed under ancestors,
     truncated to the ``budget`` best."""
-    # Depths are 1..config.depth and the budget cut below is unconditional: no device-to-host read here.
+    # Depths are 1..config.depth and the budget cut below is unconditional: no device-to-host read here. No
+    # scatter either (each is a kernel of its own on the GPU): masked reductions and gathers, which inductor fuses.
     rows, m = scores.shape
-    best = torch.full((rows, config.depth + 1), float("-inf"), device=scores.device)
-    best = best.scatter_reduce(1, depth.expand(rows, m), scores, reduce="amax")
-    keep = scores >= best.gather(1, depth.expand(rows, m)) - config.tau
-    # Ancestor closure, deepest level first: a kept node keeps its parent.
-    for level in range(config.depth, 1, -1):
-        at = ((depth == level)[None] & keep).to(torch.uint8)
-        keep = keep.to(torch.uint8).scatter_reduce(1, parents.clamp(min=0), at, reduce="amax").bool()
+    levels = torch.arange(1, config.depth + 1, device=scores.device)
+    best = torch.where(depth[:, None] == levels, scores[..., None], float("-inf")).amax(1)  # [R, depth]
+    keep = scores >= best.gather(1, (depth - 1).expand(rows, m)) - config.tau
+    # Ancestor closure: a candidate is kept when it or one of its descendants is. ``walk`` climbs from every
+    # candidate j one level per step; ``ancestor[r, i, j]``: candidate i is j or one of its ancestors.
+    index = torch.arange(m, device=scores.device)
+    walk = index.expand(rows, m)
+    ancestor = torch.zeros(rows, m, m, dtype=torch.bool, device=scores.device)
+    for _ in range(config.depth):
+        ancestor = ancestor | (walk[:, None, :] == index[None, :, None])
+        walk = torch.where(walk >= 0, parents.gather(1, walk.clamp(min=0)), -1)
+    keep = (ancestor & keep[:, None, :]).any(-1)
     # The ``budget`` best kept nodes (all of them in a row that keeps fewer): kept nodes by score, best
     # first, then the dropped ones (NaN sorts last). Stable (candidates are in depth order), so ancestors
     # rank before descendants.

@@ -147,12 +147,12 @@ class _Plan:
 
 @dataclass
 class _Captured:
-    """A propose's captured device work for one key, with its static inputs and its draft."""
+    """A propose's captured device work for one key: its graph, its draft, and the static inputs that a
+    replay copies its own into (none for a pipelined propose: it reads the pass's buffers themselves)."""
 
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor
-    features: torch.Tensor
     draft: Draft
+    inputs: tuple[torch.Tensor, ...] = ()
 
 
 def _gather_slots(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -202,6 +202,7 @@ class EagleDrafter(Drafter):
         self.static_shapes = static_shapes
         self.compiled = compiled
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
+        self._after_key: tuple | None = None  # the last pipelined propose's graph key (_replay_after)
         self._graph_error = ""
         self._compiled_propose: Callable | None = None
         self.head = head.eval()
@@ -220,6 +221,7 @@ class EagleDrafter(Drafter):
         self._buffers = _Buffers(0, 1, 1, head.fuse.weight.device, self._dtype)
         self._last_hidden = torch.empty(0)  # [B, D]: head output at each row's newest cached pair
         self._device_cached: torch.Tensor | None = None  # [B] pairs per row, once pipelined (then _cached is stale)
+        self._cached_counts = torch.zeros(0, dtype=torch.long)  # where _device_cached lives: one buffer per batch shape
 
     @classmethod
     def from_pretrained(
@@ -254,6 +256,7 @@ class EagleDrafter(Drafter):
             return
         self._buffers = _Buffers(len(sequences), cfg.num_heads, cfg.head_dim, device, self._dtype)
         self._last_hidden = torch.zeros(len(sequences), cfg.hidden_size, device=device, dtype=self._dtype)
+        self._cached_counts = torch.zeros(len(sequences), dtype=torch.long, device=device)
         self._graphs.clear()
 
     def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
@@ -287,29 +290,55 @@ class EagleDrafter(Drafter):
         rows = len(self._cached)
         if last.hidden is None or not self._static_shapes(config) or last.tokens.shape[0] != rows:
             return None
-        device, width = self._buffers.keys.device, config.depth + 1
+        width = config.depth + 1
         if self._device_cached is None:
             if any(f.shape[0] for f in self._features) or not all(self._cached):
                 return None  # (features waiting for their pair: the host path caches them first)
-            self._device_cached = torch.tensor(self._cached, device=device)
+            # (in one buffer for every call: the pipelined propose's graph reads it in place)
+            self._device_cached = self._cached_counts
+            self._device_cached.copy_(torch.tensor(self._cached))
         beam = self._beam(config)
         # the whole call's room, once: a row's count runs up to depth + 1 pairs past its budget in its last pass
         # (the host trims it; the device state does not), and each later propose writes width padding pairs
         if self._buffers.reserve(max_length + 2 * width, (config.depth - 1) * beam):
             self._graphs.clear()
         with torch.no_grad():
-            # pair j of a row: the feature at its path's node j, the token after it (the path's next node, or
-            # the new pending token after the last accepted node); columns past the count are padding
-            path = nn.functional.pad(last.path, (0, max(0, width - last.path.shape[1])), value=-1)[:, :width].clamp(min=0)
-            following = last.tokens.gather(1, path).roll(-1, dims=1)
-            pending = last.next_token[:, None]
-            tokens = torch.where(torch.arange(width, device=device) == last.counts[:, None] - 1, pending, following)
-            meta = torch.stack([torch.arange(rows, device=device), self._device_cached, last.counts], dim=1)
-            plan = _Plan(list(range(rows)), None, True, torch.cat([meta, tokens, pending], dim=1))
-            features = _gather_slots(last.hidden, path).to(self._dtype)
-            draft = self._run_plan(plan, features, config, static=True, fixed=True)
+            draft = self._replay_after(last, config, width) if self._graphs_on(config) else None
+            if draft is None:
+                draft = self._run_plan(*self._after_inputs(last, width), config, static=True, fixed=True)
             self._device_cached += last.counts
         return draft
+
+    def _after_inputs(self, last: PassOutputs, width: int) -> tuple[_Plan, torch.Tensor]:
+        """A pipelined propose's plan and new features, gathered from the pass's device outputs."""
+        rows, device = last.tokens.shape[0], last.tokens.device
+        # pair j of a row: the feature at its path's node j, the token after it (the path's next node, or
+        # the new pending token after the last accepted node); columns past the count are padding
+        path = nn.functional.pad(last.path, (0, max(0, width - last.path.shape[1])), value=-1)[:, :width].clamp(min=0)
+        following = last.tokens.gather(1, path).roll(-1, dims=1)
+        pending = last.next_token[:, None]
+        tokens = torch.where(torch.arange(width, device=device) == last.counts[:, None] - 1, pending, following)
+        meta = torch.stack([torch.arange(rows, device=device), self._device_cached, last.counts], dim=1)
+        plan = _Plan(list(range(rows)), None, True, torch.cat([meta, tokens, pending], dim=1))
+        return plan, _gather_slots(last.hidden, path).to(self._dtype)
+
+    def _replay_after(self, last: PassOutputs, config: SpecConfig, width: int) -> Draft | None:
+        """A pipelined propose as one captured graph that reads the pass's outputs where the pass left them
+        (the engine's static buffers): the gathers of :meth:`_after_inputs` replay inside it instead of a dozen
+        launches from the host per iteration. Captured once the same buffers come a second time in a row
+        (their addresses key the graph); None until then, or if it cannot be captured."""
+        sources = (last.tokens, last.path, last.counts, last.next_token, last.hidden, self._device_cached)
+        key = ("after", config.mode, config.depth, config.tree_top_k, config.budget, config.tau,
+               *((t.data_ptr(), t.shape, t.stride()) for t in sources))
+        captured = self._graphs.get(key)
+        if captured is None:
+            seen, self._after_key = self._after_key, key
+            if seen != key:
+                return None
+            compiled = self.compiled is not False
+            # (the warm-up runs repeat the real catch-up: the cached counts move only outside the graph)
+            captured = self._captured(key, lambda: self._device_propose(*self._after_inputs(last, width), config, True, compiled))
+        return None if captured is None else self._replayed(captured)
 
     def _run_plan(self, plan: _Plan, features: torch.Tensor, config: SpecConfig, static: bool, fixed: bool) -> Draft:
         """A propose's device work: with ``fixed`` shapes (new pairs padded to exactly ``depth + 1``) a replay
@@ -460,18 +489,29 @@ class EagleDrafter(Drafter):
         key = (tuple(plan.row_ids), config.mode, config.depth, config.tree_top_k, config.budget, config.tau)
         captured = self._graphs.get(key)
         if captured is None:
-            inputs, static_features = plan.inputs.clone(), features.clone()
-            static = _Plan(plan.row_ids, plan.new, plan.every_row, inputs)
-            try:  # (the warm-up runs do the real catch-up: it writes the same pairs again when replayed)
-                compiled = self.compiled is not False
-                graph, draft = capture(lambda: self._device_propose(static, static_features, config, True, compiled))
-            except RuntimeError as err:
-                self._graph_error = str(err).splitlines()[0]
-                log.warning("specla: EAGLE drafting runs without CUDA graphs: its capture failed (%s)", self._graph_error)
-                return None
-            captured = self._graphs[key] = _Captured(graph, inputs, static_features, draft)
-        captured.inputs.copy_(plan.inputs)
-        captured.features.copy_(features)
+            static = _Plan(plan.row_ids, plan.new, plan.every_row, plan.inputs.clone())
+            static_features, compiled = features.clone(), self.compiled is not False
+            # (the warm-up runs do the real catch-up: it writes the same pairs again when replayed)
+            captured = self._captured(key, lambda: self._device_propose(static, static_features, config, True, compiled),
+                                      (static.inputs, static_features))
+        return None if captured is None else self._replayed(captured, plan.inputs, features)
+
+    def _captured(self, key: tuple, step: Callable[[], Draft], inputs: tuple[torch.Tensor, ...] = ()) -> _Captured | None:
+        """``step`` captured as ``key``'s graph; None if it cannot be captured (drafting then runs uncaptured)."""
+        try:
+            graph, draft = capture(step)
+        except RuntimeError as err:
+            self._graph_error = str(err).splitlines()[0]
+            log.warning("specla: EAGLE drafting runs without CUDA graphs: its capture failed (%s)", self._graph_error)
+            return None
+        captured = self._graphs[key] = _Captured(graph, draft, inputs)
+        return captured
+
+    @staticmethod
+    def _replayed(captured: _Captured, *inputs: torch.Tensor) -> Draft:
+        """Replay ``captured`` on ``inputs`` (copied into its static ones); the draft's copy (the next replay overwrites it)."""
+        for static, value in zip(captured.inputs, inputs):
+            static.copy_(value)
         captured.graph.replay()
         return Draft(captured.draft.tokens.clone(), captured.draft.parents.clone(), chain=captured.draft.chain)
 
