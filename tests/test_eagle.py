@@ -44,6 +44,43 @@ def test_head_shapes_and_cache_consistency():
     torch.testing.assert_close(torch.cat([h1, h2], 1), hidden)
 
 
+def test_token_table_projects_token_ids_as_their_embeddings():
+    """pack_projections(embed): project() takes token ids and gives what it gives for their embeddings (the
+    fuse split into its feature half and a table of every token through its embedding half); without the
+    table token ids are refused; packing again without the embedding drops the table."""
+    target, head = make(seed=2)
+    embed = target.get_input_embeddings()
+    tokens = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    feats, pos = torch.randn(2, 5, 32, dtype=torch.float64), torch.arange(5).expand(2, 5)
+    head.pack_projections()
+    with pytest.raises(ValueError, match="pack_projections"):
+        head.project(feats, tokens, pos)
+    expected = head.project(feats, embed(tokens), pos)
+    head.pack_projections(embed)
+    for got, want in zip(head.project(feats, tokens, pos), expected):
+        torch.testing.assert_close(got, want)
+    head.pack_projections()
+    assert head.token_fuse is None
+
+
+def test_drafts_with_and_without_the_token_table_agree(monkeypatch):
+    """A drafter whose vocabulary is too large for the token table (TOKEN_FUSE_BYTES) embeds the tokens
+    instead, and drafts the same tree."""
+    from specla_compile.runtime.drafters import eagle
+
+    target, head = make(seed=3)
+    seq = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(4))
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)
+    drafts = []
+    for limit in (eagle.TOKEN_FUSE_BYTES, 0):
+        monkeypatch.setattr(eagle, "TOKEN_FUSE_BYTES", limit)
+        drafter = EagleDrafter(head, target)
+        assert (head.token_fuse is not None) == (limit > 0)
+        drafter.begin([seq[:-1]], [features_of(target, seq)[:-1]])
+        drafts.append(drafter.propose(DraftRequest([0], [seq]), config))
+    assert_same_draft(*drafts)
+
+
 def test_unrolled_training_steps_see_what_draft_levels_see():
     """unrolled_predictions (EAGLE-3's training-time test): step s at position t equals the head run the way a
     drafter runs it, one level at a time: the real pairs 0..t cached (a causal run over them), then per level

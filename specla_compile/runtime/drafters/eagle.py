@@ -46,6 +46,9 @@ from .eagle_head import EagleHead
 log = logging.getLogger("specla_compile")
 
 PROPOSE_PROGRAMS = 64  # compiled propose programs a process may hold (EagleDrafter._device_propose)
+# Largest table of every token's embedding through the head's fuse (EagleHead.pack_projections) that a drafter
+# builds: 63 MiB at the trained study's shape (32k tokens, hidden 1024, bf16); a 248k-token vocabulary skips it.
+TOKEN_FUSE_BYTES = 256 * 2**20
 # The attention kernels a propose may use (EagleDrafter's ``attention``): a propose's attention is a few
 # queries over the whole key buffer under a mask. PyTorch's own choice, one of its kernels (math as the
 # fallback), or specla's (``specla::draft_attention``: split across the keys, Triton on CUDA).
@@ -168,7 +171,8 @@ class EagleDrafter(Drafter):
     generator passes the target's last hidden state over the prompt to :meth:`begin` and at the newly
     committed positions to :meth:`commit`.
 
-    The head's q/k/v and gate/up weights are packed for inference (:meth:`EagleHead.pack_projections`).
+    The head's q/k/v and gate/up weights are packed for inference (:meth:`EagleHead.pack_projections`), and
+    every token's embedding passed through its fuse once (a table of at most ``TOKEN_FUSE_BYTES``).
     ``static_shapes``: draft in fixed shapes and, on CUDA, replay each propose's captured graph (module
     docstring); None (default): on CUDA unless ``SpecConfig(cuda_graphs=False)``. ``compiled``: run a
     fixed-shape propose's device work as one program compiled by inductor; None (default): on CUDA.
@@ -198,7 +202,9 @@ class EagleDrafter(Drafter):
             raise ValueError(f"EagleDrafter: draft_vocab must be in [1, {head.config.vocab_size}], got {draft_vocab}")
         head.config.check_target(target)
         self.attention = attention or ("specla" if TRITON_KERNELS and head.fuse.weight.is_cuda else "pytorch")
-        head.pack_projections()
+        embed = target.get_input_embeddings()
+        table = embed.weight.shape[0] * head.config.hidden_size * head.fuse.weight.element_size()
+        head.pack_projections(embed if table <= TOKEN_FUSE_BYTES else None)
         self.static_shapes = static_shapes
         self.compiled = compiled
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
@@ -206,7 +212,7 @@ class EagleDrafter(Drafter):
         self._graph_error = ""
         self._compiled_propose: Callable | None = None
         self.head = head.eval()
-        self.embed = target.get_input_embeddings()
+        self.embed = embed
         self.lm_head = target.get_output_embeddings()
         self.draft_vocab = None  # [N] token ids the draft levels score (None: every token)
         if draft_vocab is not None and draft_vocab < head.config.vocab_size:
@@ -406,6 +412,11 @@ class EagleDrafter(Drafter):
         if feats.dim() != 2 or feats.shape[1] != self.head.config.hidden_size:
             raise ValueError(f"{what} must be [positions, {self.head.config.hidden_size}], got {tuple(feats.shape)}")
 
+    def pair_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the head's :meth:`~EagleHead.project` takes for the pairs' tokens: their ids where it holds the
+        token table, else their embeddings."""
+        return tokens if self.head.token_fuse is not None else self.embed(tokens).to(self._dtype)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target LM head over predicted features: ``[..., V]``, or ``[..., N]`` for the draft vocabulary's tokens."""
         if self.draft_vocab is None:
@@ -521,7 +532,7 @@ class EagleDrafter(Drafter):
         if width == 0:
             return
         positions = plan.cached[:, None] + torch.arange(width, device=features.device)
-        x, q, k, v = self.head.project(features, self.embed(plan.tokens).to(self._dtype), positions)
+        x, q, k, v = self.head.project(features, self.pair_inputs(plan.tokens), positions)
         buffers = self._buffers
         # Written at the rows' next columns; padding pairs land past a row's valid columns (never read).
         buffers.keys[plan.rows[:, None], :, positions] = k.transpose(1, 2)
@@ -561,8 +572,7 @@ class _TreeRollout:
         own = slice(self.column, self.column + width)
         mask[:, :, own].logical_or_(torch.eye(width, dtype=torch.bool, device=mask.device))
         positions = (self.base + frontier.depth)[:, None].expand(-1, width)
-        embeds = self.drafter.embed(frontier.tokens).to(self.drafter._dtype)
-        x, q, k, v = self.project(parent_hidden, embeds, positions)
+        x, q, k, v = self.project(parent_hidden, self.drafter.pair_inputs(frontier.tokens), positions)
         self.keys[:, :, own], self.values[:, :, own] = k, v
         self.hidden = self.attend(x, q, self.keys, self.values, mask)
         self.seen, self.column = mask, self.column + width

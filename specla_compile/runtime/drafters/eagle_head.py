@@ -112,18 +112,31 @@ class EagleHead(nn.Module):
         # inference copies of q/k/v and gate/up as one weight each (pack_projections); never saved
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("gate_up_weight", None, persistent=False)
+        # inference, with the target's embedding (pack_projections(embed)): every token's embedding through the
+        # fuse's embedding half [V, D], and the fuse's feature half [D, D]; never saved
+        self.register_buffer("token_fuse", None, persistent=False)
+        self.register_buffer("feature_fuse_weight", None, persistent=False)
         # every token id, most frequent in the head's training data first (set by the trainer, saved with the
         # head): the first N of them are a draft vocabulary (EagleDrafter's ``draft_vocab``)
         self.register_buffer("token_ranking", None)
 
     @torch.no_grad()
-    def pack_projections(self) -> None:
+    def pack_projections(self, embed: nn.Module | None = None) -> None:
         """For inference: copy the q/k/v weights into one and the gate/up weights into one, so that
         :meth:`project` and :meth:`attend` run one GEMM for each group (a draft level reads these small
-        weights for a few rows: each GEMM is latency-bound). The parameters stay what training and
-        checkpoints use; call it again after changing them."""
+        weights for a few rows: each GEMM is latency-bound). With the target's input ``embed``, also pass every
+        token's embedding through the fuse's embedding half once (``token_fuse [V, D]``, in fp32, rounded to
+        the head's dtype): :meth:`project` then takes token ids and its fuse reads a ``D x D`` weight plus one
+        table row per pair instead of a ``2D x D`` weight (on the H200 a 2048-deep GEMM of a few rows costs
+        about twice a 1024-deep one). The parameters stay what training and checkpoints use; call it again
+        after changing them."""
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.token_fuse = self.feature_fuse_weight = None
+        if embed is not None:
+            d = self.config.hidden_size
+            self.token_fuse = (embed.weight.float() @ self.fuse.weight[:, :d].float().T).to(self.fuse.weight.dtype)
+            self.feature_fuse_weight = self.fuse.weight[:, d:].contiguous()
 
     def forward(
         self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
@@ -139,10 +152,16 @@ class EagleHead(nn.Module):
         self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """First half of :meth:`forward`: the fused input ``x [R, S, D]`` and the pairs' queries, keys and
-        values ``[R, H, S, d]`` (RoPE applied), for a caller that keeps its keys in its own buffers."""
+        values ``[R, H, S, d]`` (RoPE applied), for a caller that keeps its keys in its own buffers. ``embeds``:
+        the tokens' embeddings ``[R, S, D]``, or their ids ``[R, S]`` once packed with the target's embedding."""
         rows, s, _ = features.shape
         heads, dim = self.config.num_heads, self.config.head_dim
-        x = self.fuse(torch.cat([embeds, features], dim=-1))
+        if embeds.is_floating_point():
+            x = self.fuse(torch.cat([embeds, features], dim=-1))
+        elif self.token_fuse is None:
+            raise ValueError("EagleHead.project takes token ids only after pack_projections(embed); pass embeddings")
+        else:
+            x = F.linear(features, self.feature_fuse_weight, self.fuse.bias) + self.token_fuse[embeds]
         h = self.attn_norm(x)
         split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)  # noqa: E731
         cos, sin = _rope(positions, dim // 2, self.config.rope_theta, x.dtype)
