@@ -287,21 +287,25 @@ class _FeatureRecorder(OracleDrafter):
         self.prompt_features = features
 
 
-def test_engine_prefill_gives_the_eager_prefills_tokens_cache_and_features():
-    """Prompts of ragged lengths run through the engine's 16-token chain passes (3 passes for 33 tokens,
-    rows ending in different passes) from a zeroed cache: the same tokens and final cache as each row's
-    eager plain decoding, and the drafter receives the features the eager model computes."""
+@pytest.mark.parametrize(("lengths", "chunks", "passes"), [((20, 3, 33), [], 3), ((100, 45), [32], 6), ((97,), [64, 32], 3)])
+def test_engine_prefill_gives_the_eager_prefills_tokens_cache_and_features(lengths, chunks, passes):
+    """Prompts of ragged lengths run through the engine from a zeroed cache: the tokens every row has as chunks
+    through the model's own forward (none while a row has at most 32 tokens; 45 and 100 tokens: one of 32; 97
+    tokens: 64 and 32), the rest as 16-token chain passes (rows ending in different passes): the same tokens and
+    final cache as each row's eager plain decoding, and the drafter receives the features the eager model
+    computes."""
     from specla_compile.runtime.engine import PREFILL_NODES
 
     model = tiny_model("fla")
-    prompts, input_ids, mask = left_padded_batch((20, 3, 33), seed=31)
+    prompts, input_ids, mask = left_padded_batch(lengths, seed=31)
     refs = [plain(model, p, 10)[0][0, p.numel() :].tolist() for p in prompts]
     drafter = _FeatureRecorder([r + [0] * 16 for r in refs], error_rate=0.25, seed=4)
     gen = SpeculativeGenerator(model, drafter, SpecConfig(**{**CONFIGS["chain"].__dict__, "prefill": "engine"}),
                                compile_options=COMPILE)
     out = gen.generate(input_ids, max_new_tokens=10, attention_mask=mask, pad_token_id=VOCAB + 1)
-    assert out.stats.prefill_passes == -(-33 // PREFILL_NODES)
-    assert (PREFILL_NODES, True, "host") in gen.engine(input_ids.device, features=True).buckets
+    assert out.stats.prefill_passes == passes
+    engine = gen.engine(input_ids.device, features=True)
+    assert (PREFILL_NODES, True, "host") in engine.buckets and sorted(engine.chunks) == sorted(chunks)
     width = input_ids.shape[1]
     for b, p in enumerate(prompts):
         assert out.sequences[b, width:].tolist() == refs[b]

@@ -24,10 +24,10 @@ class SpecConfig:
     ``engine="static"`` (default) runs every pass over static buffers (:mod:`.engine`), replaying CUDA
     graphs on CUDA unless ``cuda_graphs=False``; ``engine="dynamic"`` calls the compiled model on the
     model's own growing cache (no graphs). ``prefill="engine"`` runs the prompts of models without
-    attention layers through the static engine's 16-token chain passes (up to 256 prompt tokens; with
-    CUDA graphs a few replays instead of an eager forward's hundreds of launches); ``"eager"`` prefills
-    with the eager model (fla's chunk kernels), as hybrids, longer prompts and calls that continue a
-    cache always do; None (default): the engine where it replays CUDA graphs. ``pipelined``: in greedy
+    attention layers through the static engine: the model's own forward over chunks of 32-256 tokens, then
+    16-token chain passes (with CUDA graphs a few replays instead of an eager forward's hundreds of launches);
+    ``"eager"`` prefills with the eager model (fla's chunk kernels), as hybrids and calls that continue a cache
+    always do; None (default): the engine where it replays CUDA graphs. ``pipelined``: in greedy
     static runs, a drafter that can (:meth:`~.drafting.Drafter.propose_after`: ``EagleDrafter``) drafts the
     next iteration from the verify pass's device outputs, queued behind the pass, while the host reads
     the pass's result; None (default) or True: wherever the drafter can; False: never (the drafter waits

@@ -31,6 +31,7 @@ from ..tree import PAD, ancestor_mask_device
 from .acceptance import Acceptance, greedy_accept_device
 from .cache_layout import (
     cache_argument,
+    cache_slots,
     gdn_states,
     load_static,
     same_layout,
@@ -55,9 +56,26 @@ ONE_GRAPH = True
 PLAIN_STEPS = 16
 EOS_SLOTS = 8
 
-# Prompts run through the engine (StaticEngine.prefill) as chains of this many tokens: the bucket that
-# speculative routes use anyway, one size for every route so that they all prefill the same numbers.
+# Prompts run through the engine (StaticEngine.prefill): first, tokens that every row has, as chunks of these
+# lengths (longest first), each one replay of the model's own forward (fla's kernels: the chunked recurrence past
+# 64 tokens) captured per length; the rest as chains of PREFILL_NODES tokens through the verify pass (the bucket
+# that speculative routes use anyway), which carry rows of different lengths. A verify pass costs about its token
+# count past 16 (its recurrence walks the nodes; on the H200 at the trained study's shape 0.8 ms for 16 tokens,
+# 2.5 ms for 64), the model's own forward about one pass per chunk.
+PREFILL_CHUNKS = (256, 128, 64, 32)
 PREFILL_NODES = 16
+
+
+def prefill_chunks(shortest: int) -> list[int]:
+    """The chunk lengths of a prefill whose shortest row has ``shortest`` tokens, longest first: they cover at most
+    ``shortest - 1`` tokens, so that the verify passes get at least one token of every row (they return its
+    logits and carry rows of different lengths)."""
+    chunks, left = [], shortest - 1
+    for size in PREFILL_CHUNKS:
+        while left >= size:
+            chunks.append(size)
+            left -= size
+    return chunks
 
 
 def size_oblivious(on: bool):
@@ -102,6 +120,16 @@ class _Bucket:
         self.prepared = False
 
 
+@dataclass
+class _Chunk:
+    """A prefill chunk's static tokens ``[B, size]``, its captured forward (None: run uncaptured) and the last
+    hidden state that the forward leaves (None without features)."""
+
+    tokens: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
+    hidden: torch.Tensor | None = None
+
+
 class StaticEngine:
     """Static buffers and captured passes of one compiled model.
 
@@ -121,6 +149,9 @@ class StaticEngine:
         self.verified_draft: torch.Tensor | None = None  # [2, B, N] host tokens and parents of the last accepting pass
         self.launched: _Bucket | None = None  # the bucket of a launch() not collected yet
         self.buckets: dict[tuple[int, bool, str], _Bucket] = {}
+        self.chunks: dict[int, _Chunk] = {}  # prefill chunks by length, over the current static cache
+        self.chunk_error = ""  # why a chunk's capture failed: prefills then run passes only
+        self.prefill_passes = 0  # chunks and passes of the last prefill
         self.compile_seconds: dict[str, float] = {}
 
     # --- the cache ---------------------------------------------------------------------------------
@@ -141,9 +172,10 @@ class StaticEngine:
         )
         if fresh:
             self.cache = static_twin(cache, self.config, capacity)
-            self.static_states = gdn_states(self.cache)
+            self.state_slots = [slot for slot in cache_slots(self.cache) if slot.kind == "state"]
+            self.static_states = [slot.get() for slot in self.state_slots]  # (gdn_states' order)
             self.capacity = capacity
-            self.buckets = {}
+            self.buckets, self.chunks = {}, {}
             self.committed = torch.zeros_like(committed)
             self.active = torch.ones(committed.shape[0], dtype=torch.bool, device=committed.device)
             self.eos = torch.full((EOS_SLOTS,), -1, dtype=torch.long, device=committed.device)
@@ -262,19 +294,28 @@ class StaticEngine:
 
     def prefill(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Run the prompts ``rows`` (1-D token tensors, one per batch row) from the cache :meth:`start` took
-        (an empty one: zero states), as chain passes of ``PREFILL_NODES`` tokens that commit every token:
-        a few replays of one captured graph instead of an eager forward's hundreds of launches. Returns
-        the logits after each row's last token ``[B, V]`` and, when the passes return features, each
+        (an empty one: zero states): the tokens every row has as chunks (``prefill_chunks``: each one replay of
+        the model's own forward), the rest as chain passes of ``PREFILL_NODES`` tokens that commit every token
+        (``prefill_passes``: how many of both).
+        Returns the logits after each row's last token ``[B, V]`` and, when the passes return features, each
         row's last hidden states ``[T_b, D]``. Reads nothing back from the device but the prompts."""
         if self.kv_valid is not None:
             raise NotImplementedError("the engine prefills models without attention layers only; hybrids prefill eagerly")
         n, batch = PREFILL_NODES, len(rows)
         lengths = [row.numel() for row in rows]
         host = [row.cpu() for row in rows]
+        hidden: list[torch.Tensor] = []  # [B, tokens, D] per chunk or pass (copies: the next replay overwrites them)
+        done = 0
+        chunks = prefill_chunks(min(lengths)) if not self.chunk_error else []
+        self.prefill_passes = len(chunks) + -(-(max(lengths) - sum(chunks)) // n)
+        for size in chunks:
+            features = self._prefill_chunk(torch.stack([row[done : done + size] for row in host]))
+            if self.features:
+                hidden.append(features.clone())
+            done += size
         path = torch.arange(n, device=self.committed.device).expand(batch, n)
         logits: list[torch.Tensor | None] = [None] * batch
-        hidden: list[torch.Tensor] = []  # [B, n, D] per pass (copies: the next replay overwrites the outputs)
-        for start in range(0, max(lengths), n):
+        for start in range(done, max(lengths), n):
             tokens = torch.zeros(batch, n, dtype=torch.long)
             parents = torch.full((batch, n), PAD, dtype=torch.long)
             counts = [min(max(length - start, 0), n) for length in lengths]
@@ -293,6 +334,46 @@ class StaticEngine:
             return torch.stack(logits), None
         prompts = torch.cat(hidden, dim=1)  # a row's token t sits at column t: rows start together
         return torch.stack(logits), [prompts[b, :length] for b, length in enumerate(lengths)]
+
+    def _prefill_chunk(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Run ``tokens [B, size]`` (host), which every row commits, through the model's own forward on the static
+        cache: a replay of its graph for this length, captured at the length's first use (the states are saved
+        around the capture: its warm-up runs advance them). Returns the last hidden state ``[B, size, D]`` (or
+        None without features), overwritten by the next replay."""
+        chunk = self.chunks.get(tokens.shape[1])
+        if chunk is None:  # (chunks run before any pass of a call: no records are pending)
+            chunk = self.chunks[tokens.shape[1]] = _Chunk(torch.zeros_like(tokens, device=self.committed.device))
+            if self.graphs:
+                saved = [state.clone() for state in self.static_states]
+                try:
+                    chunk.graph, chunk.hidden = capture(lambda: self._chunk_forward(chunk.tokens))
+                except RuntimeError as err:  # (this chunk runs uncaptured, later prefills as passes only)
+                    self.chunk_error = str(err).splitlines()[0]
+                    log.warning("specla: prefills run as verify passes only: capturing a %d-token chunk of the model's "
+                                "forward failed (%s)", tokens.shape[1], self.chunk_error)
+                    for slot, static in zip(self.state_slots, self.static_states):
+                        slot.set(static)
+                torch._foreach_copy_(self.static_states, saved)
+        chunk.tokens.copy_(tokens, non_blocking=True)
+        if chunk.graph is not None:
+            chunk.graph.replay()
+        else:
+            chunk.hidden = self._chunk_forward(chunk.tokens)
+        self.committed += tokens.shape[1]
+        return chunk.hidden
+
+    def _chunk_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The model's own forward over ``tokens`` on the static cache, its new states copied into the static ones
+        (fla's layers put new tensors into the cache: the verify passes and the graphs read the static ones)."""
+        model = getattr(self.compiled, "_orig_mod", self.compiled)
+        out = model(input_ids=tokens, **{self.cache_arg: self.cache}, use_cache=True, output_hidden_states=self.features,
+                    logits_to_keep=1)
+        for slot, static in zip(self.state_slots, self.static_states):
+            if slot.get() is not static:
+                static.copy_(slot.get())
+                slot.set(static)
+        set_seen_tokens(self.cache, 0)
+        return out.hidden_states[-1] if self.features else None
 
     def commit(self, path: torch.Tensor, counts: torch.Tensor) -> None:
         """Keep each row's first ``counts[b]`` nodes of ``path [B, N]`` (after a pass without ``accept``)."""

@@ -39,7 +39,7 @@ from .cache_layout import (
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
-from .engine import EOS_SLOTS, PLAIN_STEPS, PREFILL_NODES, StaticEngine
+from .engine import EOS_SLOTS, PLAIN_STEPS, StaticEngine
 from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .graph_capture import capturable_experts
@@ -121,11 +121,6 @@ class SpeculativeOutput:
     stats: GenerationStats
     past_key_values: object
 
-
-# Longest prompt (tokens per row) that runs through the engine's prefill passes (SpecConfig.prefill): a
-# pass of 16 tokens costs about as much as one decoding step, so past this an eager forward of the whole
-# prompt (fla's chunk kernels) is the cheaper one.
-ENGINE_PREFILL_TOKENS = 256
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # cache returned by a call on a model with attention -> [B, W]: which of its attention columns hold tokens
@@ -611,8 +606,7 @@ class _StaticRun(_Run):
         self.engine_started = False
         cache = None
         wanted = self.config.prefill == "engine" or (self.config.prefill is None and self.engine.graphs)
-        if (wanted and past_key_values is None and self.owner.tp_mesh is None
-                and max(r.numel() for r in self.rows) <= ENGINE_PREFILL_TOKENS):
+        if wanted and past_key_values is None and self.owner.tp_mesh is None:
             cache = self._empty_cache()
         if cache is None:
             return super()._prefill(past_key_values)
@@ -621,7 +615,7 @@ class _StaticRun(_Run):
         logits, features = self.engine.prefill(self.rows)
         self.cache, self.attention = cache, False
         self.committed = torch.tensor([r.numel() for r in self.rows], device=self.device)
-        self.stats.prefill_passes = -(-max(r.numel() for r in self.rows) // PREFILL_NODES)
+        self.stats.prefill_passes = self.engine.prefill_passes
         return self._begin(logits, features)
 
     def _draft_device(self, draft: Draft) -> torch.device:
