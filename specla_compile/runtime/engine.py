@@ -18,6 +18,7 @@ bucket side-effect free once the pending records are flushed.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -139,6 +140,9 @@ class StaticEngine:
 
     def __init__(self, compiled: torch.nn.Module, config, *, graphs: bool, features: bool = False):
         self.compiled = compiled
+        self.eager = getattr(compiled, "_orig_mod", compiled)  # (the prefill chunks run the model's own forward)
+        # (its last position's logits only, where the model takes the option: transformers' and fla's LMs do)
+        self.last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.eager.forward).parameters else {}
         self.cache_arg = cache_argument(compiled)
         self.config = config  # the model's, to build a static cache of its layout
         self.graphs = graphs
@@ -365,9 +369,8 @@ class StaticEngine:
     def _chunk_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The model's own forward over ``tokens`` on the static cache, its new states copied into the static ones
         (fla's layers put new tensors into the cache: the verify passes and the graphs read the static ones)."""
-        model = getattr(self.compiled, "_orig_mod", self.compiled)
-        out = model(input_ids=tokens, **{self.cache_arg: self.cache}, use_cache=True, output_hidden_states=self.features,
-                    logits_to_keep=1)
+        out = self.eager(input_ids=tokens, **{self.cache_arg: self.cache}, use_cache=True,
+                         output_hidden_states=self.features, **self.last_logits_only)
         for slot, static in zip(self.state_slots, self.static_states):
             if slot.get() is not static:
                 static.copy_(slot.get())
