@@ -1,4 +1,5 @@
-"""A Triton GEMV for up to 32 rows against cuBLAS, at the GEMM shapes of one pass of the GDN-1.3B model.
+"""A Triton GEMV for up to 32 rows against cuBLAS, at the GEMM shapes of one pass of the GDN-1.3B model
+(``--preset gdn_1.3b``) or of one level of the EAGLE head at the trained study's size (``--preset eagle_head``).
 
 The GEMMs of a plain pass take about 1.0 of its 1.64 ms of kernel time (``e2e_gpu.md``), at 1.4-3.5 TB/s
 against a copy rate of 4.1 TB/s. This asks whether a GEMV written for these shapes (y = x W^T, x of
@@ -10,7 +11,12 @@ split-K configuration adds fp32 partial sums into a zeroed output (the zeroing i
 back to bf16, which a bf16 consumer would need unless fused into it, is not).
 
     python benchmarks/gemv_gpu.py --out benchmarks/results          # H200, about 2 minutes
+    python benchmarks/gemv_gpu.py --out benchmarks/results --preset eagle_head
     python benchmarks/gemv_gpu.py --plot benchmarks/results/gemv_gpu.json
+
+The head's GEMMs with 1024 output columns (its fuse, o_proj and down) ran cuBLAS kernels at 0.3-1 TB/s in a
+replay of a tree propose on the H200 (``eagle_profile.json``, ``kernels_in_order``): the question for them is
+whether more programs per weight (narrow N tiles, split K) stream a 2-8 MB weight faster.
 """
 
 from __future__ import annotations
@@ -29,9 +35,17 @@ import triton.language as tl
 from specla_compile.runtime.graph_capture import capture
 
 # (N, K) of each weight: the fused q/k/v/gate/a/b projection, o_proj, the fused MLP gate/up, down_proj, LM head
-SHAPES = {"qkvg": (8208, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632), "lm_head": (32000, 2048)}
-ROWS = (1, 16, 32)
-LAYERS = 24
+PRESETS = {  # (N, K) of each weight, the rows timed, and what one set of these GEMMs is
+    "gdn_1.3b": {"title": "the GDN-1.3B pass's GEMM shapes", "unit": "layer", "per": (24, "layers", "pass"), "rows": (1, 16, 32),
+                 "shapes": {"qkvg": (8208, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
+                            "lm_head": (32000, 2048)}},
+    # (the fuse's feature half: the token table gives the embedding half, EagleHead.pack_projections)
+    "eagle_head": {"title": "the EAGLE head's GEMM shapes (hidden 1024, vocabulary 32000)", "unit": "draft level",
+                   "per": (7, "head calls", "depth-6 tree propose"), "rows": (1, 4, 8, 16),
+                   "shapes": {"fuse": (1024, 1024), "qkv": (3072, 1024), "o_proj": (1024, 1024), "gate_up": (8192, 1024),
+                              "down": (1024, 4096), "lm_head": (32000, 1024)}},
+}
+LAYERS = 24  # distinct weights per shape (the LM head: one), more than the L2 holds: each call reads from HBM
 # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
 CONFIGS = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (1, 2, 4), (4,), (2, 4)))
 
@@ -125,12 +139,18 @@ def sweep_shape(n: int, k: int, rows: int, copies: int) -> dict:
     return row
 
 
+def report_name(preset: str) -> str:
+    return "gemv_gpu" if preset == "gdn_1.3b" else f"gemv_gpu_{preset}"
+
+
 def write_report(results: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "gemv_gpu.json"), "w") as f:
+    preset = PRESETS[results.get("preset", "gdn_1.3b")]
+    stem = report_name(results.get("preset", "gdn_1.3b"))
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump(results, f, indent=1)
     lines = [
-        "# A Triton GEMV against cuBLAS at the GDN-1.3B pass's GEMM shapes", "",
+        f"# A Triton GEMV against cuBLAS at {preset['title']}", "",
         (f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}; bf16 weights, "
          f"{LAYERS} distinct weights per shape (the LM head: one) in one CUDA graph, median replay"),
         f"command: `{results['command']}`", "",
@@ -140,17 +160,18 @@ def write_report(results: dict, out_dir: str) -> None:
     for key, row in results["results"].items():
         name, rows = key.rsplit("_M", 1)
         cublas, best = row["cublas"], row["triton_best"]
-        lines.append(f"| {name} {list(SHAPES[name])} | {rows} | {cublas['us']:.2f} | {cublas['TBps']:.2f} | {best['us']:.2f} | "
+        lines.append(f"| {name} {list(preset['shapes'][name])} | {rows} | {cublas['us']:.2f} | {cublas['TBps']:.2f} | {best['us']:.2f} | "
                      f"{best['TBps']:.2f} | {best['us'] / cublas['us']:.3f} | {best['config']} |")
     lines.append("")
-    for rows in ROWS:
-        layer = [results["results"].get(f"{name}_M{rows}") for name in SHAPES if name != "lm_head"]
-        if None in layer:
+    for rows in preset["rows"]:
+        unit = [results["results"].get(f"{name}_M{rows}") for name in preset["shapes"] if name != "lm_head"]
+        if None in unit:
             continue
-        cublas, best = sum(r["cublas"]["us"] for r in layer), sum(r["triton_best"]["us"] for r in layer)
-        lines.append(f"- one layer's four GEMMs at {rows} rows: cuBLAS {cublas:.1f} us, the best Triton configuration of each "
-                     f"{best:.1f} us ({LAYERS} layers: {LAYERS * (cublas - best) / 1000:.3f} ms per pass less)")
-    with open(os.path.join(out_dir, "gemv_gpu.md"), "w") as f:
+        cublas, best = sum(r["cublas"]["us"] for r in unit), sum(r["triton_best"]["us"] for r in unit)
+        times, units, whole = preset["per"]
+        lines.append(f"- one {preset['unit']}'s GEMMs but the LM head at {rows} rows: cuBLAS {cublas:.1f} us, the best Triton "
+                     f"configuration of each {best:.1f} us ({times} {units}: {times * (cublas - best) / 1000:.3f} ms per {whole} less)")
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -158,6 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gdn_1.3b", help="which model's GEMM shapes")
     args = parser.parse_args()
     if args.plot:
         with open(args.plot) as f:
@@ -168,8 +190,10 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "command": " ".join(["python", *sys.argv]), "results": {}}
     started = time.perf_counter()
-    for name, (n, k) in SHAPES.items():
-        for rows in ROWS:
+    results["preset"] = args.preset
+    preset = PRESETS[args.preset]
+    for name, (n, k) in preset["shapes"].items():
+        for rows in preset["rows"]:
             row = results["results"][f"{name}_M{rows}"] = sweep_shape(n, k, rows, 1 if name == "lm_head" else LAYERS)
             print(name, rows, json.dumps({side: row[side] for side in ("cublas", "triton_best")}),
                   f"{time.perf_counter() - started:.0f} s", flush=True)
