@@ -44,11 +44,22 @@ def ancestor_mask(parents: torch.Tensor, *, inclusive: bool = False) -> torch.Te
     return incl if inclusive else incl & ~eye
 
 
-def ancestor_mask_device(parents: torch.Tensor) -> torch.Tensor:
-    """Inclusive ancestor mask ``[B, N, N]`` by repeated squaring of (I + parent edges): log2(N) batched
-    products and no host synchronisation, so it can run inside a captured CUDA graph."""
+def ancestor_mask_device(parents: torch.Tensor, height: int | None = None) -> torch.Tensor:
+    """Inclusive ancestor mask ``[B, N, N]`` with no host synchronisation, so it can run inside a captured CUDA
+    graph: by repeated squaring of (I + parent edges), log2(N) batched products; or, given ``height`` (the most
+    nodes on any root path, known to the caller), by ``height`` steps up the parents from every node: gathers and
+    compares, elementwise work that inductor fuses into a few kernels."""
     batch, n = parents.shape
     node = torch.arange(n, device=parents.device)
+    if height is not None:
+        walk = node.expand(batch, n)  # each node, then its ancestor one level further up per step (negative past the root)
+        # built as [b, m, j] (m is j or above it) and returned as its transposed view: a reduction over descendants
+        # (the tree builder's) reads it in this order, and inductor then fuses the walk into that reduction
+        below = torch.zeros(batch, n, n, dtype=torch.bool, device=parents.device)
+        for _ in range(height):
+            below = below | (walk[:, None, :] == node[None, :, None])
+            walk = torch.where(walk >= 0, parents.gather(1, walk.clamp(min=0)), -1)
+        return below.transpose(1, 2)
     reach = (parents[:, :, None] == node[None, None, :]) | (node[:, None] == node[None, :])
     reach = reach.float()
     for _ in range(max(n - 1, 1).bit_length()):

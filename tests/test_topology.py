@@ -156,4 +156,10 @@ def test_chain_decomposition_examples():
 @settings(max_examples=100, deadline=None)
 @given(parent_batches(max_rows=3, max_nodes=20))
 def test_device_ancestor_mask_equals_the_node_by_node_one(parents):
-    assert torch.equal(ancestor_mask_device(parents), ancestor_mask(parents, inclusive=True))
+    """Both device routes, the products and the walk up the parents (given the trees' height), give the mask."""
+    expected = ancestor_mask(parents, inclusive=True)
+    height = int(depth(parents).max()) + 1
+    assert torch.equal(ancestor_mask_device(parents), expected)
+    assert torch.equal(ancestor_mask_device(parents, height=height), expected)
+    if height > 1:  # (one step short misses the deepest nodes' root)
+        assert not torch.equal(ancestor_mask_device(parents, height=height - 1), expected)

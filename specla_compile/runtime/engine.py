@@ -62,7 +62,7 @@ EOS_SLOTS = 8
 # 64 tokens) captured per length; the rest as chains of PREFILL_NODES tokens through the verify pass (the bucket
 # that speculative routes use anyway), which carry rows of different lengths. A verify pass costs about its token
 # count past 16 (on the H200 at the trained study's shape 0.8 ms for 16 tokens, 2.5 ms for 64); with the chunks
-# that study's prompts (175 tokens on average) took 3.2-4.0 ms each, against 11-13 ms in passes alone.
+# that study's prompts (175 tokens on average) took 3.2-4.0 ms each, against 6.2-13.0 ms in passes alone.
 PREFILL_CHUNKS = (256, 128, 64, 32)
 PREFILL_NODES = 16
 

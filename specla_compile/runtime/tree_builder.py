@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import ops
+from ..tree import ancestor_mask_device
 from .config import SpecConfig
 from .drafting import Draft
 from .topology import PAD, ROOT
@@ -145,15 +146,10 @@ def _select(parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, co
     levels = torch.arange(1, config.depth + 1, device=scores.device)
     best = torch.where(depth[:, None] == levels, scores[..., None], float("-inf")).amax(1)  # [R, depth]
     keep = scores >= best.gather(1, (depth - 1).expand(rows, m)) - config.tau
-    # Ancestor closure: a candidate is kept when it or one of its descendants is. ``walk`` climbs from every
-    # candidate j one level per step; ``ancestor[r, i, j]``: candidate i is j or one of its ancestors.
-    index = torch.arange(m, device=scores.device)
-    walk = index.expand(rows, m)
-    ancestor = torch.zeros(rows, m, m, dtype=torch.bool, device=scores.device)
-    for _ in range(config.depth):
-        ancestor = ancestor | (walk[:, None, :] == index[None, :, None])
-        walk = torch.where(walk >= 0, parents.gather(1, walk.clamp(min=0)), -1)
-    keep = (ancestor & keep[:, None, :]).any(-1)
+    # Ancestor closure: a candidate is kept when it or one of its descendants is (candidates' parents index
+    # candidates, ROOT at level 1, so a root path holds at most ``depth`` of them).
+    above = ancestor_mask_device(parents, height=config.depth).transpose(1, 2)  # [R, i, j]: i is j or above it
+    keep = (above & keep[:, None, :]).any(-1)
     # The ``budget`` best kept nodes (all of them in a row that keeps fewer): kept nodes by score, best
     # first, then the dropped ones (NaN sorts last). Stable (candidates are in depth order), so ancestors
     # rank before descendants.
