@@ -109,7 +109,7 @@ def sweep_shape(n: int, k: int, rows: int, copies: int) -> dict:
     row = {}
     ms = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights])
     row["cublas"] = {"us": 1000 * ms / copies, "TBps": total_bytes / ms / 1e9}
-    best = None
+    best = unsplit = None
     row["wrong_configs"] = []  # (beyond bf16 rounding against F.linear: none expected)
     for block_n, block_k, split, warps, stages in CONFIGS:
         if block_k * split > 2 * k or triton.cdiv(n, block_n) * split < 64:  # (too few programs to stream from HBM)
@@ -135,7 +135,11 @@ def sweep_shape(n: int, k: int, rows: int, copies: int) -> dict:
         ms = graph_ms(run, 10)
         if best is None or ms < best[0]:
             best = (ms, [block_n, block_k, split, warps, stages])
+        if split == 1 and (unsplit is None or ms < unsplit[0]):
+            unsplit = (ms, [block_n, block_k, split, warps, stages])
     row["triton_best"] = {"us": 1000 * best[0] / copies, "TBps": total_bytes / best[0] / 1e9, "config": best[1]}
+    if unsplit is not None:  # (no zeroing, no atomics: deterministic, and what a fused epilogue can follow)
+        row["triton_best_unsplit"] = {"us": 1000 * unsplit[0] / copies, "config": unsplit[1]}
     return row
 
 
@@ -154,14 +158,15 @@ def write_report(results: dict, out_dir: str) -> None:
         (f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}; bf16 weights, "
          f"{LAYERS} distinct weights per shape (the LM head: one) in one CUDA graph, median replay"),
         f"command: `{results['command']}`", "",
-        "| weight [N, K] | rows | cuBLAS us | cuBLAS TB/s | Triton best us | Triton TB/s | Triton / cuBLAS | best config (BLOCK_N, BLOCK_K, SPLIT, warps, stages) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| weight [N, K] | rows | cuBLAS us | cuBLAS TB/s | Triton best us | Triton TB/s | Triton / cuBLAS | best config (BLOCK_N, BLOCK_K, SPLIT, warps, stages) | best without split-K, us |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, row in results["results"].items():
         name, rows = key.rsplit("_M", 1)
         cublas, best = row["cublas"], row["triton_best"]
+        unsplit = f"{row['triton_best_unsplit']['us']:.2f}" if "triton_best_unsplit" in row else "-"
         lines.append(f"| {name} {list(preset['shapes'][name])} | {rows} | {cublas['us']:.2f} | {cublas['TBps']:.2f} | {best['us']:.2f} | "
-                     f"{best['TBps']:.2f} | {best['us'] / cublas['us']:.3f} | {best['config']} |")
+                     f"{best['TBps']:.2f} | {best['us'] / cublas['us']:.3f} | {best['config']} | {unsplit} |")
     lines.append("")
     for rows in preset["rows"]:
         unit = [results["results"].get(f"{name}_M{rows}") for name in preset["shapes"] if name != "lm_head"]
@@ -195,7 +200,7 @@ def main() -> None:
     for name, (n, k) in preset["shapes"].items():
         for rows in preset["rows"]:
             row = results["results"][f"{name}_M{rows}"] = sweep_shape(n, k, rows, 1 if name == "lm_head" else LAYERS)
-            print(name, rows, json.dumps({side: row[side] for side in ("cublas", "triton_best")}),
+            print(name, rows, json.dumps({side: row.get(side) for side in ("cublas", "triton_best", "triton_best_unsplit")}),
                   f"{time.perf_counter() - started:.0f} s", flush=True)
             write_report(results, args.out)
 

@@ -188,3 +188,24 @@ def test_draft_attention():
     assert torch.equal(out[:, :, -1], torch.zeros(2, 3, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="a bool mask"):  # (an integer mask would invert bitwise, silently)
         ops.draft_attention(q, keys, values, mask.int(), 0.25)
+
+
+def test_head_linear_ops():
+    """The draft head's fused GEMMs, as ops: what the modules they replace compute (fp64), with a residual of
+    the output's shape or rows of a table picked by index, over [R, S, ...] inputs."""
+    gen = torch.Generator().manual_seed(5)
+    x, table = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64), torch.randn(11, 6, generator=gen, dtype=torch.float64)
+    ids, residual = torch.randint(0, 11, (2, 3), generator=gen), torch.randn(2, 3, 6, generator=gen, dtype=torch.float64)
+    fc, norm = torch.nn.Linear(8, 6).double(), torch.nn.RMSNorm(8, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+        gate_up = torch.randn(12, 8, generator=gen, dtype=torch.float64)
+        for args in ((x, fc.weight, fc.bias, residual, None), (x, fc.weight, None, table, ids)):
+            torch.library.opcheck(ops.linear_add, args)
+        torch.testing.assert_close(ops.linear_add(x, fc.weight, fc.bias, table, ids), fc(x) + table[ids])
+        torch.testing.assert_close(ops.linear_add(x, fc.weight, None, residual, None), x @ fc.weight.T + residual)
+        torch.library.opcheck(ops.norm_linear, (x, norm.weight, 1e-5, fc.weight))
+        torch.testing.assert_close(ops.norm_linear(x, norm.weight, 1e-5, fc.weight), norm(x) @ fc.weight.T)
+        torch.library.opcheck(ops.norm_gated_linear, (x, norm.weight, 1e-5, gate_up))
+        hidden = ops.norm_gated_linear(x, norm.weight, 1e-5, gate_up)
+        torch.testing.assert_close(hidden, torch.nn.functional.silu(norm(x) @ gate_up[:6].T) * (norm(x) @ gate_up[6:].T))

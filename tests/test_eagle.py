@@ -124,7 +124,8 @@ def test_unrolled_loss_trains_every_step():
 
 
 def test_packed_projections_give_the_same_outputs_and_are_never_saved():
-    """The drafter packs q/k/v and gate/up into one weight each (one GEMM per group at a draft level)."""
+    """The drafter packs q/k/v and gate/up into one weight each (one GEMM per group at a draft level, which
+    the fused ops run with the norms, residual and gate around it): the same outputs in fp64."""
     _, head = make()
     feats, embeds = torch.randn(2, 7, 32, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64)
     args = (feats, embeds, torch.arange(7).expand(2, 7), causal_mask(7))

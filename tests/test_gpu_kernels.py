@@ -22,6 +22,7 @@ from kernel_cases import (
 
 from specla_compile.kernels import ops
 from specla_compile.kernels import reference as ref
+from specla_compile.kernels import triton_linear
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig, use_route
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -276,3 +277,29 @@ def test_draft_attention_at_the_heads_shape(rows, queries, columns, dtype):
     if queries > 1:
         assert torch.equal(out[:, :, -1].float(), torch.zeros_like(out[:, :, -1].float()))
     assert rel_err(out, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 17])
+def test_head_linear_ops_at_the_trained_heads_shapes(rows, monkeypatch):
+    """The draft head's fused GEMMs on the GPU at the trained study's shapes (hidden 1024, MLP 4096, 32k-token
+    table), bf16, over [R, 1, D] rows as a draft level runs them, against fp64 PyTorch; 17 rows take the
+    reference (cuBLAS) route."""
+    gen = torch.Generator().manual_seed(rows)
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
+    x, norm, bias = make(rows, 1, 1024), 1 + make(1024, scale=0.2), make(1024)
+    weight, gate_up, table = make(1024, 1024, scale=1 / 32), make(8192, 1024, scale=1 / 32), make(32000, 1024)
+    ids = torch.randint(0, 32000, (rows, 1), generator=gen).cuda()
+    d = lambda t: t.double()
+    launches = []
+    for name in ("linear", "gated_linear"):
+        kernel = getattr(triton_linear, name)
+        monkeypatch.setattr(triton_linear, name, lambda *a, kernel=kernel, **kw: launches.append(kernel) or kernel(*a, **kw))
+    with poisoned_allocations():
+        fused = ops.linear_add(x, weight, bias, table, ids)
+        projected = ops.norm_linear(x, norm, 1e-6, weight)
+        hidden = ops.norm_gated_linear(x, norm, 1e-6, gate_up)
+    assert rel_err(fused, ref.linear_add_reference(d(x), d(weight), d(bias), d(table), ids)) <= 1e-2
+    assert rel_err(projected, ref.norm_linear_reference(d(x), d(norm), 1e-6, d(weight))) <= 1e-2
+    assert rel_err(hidden, ref.norm_gated_linear_reference(d(x), d(norm), 1e-6, d(gate_up))) <= 1e-2
+    assert fused.shape == projected.shape == (rows, 1, 1024) and hidden.shape == (rows, 1, 4096)
+    assert len(launches) == (3 if rows <= triton_linear.MAX_ROWS else 0)

@@ -33,6 +33,7 @@ if INTERPRETED:
     from specla_compile.kernels import triton_attention as ta
     from specla_compile.kernels import triton_conv as tc
     from specla_compile.kernels import triton_gather as tg
+    from specla_compile.kernels import triton_linear as tl_
     from specla_compile.kernels import triton_topk as tk
     from specla_compile.kernels import triton_verify as tv
 
@@ -328,3 +329,66 @@ def test_draft_attention(rows, heads, queries, columns, dim, block_t, shared_mas
     with pytest.raises(ValueError, match="at most 16 queries"):
         ta.draft_attention(torch.randn(1, 1, 17, dim), keys[:1, :1].float(), values[:1, :1].float(),
                            torch.ones(1, 17, columns, dtype=torch.bool), 0.3)
+
+
+def _head_linear_inputs(rows: int, n: int, k: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(rows, k, generator=gen).to(dtype), "w": (torch.randn(n, k, generator=gen) / k**0.5).to(dtype),
+            "norm": (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype), "bias": torch.randn(n, generator=gen).to(dtype),
+            "residual": torch.randn(rows, n, generator=gen).to(dtype), "table": torch.randn(7, n, generator=gen).to(dtype),
+            "ids": torch.randint(0, 7, (rows,), generator=gen)}
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter's bf16 tl.dot is wrong)
+@pytest.mark.parametrize("norm, bias, residual", [(False, False, None), (True, False, None), (False, True, "rows"),
+                                                  (False, False, "table"), (True, True, "table")])
+def test_head_linear(rows, dtype, norm, bias, residual):
+    """A few rows through a weight with the head's norm before and its bias and residual (own rows, or rows of a
+    table picked by index) after, in one launch, against fp64 PyTorch: random inputs, a depth of 300 (two
+    256-deep steps, the last partial), 40 output columns (three 16-column programs, the last partial),
+    NaN-poisoned outputs."""
+    t = _head_linear_inputs(rows, 40, 300, dtype, rows + 3 * norm + 5 * bias)
+    d = {name: v.double() if v.is_floating_point() else v for name, v in t.items()}
+    kwargs = {"bias": t["bias"] if bias else None, "norm_weight": t["norm"] if norm else None, "eps": 1e-5,
+              "residual": {"rows": t["residual"], "table": t["table"], None: None}[residual],
+              "residual_rows": t["ids"] if residual == "table" else None}
+    with poisoned_allocations():
+        y = tl_.linear(t["x"], t["w"], **kwargs)
+    h = torch.nn.functional.rms_norm(d["x"], (300,), d["norm"], 1e-5) if norm else d["x"]
+    expected = torch.nn.functional.linear(h, d["w"], d["bias"] if bias else None)
+    expected = expected + {"rows": d["residual"], "table": d["table"][t["ids"]], None: 0}[residual]
+    assert y.dtype == dtype and y.shape == (rows, 40)
+    assert rel_err(y, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@interpreted
+@pytest.mark.parametrize("rows, n", [(3, 24), (16, 1030)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_head_gated_linear(rows, n, norm):
+    """``silu(gate) * up`` of a packed gate/up weight in one launch, against fp64 PyTorch: both tile shapes (16 and
+    32 columns per program; 1,030 of them leave the last block partial), with and without the norm before."""
+    t = _head_linear_inputs(rows, 2 * n, 300, torch.float32, rows + n + norm)
+    d = {name: v.double() for name, v in t.items() if v.is_floating_point()}
+    with poisoned_allocations():
+        y = tl_.gated_linear(t["x"], t["w"], t["norm"] if norm else None, 1e-5)
+    if norm:
+        expected = ref.norm_gated_linear_reference(d["x"], d["norm"], 1e-5, d["w"])
+    else:
+        gate, up = torch.nn.functional.linear(d["x"], d["w"]).chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+    assert y.shape == (rows, n) and rel_err(y, expected) <= 1e-5
+
+
+@interpreted
+def test_head_linear_refuses_what_it_cannot_take():
+    x, w = torch.randn(17, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="M <= 16"):
+        tl_.linear(x, w)
+    with pytest.raises(ValueError, match="contiguous"):
+        tl_.linear(x[:4, ::2].contiguous().t(), torch.randn(4, 4))
+    with pytest.raises(ValueError, match="residual must be"):
+        tl_.linear(x[:4], w, residual=torch.randn(3, 4))
+    with pytest.raises(ValueError, match="an even count"):
+        tl_.gated_linear(x[:4], torch.randn(5, 8))

@@ -12,7 +12,17 @@ from collections.abc import Callable
 
 import torch
 
-from . import dispatch, ops, reference, triton_attention, triton_conv, triton_gather, triton_topk, triton_verify
+from . import (
+    dispatch,
+    ops,
+    reference,
+    triton_attention,
+    triton_conv,
+    triton_gather,
+    triton_linear,
+    triton_topk,
+    triton_verify,
+)
 
 
 def _reference_of(op: torch.library.CustomOpDef) -> Callable:
@@ -101,3 +111,38 @@ def _draft_attention(q, keys, values, mask, scale):
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale)
         return out.masked_fill(~mask.any(-1)[:, None, :, None], 0).transpose(1, 2).contiguous()
     return triton_attention.draft_attention(q, keys, values, mask, scale)
+
+
+def _few_half_rows(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """A few rows in half precision: where the head's linear kernels beat cuBLAS (``gemv_gpu_eagle_head.md``);
+    fp32 would run them on TF32 tensor cores, so it keeps the reference."""
+    return (x.numel() <= triton_linear.MAX_ROWS * x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
+            and all(t.dtype == x.dtype for t in tensors if t is not None))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+@ops.linear_add.register_kernel("cuda")
+def _linear_add(x, weight, bias, residual, residual_rows):
+    if not _few_half_rows(x, weight, bias, residual):
+        return _reference_of(ops.linear_add)(x, weight, bias, residual, residual_rows)
+    table = residual_rows is not None
+    y = triton_linear.linear(_rows(x), weight.contiguous(), bias, residual.contiguous() if table else _rows(residual),
+                             residual_rows.reshape(-1) if table else None)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@ops.norm_linear.register_kernel("cuda")
+def _norm_linear(x, norm_weight, eps, weight):
+    if not _few_half_rows(x, norm_weight, weight):
+        return _reference_of(ops.norm_linear)(x, norm_weight, eps, weight)
+    return triton_linear.linear(_rows(x), weight.contiguous(), norm_weight=norm_weight, eps=eps).view(*x.shape[:-1], weight.shape[0])
+
+
+@ops.norm_gated_linear.register_kernel("cuda")
+def _norm_gated_linear(x, norm_weight, eps, weight):
+    if not _few_half_rows(x, norm_weight, weight):
+        return _reference_of(ops.norm_gated_linear)(x, norm_weight, eps, weight)
+    return triton_linear.gated_linear(_rows(x), weight.contiguous(), norm_weight, eps).view(*x.shape[:-1], weight.shape[0] // 2)

@@ -12,6 +12,7 @@ import torch
 
 from . import reference as ref
 
+
 def _own_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fresh contiguous tensor: custom-op outputs must never alias their inputs."""
     return t.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
@@ -276,3 +277,43 @@ def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
 @draft_attention.register_fake
 def _(q, keys, values, mask, scale):
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+
+# A draft head's GEMMs with what surrounds them (the norm before, the residual after, the gate): on CUDA one
+# Triton launch each for a few rows (``triton_linear``), where the framework runs two or three kernels.
+
+
+@torch.library.custom_op("specla::linear_add", mutates_args=())
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+               residual_rows: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T + bias + residual`` -> ``[..., N]``; ``residual`` is ``[..., N]``, or a
+    table ``[V, N]`` whose rows ``residual_rows [...]`` picks (``reference.linear_add_reference``)."""
+    return ref.linear_add_reference(x, weight, bias, residual, residual_rows)
+
+
+@linear_add.register_fake
+def _(x, weight, bias, residual, residual_rows):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("specla::norm_linear", mutates_args=())
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """``rms_norm(x) @ weight^T`` -> ``[..., N]`` (``reference.norm_linear_reference``)."""
+    return ref.norm_linear_reference(x, norm_weight, eps, weight)
+
+
+@norm_linear.register_fake
+def _(x, norm_weight, eps, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("specla::norm_gated_linear", mutates_args=())
+def norm_gated_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``rms_norm(x) @ weight^T``, ``weight = [gate; up]`` of ``2N`` rows -> ``[..., N]``
+    (``reference.norm_gated_linear_reference``)."""
+    return ref.norm_gated_linear_reference(x, norm_weight, eps, weight)
+
+
+@norm_gated_linear.register_fake
+def _(x, norm_weight, eps, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)

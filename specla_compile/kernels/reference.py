@@ -328,3 +328,21 @@ def draft_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch
     scores = torch.einsum("rhsd,rhtd->rhst", q.to(work), keys.to(work)) * scale
     weights = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
     return torch.einsum("rhst,rhtd->rhsd", weights, values.to(work)).to(q.dtype)
+
+
+def linear_add_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                         residual_rows: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight^T + bias + residual`` over the last dimension; with ``residual_rows`` (indices shaped as
+    ``x``'s leading dimensions), ``residual`` is a table whose rows they pick."""
+    return torch.nn.functional.linear(x, weight, bias) + (residual if residual_rows is None else residual[residual_rows])
+
+
+def norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """``rms_norm(x) @ weight^T`` (the norm scaled by ``norm_weight``, as ``nn.RMSNorm``)."""
+    return torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight)
+
+
+def norm_gated_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, where ``[gate, up]`` are the two halves of ``norm_linear_reference``'s output."""
+    gate, up = norm_linear_reference(x, norm_weight, eps, weight).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ...kernels import ops
 from ..drafting import output_vocab_size
 
 CONFIG_NAME = "config.json"
@@ -52,7 +53,7 @@ class EagleConfig:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def for_target(cls, target: nn.Module, **overrides: int | float) -> EagleConfig:
+    def for_target(cls, target: nn.Module, **overrides: float) -> EagleConfig:
         """A head sized after ``target``: its hidden size and vocabulary, its attention head count
         when that gives even head sizes (else 64-wide heads), its MLP width when it has one."""
         hidden = target.get_input_embeddings().weight.shape[1]
@@ -128,8 +129,10 @@ class EagleHead(nn.Module):
         token's embedding through the fuse's embedding half once (``token_fuse [V, D]``, in fp32, rounded to
         the head's dtype): :meth:`project` then takes token ids and its fuse reads a ``D x D`` weight plus one
         table row per pair instead of a ``2D x D`` weight (on the H200 a 2048-deep GEMM of a few rows costs
-        about twice a 1024-deep one). The parameters stay what training and checkpoints use; call it again
-        after changing them."""
+        about twice a 1024-deep one). Packed, the head runs its GEMMs through ``specla::`` ops that take the
+        norms, residuals, table rows and gate into the GEMM's launch (one Triton kernel each on CUDA for a few
+        half-precision rows; inference only: they have no backward). The parameters stay what training and
+        checkpoints use; call it again after changing them."""
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         self.token_fuse = self.feature_fuse_weight = None
@@ -160,15 +163,15 @@ class EagleHead(nn.Module):
             x = self.fuse(torch.cat([embeds, features], dim=-1))
         elif self.token_fuse is None:
             raise ValueError("EagleHead.project takes token ids only after pack_projections(embed); pass embeddings")
-        else:
-            x = F.linear(features, self.feature_fuse_weight, self.fuse.bias) + self.token_fuse[embeds]
-        h = self.attn_norm(x)
-        split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)  # noqa: E731
+        else:  # (the table's rows added in the GEMM's epilogue)
+            x = ops.linear_add(features, self.feature_fuse_weight, self.fuse.bias, self.token_fuse, embeds)
+        split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)
         cos, sin = _rope(positions, dim // 2, self.config.rope_theta, x.dtype)
         if self.qkv_weight is None:
+            h = self.attn_norm(x)
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        else:
-            q, k, v = F.linear(h, self.qkv_weight).chunk(3, dim=-1)
+        else:  # (the norm inside the GEMM's launch)
+            q, k, v = ops.norm_linear(x, self.attn_norm.weight, self.config.rms_norm_eps, self.qkv_weight).chunk(3, dim=-1)
         # queries and keys rotated together: one set of elementwise ops, not two
         q, k = _rotate(torch.stack([split(q), split(k)]), cos, sin).unbind(0)
         return x, q, k, split(v)
@@ -186,15 +189,17 @@ class EagleHead(nn.Module):
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None]).transpose(1, 2)
         else:
             attn = attention(q, keys, values, mask)
-        x = x + self.o_proj(attn.reshape(rows, s, -1))
-        h = self.mlp_norm(x)
         if self.gate_up_weight is None:
-            gate, up = self.gate_proj(h), self.up_proj(h)
-        else:
-            gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+            x = x + self.o_proj(attn.reshape(rows, s, -1))
+            h = self.mlp_norm(x)
+            hidden = F.silu(self.gate_proj(h)) * self.up_proj(h)
+        else:  # packed for inference: the residual, the norm and the gate inside the GEMMs' launches
+            x = ops.linear_add(attn.reshape(rows, s, -1), self.o_proj.weight, None, x, None)
+            hidden = ops.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps, self.gate_up_weight)
         # (the residual as its own add, which inductor fuses with what follows: adding it inside the GEMM (addmm)
-        # took cuBLAS's bias-epilogue kernel, 3.4 us more per chain level on the H200 and no faster for the tree)
-        return x + self.down_proj(F.silu(gate) * up)
+        # took cuBLAS's bias-epilogue kernel, 3.4 us more per chain level on the H200 and no faster for the tree;
+        # this 4096-deep GEMM stays cuBLAS's, which streams it faster than one program per column block)
+        return x + self.down_proj(hidden)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head's own weights only) to ``path``."""

@@ -1,0 +1,140 @@
+"""Triton kernels: a few rows through one of a draft head's weights, with what surrounds the GEMM fused in.
+
+An EAGLE draft level runs its head on 1-16 rows. On the H200 each of its GEMMs is one launch that takes
+4-8 us, and cuBLAS picks a 64-column tile for the weights with 1,024 output columns: 16 programs stream the
+weight at 0.27 TB/s, 7.7-8 us for 2 MB (``gemv_gpu_eagle_head.md``). Here one program per 16 (or 32) output
+columns reads its slice of the weight once over the whole depth, 64-128 programs in all (3.8-4.1 us for the
+same weight), and the elementwise work around the GEMM happens in the same launch:
+
+- before it, the head's RMS norm: the rows' sum of squares accumulates over the same loop that reads them,
+  the norm's weight scales the rows on the way in, and ``rsqrt`` scales the result (one kernel fewer);
+- after it, a bias and a residual, the residual's rows optionally gathered from a table by index (the fuse's
+  token table: one kernel fewer);
+- or, for a packed gate/up weight ``[2I, K]``, ``silu(gate) * up`` of the two halves (one kernel fewer).
+
+Products accumulate in fp32 and round once at the store. Same results as ``reference.linear_add_reference``,
+``norm_linear_reference`` and ``norm_gated_linear_reference`` up to that rounding (the references round the
+norm's output and the GEMM's before the epilogue).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # rows the kernels take: tensor cores need 16, missing rows load as zeros
+
+
+@triton.jit
+def _rows_times_weight(x_ptr, w_ptr, norm_ptr, M, K, offs_n, in_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """``(x * norm) @ W[offs_n]^T`` in fp32 ``[BLOCK_M, BLOCK_N]``, and each row's sum of squares of ``x``
+    (zeros without a norm). ``x [M, K]``, ``W [*, K]`` row-major."""
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    squares = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_k = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & in_k[None, :], other=0.0)
+        if norm_ptr is not None:
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, 1)
+            x = (xf * tl.load(norm_ptr + offs_k, mask=in_k, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    return acc, squares
+
+
+@triton.jit
+def _inverse_rms(squares, K, eps):
+    return tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid: (output column blocks,). ``y = norm?(x) @ W^T + bias? + residual?[rows?]``."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    in_n, in_m = offs_n < N, offs_m < M
+    acc, squares = _rows_times_weight(x_ptr, w_ptr, norm_ptr, M, K, offs_n, in_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    if norm_ptr is not None:
+        acc *= _inverse_rms(squares, K, eps)[:, None]
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+    inside = in_m[:, None] & in_n[None, :]
+    if residual_ptr is not None:
+        rows = offs_m.to(tl.int64)
+        if residual_rows_ptr is not None:
+            rows = tl.load(residual_rows_ptr + offs_m, mask=in_m, other=0).to(tl.int64)
+        acc += tl.load(residual_ptr + rows[:, None] * N + offs_n[None, :], mask=inside, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _gated_kernel(x_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Grid: (output column blocks,). ``W = [gate; up]`` of ``2N`` rows; ``y = silu(gate) * up`` of
+    ``norm?(x) @ W^T`` ``[M, N]``."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    in_n = offs_n < N
+    gate, squares = _rows_times_weight(x_ptr, w_ptr, norm_ptr, M, K, offs_n, in_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    up, _ = _rows_times_weight(x_ptr, w_ptr, norm_ptr, M, K, offs_n + N, in_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    if norm_ptr is not None:
+        scale = _inverse_rms(squares, K, eps)[:, None]
+        gate, up = gate * scale, up * scale
+    out = gate * tl.sigmoid(gate) * up
+    inside = (offs_m[:, None] < M) & in_n[None, :]
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def _tiles(n: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): 16 columns over 256-deep steps up to 2,048 columns (64-128 programs), else 32 over
+    128 (the best of each shape in ``gemv_gpu_eagle_head.md``)."""
+    return (16, 256) if n <= 2048 else (32, 128)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > MAX_ROWS:
+        raise ValueError(f"the head's linear kernels take x [M <= {MAX_ROWS}, K] and a weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if not (x.is_contiguous() and weight.is_contiguous()) or (norm_weight is not None and norm_weight.shape != (x.shape[1],)):
+        raise ValueError("the head's linear kernels take contiguous x and weight, and a norm weight [K]")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """``x [M, K]`` -> ``rms_norm(x) @ weight^T + bias + residual[residual_rows]`` ``[M, N]``, each term
+    optional (without ``residual_rows``, ``residual`` is ``[M, N]``; with it, a table ``[V, N]``)."""
+    _check(x, weight, norm_weight)
+    rows, n = x.shape[0], weight.shape[0]
+    if residual is not None and (not residual.is_contiguous() or residual.shape[1:] != (n,)
+                                 or (residual_rows is None and residual.shape[0] != rows)):
+        raise ValueError(f"linear: residual must be contiguous [{rows} or table rows, {n}], got {tuple(residual.shape)}")
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_n, block_k = _tiles(n)
+    if rows:
+        _linear_kernel[(triton.cdiv(n, block_n),)](x, weight, norm_weight, bias, residual, residual_rows, y, rows, n,
+                                                   x.shape[1], eps, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                   num_warps=4, num_stages=4)
+    return y
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """``x [M, K]``, ``weight [2N, K]`` (gate rows, then up rows) -> ``silu(gate) * up`` ``[M, N]`` of
+    ``rms_norm(x) @ weight^T`` (norm optional)."""
+    _check(x, weight, norm_weight)
+    if weight.shape[0] % 2:
+        raise ValueError(f"gated_linear: the weight holds gate and up rows, an even count, got {weight.shape[0]}")
+    rows, n = x.shape[0], weight.shape[0] // 2
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_n, block_k = _tiles(2 * n)
+    if rows:
+        _gated_kernel[(triton.cdiv(n, block_n),)](x, weight, norm_weight, y, rows, n, x.shape[1], eps, BLOCK_M=MAX_ROWS,
+                                                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    return y
