@@ -89,7 +89,7 @@ def plan(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     elif used > args.minutes - RESERVE_MINUTES:
         raise ValueError(f"--minutes {args.minutes} is short of the {used:.2f} min planned for {' + '.join(out)} "
                          f"(training budgets plus their overheads {', '.join(f'{s} {overhead(s):.1f}' for s in out)}) "
-                         f"and {RESERVE_MINUTES} in reserve")
+                         f"and {RESERVE_MINUTES} in reserve: pass --minutes {used + RESERVE_MINUTES:.2f} or more, or train for less")
     return out
 
 
