@@ -35,6 +35,7 @@ from e2e_gpu import kernel_profile, summarize_kernels, timed
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
 from specla_compile.runtime.drafters.eagle import ATTENTION
+from specla_compile.runtime.drafters.eagle_head import HEAD_GEMMS
 from specla_compile.runtime.drafting import DraftRequest
 
 CONFIGS = {  # the routes of benchmarks/e2e_trained.py
@@ -137,13 +138,13 @@ def loop_section(args, results: dict) -> None:
     tree_replays = {r["attention"]: r["replay_ms"] for name, r in results["routes"].items()
                     if name.startswith("tree") and "replay_ms" in r and not r.get("draft_vocab")}
     attention = min(tree_replays, key=tree_replays.get) if tree_replays else None
-    drafter = EagleDrafter(head, model, attention=attention)
+    drafter = EagleDrafter(head, model, attention=attention, head_gemms=args.head_gemms[0])
     configs = {"eagle_chain": CONFIGS["chain_L8"], "eagle_tree": CONFIGS["tree_k4_d6_n16"],
                "eagle_tree_host": dataclasses.replace(CONFIGS["tree_k4_d6_n16"], pipelined=False)}
     gen = SpeculativeGenerator(model, drafter, configs["eagle_tree"], shared_features=True)
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     loop = results["loop"] = {"target_layers": model.config.num_hidden_layers, "hidden": hidden, "new_tokens": 128,
-                              "attention": attention}
+                              "attention": attention, "head_gemms": args.head_gemms[0]}
     sequences = {}
     for route in LOOP_ROUTES:
         if route != "plain":
@@ -227,6 +228,9 @@ def main() -> None:
     p.add_argument("--attention", nargs="+", choices=ATTENTION, default=["pytorch", "specla"],
                    help="the head's attention kernels to time in the propose section; "
                         "the loop section drafts with the one whose tree propose replays fastest")
+    p.add_argument("--head-gemms", nargs="+", choices=sorted(HEAD_GEMMS), default=["specla"],
+                   help="how the head's GEMMs run (EagleDrafter's head_gemms) in the propose section: the fused specla "
+                        "ops, or PyTorch code that inductor compiles; the loop section drafts with the first")
     p.add_argument("--draft-vocab", nargs="+", type=int, default=[0],
                    help="draft vocabularies to time in the propose section (0: the whole vocabulary; a random "
                         "token ranking: the cost does not depend on which tokens)")
@@ -253,14 +257,17 @@ def propose_section(args, results: dict) -> None:
     torch.manual_seed(0)
     head = EagleHead(EagleConfig(args.hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
     head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
-    for (name, config), attention, vocab in itertools.product(CONFIGS.items(), args.attention, args.draft_vocab):
+    for (name, config), attention, vocab, gemms in itertools.product(CONFIGS.items(), args.attention, args.draft_vocab,
+                                                                     args.head_gemms):
         draft_vocab = vocab or None
-        name = f"{name}, {attention} attention" + (f", draft vocabulary {vocab}" if vocab else "")
-        route = results["routes"][name] = {"attention": attention, "draft_vocab": draft_vocab}
+        name = (f"{name}, {attention} attention" + (f", draft vocabulary {vocab}" if vocab else "")
+                + (f", {gemms} head GEMMs" if len(args.head_gemms) > 1 else ""))
+        route = results["routes"][name] = {"attention": attention, "draft_vocab": draft_vocab, "head_gemms": gemms}
         for mode, static in (("graphed", None), ("uncaptured", False)):
-            if mode == "uncaptured" and (attention, draft_vocab) != (args.attention[0], None):
-                continue  # (neither changes a propose's launch count)
-            drafter = EagleDrafter(head, target, static_shapes=static, attention=attention, draft_vocab=draft_vocab)
+            if mode == "uncaptured" and (attention, draft_vocab, gemms) != (args.attention[0], None, args.head_gemms[0]):
+                continue  # (none of them changes a propose's launch count much)
+            drafter = EagleDrafter(head, target, static_shapes=static, attention=attention, draft_vocab=draft_vocab,
+                                   head_gemms=gemms)
             route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden)
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
-from specla_compile.runtime.drafters.eagle_head import causal_mask, eagle_loss, unrolled_predictions
+from specla_compile.runtime.drafters.eagle_head import HEAD_GEMMS, causal_mask, eagle_loss, unrolled_predictions
 from specla_compile.runtime.drafting import Draft, DraftRequest, PassOutputs
 from specla_compile.runtime.tree_builder import build_draft
 from specla_compile.tree import PAD
@@ -524,6 +524,38 @@ def test_attention_choice_changes_the_kernel_not_the_draft():
         assert_same_draft(draft, drafts["pytorch", False])
     with pytest.raises(ValueError, match="attention must be None or one of"):
         EagleDrafter(head, target, attention="flash")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
+    """``head_gemms="specla"`` (the default) runs the packed head's GEMMs as the fused specla ops (two
+    linear_add, one norm_linear and one norm_gated_linear per head call), ``"pytorch"`` as PyTorch code with no
+    specla GEMM op, uncaptured and in the program inductor compiles; both draft the same tree; an unknown name
+    is refused at construction."""
+    from torch._inductor.utils import run_and_get_code
+
+    target, head = make(seed=6)
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)
+    seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(8))
+    feats = features_of(target, seq)[:-1]
+    drafts, fused_calls = {}, {}
+    for gemms in ("specla", "pytorch"):
+        drafter = EagleDrafter(head, target, static_shapes=True, compiled=compiled, head_gemms=gemms)
+        drafter.begin([seq[:-1]], [feats])
+        propose = functools.partial(drafter.propose, DraftRequest([0], [seq]), config)
+        if compiled:
+            drafts[gemms], code = run_and_get_code(propose)
+            calls = [line for c in code for line in c.splitlines() if not line.lstrip().startswith("#")]
+            fused_calls[gemms] = sum(f"specla.{op}" in line for line in calls for op in HEAD_GEMMS["specla"]._fields)
+        else:
+            counter = _Dispatches()
+            with counter:
+                drafts[gemms] = propose()
+            fused_calls[gemms] = sum(counter.ops[f"specla.{op}"] for op in HEAD_GEMMS["specla"]._fields)
+    assert fused_calls["pytorch"] == 0 and fused_calls["specla"] >= 4 * config.depth  # (four per head call)
+    assert_same_draft(drafts["specla"], drafts["pytorch"])
+    with pytest.raises(ValueError, match="head_gemms must be one of"):
+        EagleDrafter(head, target, head_gemms="cublas")
 
 
 @pytest.mark.parametrize("config, compiled", [(SpecConfig(mode="chain", depth=4), False),

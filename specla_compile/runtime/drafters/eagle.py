@@ -41,7 +41,7 @@ from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest, PassOutputs
 from ..graph_capture import capture
 from ..tree_builder import Frontier, build_draft
-from .eagle_head import EagleHead
+from .eagle_head import HEAD_GEMMS, EagleHead
 
 log = logging.getLogger("specla_compile")
 
@@ -186,15 +186,21 @@ class EagleDrafter(Drafter):
     made here: each draft level reads that many rows instead of the whole vocabulary (FR-Spec's
     frequency-ranked drafting). The output stays exact (the target verifies); a token outside the draft
     vocabulary can only be emitted by the target itself. None (default) or the vocabulary's size: every
-    token, through the target's LM head module.
+    token, through the target's LM head module. ``head_gemms``: how the head's GEMMs run with the norms,
+    residuals, table rows and gate around them (:meth:`EagleHead.pack_projections`): ``"specla"`` (default: one
+    launch each, Triton on CUDA for up to 16 half-precision rows) or ``"pytorch"`` (PyTorch code, inductor's
+    GEMMs and fusions). The same drafts either way, up to rounding.
     """
 
     needs_features = True
 
     def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None,
-                 compiled: bool | None = None, attention: str | None = None, draft_vocab: int | None = None):
+                 compiled: bool | None = None, attention: str | None = None, draft_vocab: int | None = None,
+                 head_gemms: str = "specla"):
         if attention is not None and attention not in ATTENTION:
             raise ValueError(f"EagleDrafter: attention must be None or one of {sorted(ATTENTION)}, got {attention!r}")
+        if head_gemms not in HEAD_GEMMS:
+            raise ValueError(f"EagleDrafter: head_gemms must be one of {sorted(HEAD_GEMMS)}, got {head_gemms!r}")
         if draft_vocab is not None and head.token_ranking is None:
             raise ValueError("EagleDrafter: draft_vocab needs a head with a token ranking (one trained by "
                              "examples/train_eagle.py since the ranking was added)")
@@ -204,7 +210,7 @@ class EagleDrafter(Drafter):
         self.attention = attention or ("specla" if TRITON_KERNELS and head.fuse.weight.is_cuda else "pytorch")
         embed = target.get_input_embeddings()
         table = embed.weight.shape[0] * head.config.hidden_size * head.fuse.weight.element_size()
-        head.pack_projections(embed if table <= TOKEN_FUSE_BYTES else None)
+        head.pack_projections(embed if table <= TOKEN_FUSE_BYTES else None, gemms=head_gemms)
         self.static_shapes = static_shapes
         self.compiled = compiled
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)

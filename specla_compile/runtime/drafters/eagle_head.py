@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,21 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ...kernels import ops
+from ...kernels import reference as ref
 from ..drafting import output_vocab_size
+
+
+class HeadGemms(NamedTuple):
+    """A packed head's GEMMs with the norms, residuals and gate around them (signatures of ``ops``)."""
+
+    linear_add: Callable[..., torch.Tensor]
+    norm_linear: Callable[..., torch.Tensor]
+    norm_gated_linear: Callable[..., torch.Tensor]
+
+
+# as specla ops (one Triton launch each on CUDA), or as the PyTorch code they stand for (which inductor fuses)
+HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear),
+              "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference)}
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -120,19 +135,24 @@ class EagleHead(nn.Module):
         # every token id, most frequent in the head's training data first (set by the trainer, saved with the
         # head): the first N of them are a draft vocabulary (EagleDrafter's ``draft_vocab``)
         self.register_buffer("token_ranking", None)
+        self.gemms = HEAD_GEMMS["specla"]  # (used once packed: pack_projections)
 
     @torch.no_grad()
-    def pack_projections(self, embed: nn.Module | None = None) -> None:
+    def pack_projections(self, embed: nn.Module | None = None, gemms: str = "specla") -> None:
         """For inference: copy the q/k/v weights into one and the gate/up weights into one, so that
         :meth:`project` and :meth:`attend` run one GEMM for each group (a draft level reads these small
         weights for a few rows: each GEMM is latency-bound). With the target's input ``embed``, also pass every
         token's embedding through the fuse's embedding half once (``token_fuse [V, D]``, in fp32, rounded to
         the head's dtype): :meth:`project` then takes token ids and its fuse reads a ``D x D`` weight plus one
         table row per pair instead of a ``2D x D`` weight (on the H200 a 2048-deep GEMM of a few rows costs
-        about twice a 1024-deep one). Packed, the head runs its GEMMs through ``specla::`` ops that take the
-        norms, residuals, table rows and gate into the GEMM's launch (one Triton kernel each on CUDA for a few
-        half-precision rows; inference only: they have no backward). The parameters stay what training and
+        about twice a 1024-deep one). Packed, the head runs its GEMMs with the norms, residuals, table rows and
+        gate around them as ``HEAD_GEMMS[gemms]``: ``"specla"``, ``specla::`` ops that take them into the GEMM's
+        launch (one Triton kernel each on CUDA for a few half-precision rows; inference only: they have no
+        backward), or ``"pytorch"``, the same computation in PyTorch. The parameters stay what training and
         checkpoints use; call it again after changing them."""
+        if gemms not in HEAD_GEMMS:
+            raise ValueError(f"pack_projections: gemms must be one of {sorted(HEAD_GEMMS)}, got {gemms!r}")
+        self.gemms = HEAD_GEMMS[gemms]
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         self.token_fuse = self.feature_fuse_weight = None
@@ -164,14 +184,14 @@ class EagleHead(nn.Module):
         elif self.token_fuse is None:
             raise ValueError("EagleHead.project takes token ids only after pack_projections(embed); pass embeddings")
         else:  # (the table's rows added in the GEMM's epilogue)
-            x = ops.linear_add(features, self.feature_fuse_weight, self.fuse.bias, self.token_fuse, embeds)
+            x = self.gemms.linear_add(features, self.feature_fuse_weight, self.fuse.bias, self.token_fuse, embeds)
         split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)
         cos, sin = _rope(positions, dim // 2, self.config.rope_theta, x.dtype)
         if self.qkv_weight is None:
             h = self.attn_norm(x)
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         else:  # (the norm inside the GEMM's launch)
-            q, k, v = ops.norm_linear(x, self.attn_norm.weight, self.config.rms_norm_eps, self.qkv_weight).chunk(3, dim=-1)
+            q, k, v = self.gemms.norm_linear(x, self.attn_norm.weight, self.config.rms_norm_eps, self.qkv_weight).chunk(3, dim=-1)
         # queries and keys rotated together: one set of elementwise ops, not two
         q, k = _rotate(torch.stack([split(q), split(k)]), cos, sin).unbind(0)
         return x, q, k, split(v)
@@ -194,8 +214,8 @@ class EagleHead(nn.Module):
             h = self.mlp_norm(x)
             hidden = F.silu(self.gate_proj(h)) * self.up_proj(h)
         else:  # packed for inference: the residual, the norm and the gate inside the GEMMs' launches
-            x = ops.linear_add(attn.reshape(rows, s, -1), self.o_proj.weight, None, x, None)
-            hidden = ops.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps, self.gate_up_weight)
+            x = self.gemms.linear_add(attn.reshape(rows, s, -1), self.o_proj.weight, None, x, None)
+            hidden = self.gemms.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps, self.gate_up_weight)
         # (the residual as its own add, which inductor fuses with what follows: adding it inside the GEMM (addmm)
         # took cuBLAS's bias-epilogue kernel, 3.4 us more per chain level on the H200 and no faster for the tree;
         # this 4096-deep GEMM stays cuBLAS's, which streams it faster than one program per column block)
