@@ -538,7 +538,7 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)
     seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(8))
     feats = features_of(target, seq)[:-1]
-    drafts, fused_calls = {}, {}
+    drafts, fused_calls, gemm_calls = {}, {}, {}
     for gemms in ("specla", "pytorch"):
         drafter = EagleDrafter(head, target, static_shapes=True, compiled=compiled, head_gemms=gemms)
         drafter.begin([seq[:-1]], [feats])
@@ -547,12 +547,17 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
             drafts[gemms], code = run_and_get_code(propose)
             calls = [line for c in code for line in c.splitlines() if not line.lstrip().startswith("#")]
             fused_calls[gemms] = sum(f"specla.{op}" in line for line in calls for op in HEAD_GEMMS["specla"]._fields)
+            gemm_calls[gemms] = sum("extern_kernels." in line for line in calls)
         else:
             counter = _Dispatches()
             with counter:
                 drafts[gemms] = propose()
             fused_calls[gemms] = sum(counter.ops[f"specla.{op}"] for op in HEAD_GEMMS["specla"]._fields)
-    assert fused_calls["pytorch"] == 0 and fused_calls["specla"] >= 4 * config.depth  # (four per head call)
+            gemm_calls[gemms] = sum(counter.ops[op] for op in ("aten.mm", "aten.addmm", "aten.bmm"))
+    # (fused ops in every head call, the catch-up's and each level's; the other way, their GEMMs are the
+    # framework's, on top of the down projection and the LM head that both ways share)
+    assert fused_calls["pytorch"] == 0 and fused_calls["specla"] >= 4 * config.depth
+    assert gemm_calls["pytorch"] >= gemm_calls["specla"] + 4 * config.depth
     assert_same_draft(drafts["specla"], drafts["pytorch"])
     with pytest.raises(ValueError, match="head_gemms must be one of"):
         EagleDrafter(head, target, head_gemms="cublas")

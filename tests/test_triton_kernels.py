@@ -340,16 +340,16 @@ def _head_linear_inputs(rows: int, n: int, k: int, dtype: torch.dtype, seed: int
 
 
 @interpreted
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter's bf16 tl.dot is wrong)
+@pytest.mark.parametrize("rows, n, dtype", [(rows, 40, dtype) for rows in (1, 5, 16) for dtype in (torch.float32, torch.float16)]
+                         + [(5, 2100, torch.float32)])  # (fp16, not bf16: the interpreter's bf16 tl.dot is wrong)
 @pytest.mark.parametrize("norm, bias, residual", [(False, False, None), (True, False, None), (False, True, "rows"),
                                                   (False, False, "table"), (True, True, "table")])
-def test_head_linear(rows, dtype, norm, bias, residual):
+def test_head_linear(rows, n, dtype, norm, bias, residual):
     """A few rows through a weight with the head's norm before and its bias and residual (own rows, or rows of a
     table picked by index) after, in one launch, against fp64 PyTorch: random inputs, a depth of 300 (two
-    256-deep steps, the last partial), 40 output columns (three 16-column programs, the last partial),
-    NaN-poisoned outputs."""
-    t = _head_linear_inputs(rows, 40, 300, dtype, rows + 3 * norm + 5 * bias)
+    256-deep steps, or three 128-deep ones, the last partial), 40 output columns (three 16-column programs, the
+    last partial) or 2,100 (the 32-column tiles of a wide weight, as q/k/v's), NaN-poisoned outputs."""
+    t = _head_linear_inputs(rows, n, 300, dtype, rows + 3 * norm + 5 * bias)
     d = {name: v.double() if v.is_floating_point() else v for name, v in t.items()}
     kwargs = {"bias": t["bias"] if bias else None, "norm_weight": t["norm"] if norm else None, "eps": 1e-5,
               "residual": {"rows": t["residual"], "table": t["table"], None: None}[residual],
@@ -359,7 +359,7 @@ def test_head_linear(rows, dtype, norm, bias, residual):
     h = torch.nn.functional.rms_norm(d["x"], (300,), d["norm"], 1e-5) if norm else d["x"]
     expected = torch.nn.functional.linear(h, d["w"], d["bias"] if bias else None)
     expected = expected + {"rows": d["residual"], "table": d["table"][t["ids"]], None: 0}[residual]
-    assert y.dtype == dtype and y.shape == (rows, 40)
+    assert y.dtype == dtype and y.shape == (rows, n)
     assert rel_err(y, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
 
 
@@ -382,6 +382,25 @@ def test_head_gated_linear(rows, n, norm):
 
 
 @interpreted
+def test_head_linear_ops_take_strided_indices_and_large_activations():
+    """Through the ops' CUDA implementations (the kernels under the interpreter), in fp16: token ids that are a
+    column of a wider buffer (a drafter's level-0 tokens: a strided view) pick their own table rows, and rows of
+    activations in the thousands, times a norm weight of 8, normalize before they round (no inf)."""
+    from specla_compile.kernels import cuda
+
+    t = _head_linear_inputs(4, 40, 300, torch.float16, 0)
+    buffer = torch.randint(0, 7, (4, 9), generator=torch.Generator().manual_seed(1))
+    ids = buffer[:, -1:]  # [4, 1], row stride 9
+    y = cuda._linear_add(t["x"][:, None], t["w"], None, t["table"], ids)
+    expected = ref.linear_add_reference(t["x"].double()[:, None], t["w"].double(), None, t["table"].double(), ids)
+    assert rel_err(y, expected) <= 2e-3
+    large, norm = 3000 * t["x"], torch.full((300,), 8.0, dtype=torch.float16)
+    for out, want in ((cuda._norm_linear(large, norm, 1e-5, t["w"]), ref.norm_linear_reference),
+                      (cuda._norm_gated_linear(large, norm, 1e-5, t["w"]), ref.norm_gated_linear_reference)):
+        assert rel_err(out, want(large.double(), norm.double(), 1e-5, t["w"].double())) <= 2e-3
+
+
+@interpreted
 def test_head_linear_refuses_what_it_cannot_take():
     x, w = torch.randn(17, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="M <= 16"):
@@ -390,5 +409,9 @@ def test_head_linear_refuses_what_it_cannot_take():
         tl_.linear(x[:4, ::2].contiguous().t(), torch.randn(4, 4))
     with pytest.raises(ValueError, match="residual must be"):
         tl_.linear(x[:4], w, residual=torch.randn(3, 4))
+    with pytest.raises(ValueError, match=r"contiguous residual_rows \[4\]"):  # (a strided view would read other rows)
+        tl_.linear(x[:4], w, residual=torch.randn(7, 4), residual_rows=torch.zeros(4, 2, dtype=torch.long)[:, 0])
+    with pytest.raises(ValueError, match="one dtype"):
+        tl_.linear(x[:4].half(), w)
     with pytest.raises(ValueError, match="an even count"):
         tl_.gated_linear(x[:4], torch.randn(5, 8))

@@ -114,8 +114,8 @@ def _draft_attention(q, keys, values, mask, scale):
 
 
 def _few_half_rows(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
-    """A few rows in half precision: where the head's linear kernels beat cuBLAS (``gemv_gpu_eagle_head.md``);
-    fp32 would run them on TF32 tensor cores, so it keeps the reference."""
+    """A few rows in half precision: where the head's linear kernels beat cuBLAS (``gemv_gpu_eagle_head.md``,
+    measured in bf16; fp32 and fp64 keep the reference)."""
     return (x.numel() <= triton_linear.MAX_ROWS * x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16)
             and all(t.dtype == x.dtype for t in tensors if t is not None))
 
@@ -124,13 +124,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An optional bias, norm weight or row index as the kernels read it: flat, unit stride (a column of a
+    drafter's input buffer is a strided view)."""
+    return None if t is None else t.reshape(-1).contiguous()
+
+
 @ops.linear_add.register_kernel("cuda")
 def _linear_add(x, weight, bias, residual, residual_rows):
     if not _few_half_rows(x, weight, bias, residual):
         return _reference_of(ops.linear_add)(x, weight, bias, residual, residual_rows)
     table = residual_rows is not None
-    y = triton_linear.linear(_rows(x), weight.contiguous(), bias, residual.contiguous() if table else _rows(residual),
-                             residual_rows.reshape(-1) if table else None)
+    y = triton_linear.linear(_rows(x), weight.contiguous(), _vector(bias), residual.contiguous() if table else _rows(residual),
+                             _vector(residual_rows))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -138,11 +144,11 @@ def _linear_add(x, weight, bias, residual, residual_rows):
 def _norm_linear(x, norm_weight, eps, weight):
     if not _few_half_rows(x, norm_weight, weight):
         return _reference_of(ops.norm_linear)(x, norm_weight, eps, weight)
-    return triton_linear.linear(_rows(x), weight.contiguous(), norm_weight=norm_weight, eps=eps).view(*x.shape[:-1], weight.shape[0])
+    return triton_linear.linear(_rows(x), weight.contiguous(), norm_weight=_vector(norm_weight), eps=eps).view(*x.shape[:-1], weight.shape[0])
 
 
 @ops.norm_gated_linear.register_kernel("cuda")
 def _norm_gated_linear(x, norm_weight, eps, weight):
     if not _few_half_rows(x, norm_weight, weight):
         return _reference_of(ops.norm_gated_linear)(x, norm_weight, eps, weight)
-    return triton_linear.gated_linear(_rows(x), weight.contiguous(), norm_weight, eps).view(*x.shape[:-1], weight.shape[0] // 2)
+    return triton_linear.gated_linear(_rows(x), weight.contiguous(), _vector(norm_weight), eps).view(*x.shape[:-1], weight.shape[0] // 2)

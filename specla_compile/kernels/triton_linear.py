@@ -6,15 +6,16 @@ weight at 0.27 TB/s, 7.7-8 us for 2 MB (``gemv_gpu_eagle_head.md``). Here one pr
 columns reads its slice of the weight once over the whole depth, 64-128 programs in all (3.8-4.1 us for the
 same weight), and the elementwise work around the GEMM happens in the same launch:
 
-- before it, the head's RMS norm: the rows' sum of squares accumulates over the same loop that reads them,
-  the norm's weight scales the rows on the way in, and ``rsqrt`` scales the result (one kernel fewer);
+- before it, the head's RMS norm: a first pass over the few rows takes their ``rsqrt(mean(x^2) + eps)``, and
+  the rows are normalized on their way into the GEMM (one kernel fewer);
 - after it, a bias and a residual, the residual's rows optionally gathered from a table by index (the fuse's
   token table: one kernel fewer);
 - or, for a packed gate/up weight ``[2I, K]``, ``silu(gate) * up`` of the two halves (one kernel fewer).
 
-Products accumulate in fp32 and round once at the store. Same results as ``reference.linear_add_reference``,
-``norm_linear_reference`` and ``norm_gated_linear_reference`` up to that rounding (the references round the
-norm's output and the GEMM's before the epilogue).
+The norm's output rounds to the rows' dtype as ``nn.RMSNorm``'s does; products accumulate in fp32 (fp32 rows: full
+fp32 products, not TF32) and the epilogue rounds once at the store. Same results as
+``reference.linear_add_reference``, ``norm_linear_reference`` and ``norm_gated_linear_reference`` up to that
+rounding (the references round the GEMM's output before the epilogue).
 """
 
 from __future__ import annotations
@@ -27,41 +28,56 @@ MAX_ROWS = 16  # rows the kernels take: tensor cores need 16, missing rows load 
 
 
 @triton.jit
-def _rows_times_weight(x_ptr, w_ptr, norm_ptr, M, K, offs_n, in_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    """``(x * norm) @ W[offs_n]^T`` in fp32 ``[BLOCK_M, BLOCK_N]``, and each row's sum of squares of ``x``
-    (zeros without a norm). ``x [M, K]``, ``W [*, K]`` row-major."""
+def _inverse_rms(x_ptr, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` of each row of ``x [M, K]`` in fp32 (a first pass over the few rows, which
+    the weight's loop then reads again from cache)."""
     offs_m = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     squares = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        in_k = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & in_k[None, :], other=0.0)
-        if norm_ptr is not None:
-            xf = x.to(tl.float32)
-            squares += tl.sum(xf * xf, 1)
-            x = (xf * tl.load(norm_ptr + offs_k, mask=in_k, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    return acc, squares
-
-
-@triton.jit
-def _inverse_rms(squares, K, eps):
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, 1)
     return tl.rsqrt(squares / K + eps)
 
 
 @triton.jit
+def _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns ``k0 : k0 + BLOCK_K`` of the rows ``[BLOCK_M, BLOCK_K]`` in their dtype, normalized as ``nn.RMSNorm``
+    (in fp32, rounded once) when there is a norm; rows and columns past ``M`` and ``K`` are zeros."""
+    offs_m, offs_k = tl.arange(0, BLOCK_M), k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    if norm_ptr is not None:
+        norm = tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * inverse_rms[:, None] * norm[None, :]).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """``x @ W[offs_n, k0 : k0 + BLOCK_K]^T`` in fp32 (``W [*, K]`` row-major; IEEE: fp32 products, not TF32)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], mask=in_n[:, None] & (offs_k[None, :] < K),
+                other=0.0)
+    if IEEE:
+        return tl.dot(x, tl.trans(w), input_precision="ieee")
+    return tl.dot(x, tl.trans(w))
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """Grid: (output column blocks,). ``y = norm?(x) @ W^T + bias? + residual?[rows?]``."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n, in_m = offs_n < N, offs_m < M
-    acc, squares = _rows_times_weight(x_ptr, w_ptr, norm_ptr, M, K, offs_n, in_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    inverse_rms = None
     if norm_ptr is not None:
-        acc *= _inverse_rms(squares, K, eps)[:, None]
+        inverse_rms = _inverse_rms(x_ptr, M, K, eps, BLOCK_M, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc += _times(_row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K), w_ptr, offs_n, in_n, K, k0,
+                      BLOCK_K, IEEE)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
     inside = in_m[:, None] & in_n[None, :]
@@ -75,17 +91,21 @@ def _linear_kernel(x_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows
 
 @triton.jit
 def _gated_kernel(x_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """Grid: (output column blocks,). ``W = [gate; up]`` of ``2N`` rows; ``y = silu(gate) * up`` of
-    ``norm?(x) @ W^T`` ``[M, N]``."""
+    ``norm?(x) @ W^T`` ``[M, N]``: each block of rows read once for both halves."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n = offs_n < N
-    gate, squares = _rows_times_weight(x_ptr, w_ptr, norm_ptr, M, K, offs_n, in_n, BLOCK_M, BLOCK_N, BLOCK_K)
-    up, _ = _rows_times_weight(x_ptr, w_ptr, norm_ptr, M, K, offs_n + N, in_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    inverse_rms = None
     if norm_ptr is not None:
-        scale = _inverse_rms(squares, K, eps)[:, None]
-        gate, up = gate * scale, up * scale
+        inverse_rms = _inverse_rms(x_ptr, M, K, eps, BLOCK_M, BLOCK_K)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+        gate += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE)
+        up += _times(x, w_ptr, offs_n + N, in_n, K, k0, BLOCK_K, IEEE)
     out = gate * tl.sigmoid(gate) * up
     inside = (offs_m[:, None] < M) & in_n[None, :]
     tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=inside)
@@ -101,8 +121,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > MAX_ROWS:
         raise ValueError(f"the head's linear kernels take x [M <= {MAX_ROWS}, K] and a weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    if not (x.is_contiguous() and weight.is_contiguous()) or (norm_weight is not None and norm_weight.shape != (x.shape[1],)):
-        raise ValueError("the head's linear kernels take contiguous x and weight, and a norm weight [K]")
+    _check_vector(norm_weight, x.shape[1], "norm weight")
+    if not (x.is_contiguous() and weight.is_contiguous()) or weight.dtype != x.dtype:
+        raise ValueError(f"the head's linear kernels take contiguous x and weight of one dtype, got {x.dtype} and {weight.dtype}")
+
+
+def _check_vector(t: torch.Tensor | None, size: int, what: str) -> None:
+    """An optional contiguous ``[size]`` input (the kernels read it with unit stride)."""
+    if t is not None and (t.shape != (size,) or not t.is_contiguous()):
+        raise ValueError(f"the head's linear kernels take a contiguous {what} [{size}], got {tuple(t.shape)} "
+                         f"with strides {t.stride()}")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -112,6 +140,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     optional (without ``residual_rows``, ``residual`` is ``[M, N]``; with it, a table ``[V, N]``)."""
     _check(x, weight, norm_weight)
     rows, n = x.shape[0], weight.shape[0]
+    _check_vector(bias, n, "bias")
+    _check_vector(residual_rows, rows, "residual_rows")
     if residual is not None and (not residual.is_contiguous() or residual.shape[1:] != (n,)
                                  or (residual_rows is None and residual.shape[0] != rows)):
         raise ValueError(f"linear: residual must be contiguous [{rows} or table rows, {n}], got {tuple(residual.shape)}")
@@ -120,7 +150,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows:
         _linear_kernel[(triton.cdiv(n, block_n),)](x, weight, norm_weight, bias, residual, residual_rows, y, rows, n,
                                                    x.shape[1], eps, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                   num_warps=4, num_stages=4)
+                                                   IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
     return y
 
 
@@ -136,5 +166,6 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     block_n, block_k = _tiles(2 * n)
     if rows:
         _gated_kernel[(triton.cdiv(n, block_n),)](x, weight, norm_weight, y, rows, n, x.shape[1], eps, BLOCK_M=MAX_ROWS,
-                                                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+                                                  BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+                                                  num_warps=4, num_stages=4)
     return y

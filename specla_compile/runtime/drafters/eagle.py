@@ -210,7 +210,8 @@ class EagleDrafter(Drafter):
         self.attention = attention or ("specla" if TRITON_KERNELS and head.fuse.weight.is_cuda else "pytorch")
         embed = target.get_input_embeddings()
         table = embed.weight.shape[0] * head.config.hidden_size * head.fuse.weight.element_size()
-        head.pack_projections(embed if table <= TOKEN_FUSE_BYTES else None, gemms=head_gemms)
+        head.pack_projections(embed if table <= TOKEN_FUSE_BYTES else None)
+        self.gemms = HEAD_GEMMS[head_gemms]
         self.static_shapes = static_shapes
         self.compiled = compiled
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
@@ -373,10 +374,18 @@ class EagleDrafter(Drafter):
             return contextlib.nullcontext()
         return sdpa_kernel(list(dict.fromkeys([SDPA_BACKENDS[self.attention], SDPBackend.MATH])))
 
+    def project(self, features: torch.Tensor, tokens: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head's :meth:`EagleHead.project` of pairs of ``features`` and token ids (their ids where the head
+        holds the token table, else their embeddings), with the chosen GEMMs."""
+        pairs = tokens if self.head.token_fuse is not None else self.embed(tokens).to(self._dtype)
+        return self.head.project(features, pairs, positions, self.gemms)
+
     def attend(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
-        """The head's :meth:`EagleHead.attend` with the chosen attention kernel."""
-        return self.head.attend(x, q, keys, values, mask, _specla_attention if self.attention == "specla" else None)
+        """The head's :meth:`EagleHead.attend` with the chosen attention kernel and GEMMs."""
+        return self.head.attend(x, q, keys, values, mask, _specla_attention if self.attention == "specla" else None,
+                                self.gemms)
 
     def _check_host_state(self) -> None:
         if self._device_cached is not None:
@@ -417,11 +426,6 @@ class EagleDrafter(Drafter):
     def _check_features(self, feats: torch.Tensor, what: str) -> None:
         if feats.dim() != 2 or feats.shape[1] != self.head.config.hidden_size:
             raise ValueError(f"{what} must be [positions, {self.head.config.hidden_size}], got {tuple(feats.shape)}")
-
-    def pair_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """What the head's :meth:`~EagleHead.project` takes for the pairs' tokens: their ids where it holds the
-        token table, else their embeddings."""
-        return tokens if self.head.token_fuse is not None else self.embed(tokens).to(self._dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target LM head over predicted features: ``[..., V]``, or ``[..., N]`` for the draft vocabulary's tokens."""
@@ -538,7 +542,7 @@ class EagleDrafter(Drafter):
         if width == 0:
             return
         positions = plan.cached[:, None] + torch.arange(width, device=features.device)
-        x, q, k, v = self.head.project(features, self.pair_inputs(plan.tokens), positions)
+        x, q, k, v = self.project(features, plan.tokens, positions)
         buffers = self._buffers
         # Written at the rows' next columns; padding pairs land past a row's valid columns (never read).
         buffers.keys[plan.rows[:, None], :, positions] = k.transpose(1, 2)
@@ -557,7 +561,7 @@ class _TreeRollout:
     cached pairs and to their own draft ancestors, written to the buffers' scratch columns."""
 
     def __init__(self, drafter: EagleDrafter, plan: _Plan):
-        self.drafter, self.project, self.attend = drafter, drafter.head.project, drafter.attend
+        self.drafter, self.project, self.attend = drafter, drafter.project, drafter.attend
         self.draft_vocab = drafter.draft_vocab  # (the tree builder maps score columns to these token ids)
         self.keys, self.values = drafter._buffers.rows(plan.rows, plan.every_row)
         self.column = drafter._buffers.capacity  # the next free scratch column
@@ -578,7 +582,7 @@ class _TreeRollout:
         own = slice(self.column, self.column + width)
         mask[:, :, own].logical_or_(torch.eye(width, dtype=torch.bool, device=mask.device))
         positions = (self.base + frontier.depth)[:, None].expand(-1, width)
-        x, q, k, v = self.project(parent_hidden, self.drafter.pair_inputs(frontier.tokens), positions)
+        x, q, k, v = self.project(parent_hidden, frontier.tokens, positions)
         self.keys[:, :, own], self.values[:, :, own] = k, v
         self.hidden = self.attend(x, q, self.keys, self.values, mask)
         self.seen, self.column = mask, self.column + width

@@ -135,24 +135,19 @@ class EagleHead(nn.Module):
         # every token id, most frequent in the head's training data first (set by the trainer, saved with the
         # head): the first N of them are a draft vocabulary (EagleDrafter's ``draft_vocab``)
         self.register_buffer("token_ranking", None)
-        self.gemms = HEAD_GEMMS["specla"]  # (used once packed: pack_projections)
 
     @torch.no_grad()
-    def pack_projections(self, embed: nn.Module | None = None, gemms: str = "specla") -> None:
+    def pack_projections(self, embed: nn.Module | None = None) -> None:
         """For inference: copy the q/k/v weights into one and the gate/up weights into one, so that
         :meth:`project` and :meth:`attend` run one GEMM for each group (a draft level reads these small
         weights for a few rows: each GEMM is latency-bound). With the target's input ``embed``, also pass every
         token's embedding through the fuse's embedding half once (``token_fuse [V, D]``, in fp32, rounded to
         the head's dtype): :meth:`project` then takes token ids and its fuse reads a ``D x D`` weight plus one
         table row per pair instead of a ``2D x D`` weight (on the H200 a 2048-deep GEMM of a few rows costs
-        about twice a 1024-deep one). Packed, the head runs its GEMMs with the norms, residuals, table rows and
-        gate around them as ``HEAD_GEMMS[gemms]``: ``"specla"``, ``specla::`` ops that take them into the GEMM's
-        launch (one Triton kernel each on CUDA for a few half-precision rows; inference only: they have no
-        backward), or ``"pytorch"``, the same computation in PyTorch. The parameters stay what training and
-        checkpoints use; call it again after changing them."""
-        if gemms not in HEAD_GEMMS:
-            raise ValueError(f"pack_projections: gemms must be one of {sorted(HEAD_GEMMS)}, got {gemms!r}")
-        self.gemms = HEAD_GEMMS[gemms]
+        about twice a 1024-deep one). Packed, :meth:`project` and :meth:`attend` run the GEMMs with the norms,
+        residuals, table rows and gate around them through their ``gemms`` (by default the ``specla::`` ops,
+        inference only: they have no backward). The parameters stay what training and checkpoints use; call it
+        again after changing them."""
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         self.token_fuse = self.feature_fuse_weight = None
@@ -172,11 +167,13 @@ class EagleHead(nn.Module):
         return self.attend(x, q, k, v, mask), k, v
 
     def project(
-        self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor
+        self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, gemms: HeadGemms | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """First half of :meth:`forward`: the fused input ``x [R, S, D]`` and the pairs' queries, keys and
         values ``[R, H, S, d]`` (RoPE applied), for a caller that keeps its keys in its own buffers. ``embeds``:
-        the tokens' embeddings ``[R, S, D]``, or their ids ``[R, S]`` once packed with the target's embedding."""
+        the tokens' embeddings ``[R, S, D]``, or their ids ``[R, S]`` once packed with the target's embedding.
+        ``gemms``: how a packed head runs its GEMMs (one of ``HEAD_GEMMS``; default: the ``specla::`` ops)."""
+        gemms = gemms or HEAD_GEMMS["specla"]
         rows, s, _ = features.shape
         heads, dim = self.config.num_heads, self.config.head_dim
         if embeds.is_floating_point():
@@ -184,26 +181,27 @@ class EagleHead(nn.Module):
         elif self.token_fuse is None:
             raise ValueError("EagleHead.project takes token ids only after pack_projections(embed); pass embeddings")
         else:  # (the table's rows added in the GEMM's epilogue)
-            x = self.gemms.linear_add(features, self.feature_fuse_weight, self.fuse.bias, self.token_fuse, embeds)
+            x = gemms.linear_add(features, self.feature_fuse_weight, self.fuse.bias, self.token_fuse, embeds)
         split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)
         cos, sin = _rope(positions, dim // 2, self.config.rope_theta, x.dtype)
         if self.qkv_weight is None:
             h = self.attn_norm(x)
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         else:  # (the norm inside the GEMM's launch)
-            q, k, v = self.gemms.norm_linear(x, self.attn_norm.weight, self.config.rms_norm_eps, self.qkv_weight).chunk(3, dim=-1)
+            q, k, v = gemms.norm_linear(x, self.attn_norm.weight, self.config.rms_norm_eps, self.qkv_weight).chunk(3, dim=-1)
         # queries and keys rotated together: one set of elementwise ops, not two
         q, k = _rotate(torch.stack([split(q), split(k)]), cos, sin).unbind(0)
         return x, q, k, split(v)
 
     def attend(
         self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-        attention: Callable[..., torch.Tensor] | None = None,
+        attention: Callable[..., torch.Tensor] | None = None, gemms: HeadGemms | None = None,
     ) -> torch.Tensor:
         """Second half of :meth:`forward`: ``q`` attends over ``keys, values [R, H, T, d]`` under ``mask
         [R or 1, S, T]``; returns the predicted next features ``[R, S, D]``. ``attention(q, keys, values,
         mask) -> [R, S, H, d]``, when given, replaces PyTorch's ``scaled_dot_product_attention`` (a drafter's
-        own kernel, which writes the heads side by side as the output projection reads them)."""
+        own kernel, which writes the heads side by side as the output projection reads them). ``gemms``: as in
+        :meth:`project`."""
         rows, s, _ = x.shape
         if attention is None:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None]).transpose(1, 2)
@@ -214,8 +212,9 @@ class EagleHead(nn.Module):
             h = self.mlp_norm(x)
             hidden = F.silu(self.gate_proj(h)) * self.up_proj(h)
         else:  # packed for inference: the residual, the norm and the gate inside the GEMMs' launches
-            x = self.gemms.linear_add(attn.reshape(rows, s, -1), self.o_proj.weight, None, x, None)
-            hidden = self.gemms.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps, self.gate_up_weight)
+            gemms = gemms or HEAD_GEMMS["specla"]
+            x = gemms.linear_add(attn.reshape(rows, s, -1), self.o_proj.weight, None, x, None)
+            hidden = gemms.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps, self.gate_up_weight)
         # (the residual as its own add, which inductor fuses with what follows: adding it inside the GEMM (addmm)
         # took cuBLAS's bias-epilogue kernel, 3.4 us more per chain level on the H200 and no faster for the tree;
         # this 4096-deep GEMM stays cuBLAS's, which streams it faster than one program per column block)
