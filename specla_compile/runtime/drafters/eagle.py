@@ -187,7 +187,8 @@ class EagleDrafter(Drafter):
     frequency-ranked drafting). The output stays exact (the target verifies); a token outside the draft
     vocabulary can only be emitted by the target itself. None (default) or the vocabulary's size: every
     token, through the target's LM head module. ``head_gemms``: how the head's GEMMs run with the norms,
-    residuals, table rows and gate around them (:meth:`EagleHead.pack_projections`): ``"specla"`` (default: one
+    residuals, table rows and gate around them (``HEAD_GEMMS``, the ``gemms`` of :meth:`EagleHead.project` and
+    :meth:`EagleHead.attend`): ``"specla"`` (default: one
     launch each, Triton on CUDA for up to 16 half-precision rows) or ``"pytorch"`` (PyTorch code, inductor's
     GEMMs and fusions). The same drafts either way, up to rounding.
     """
@@ -211,7 +212,7 @@ class EagleDrafter(Drafter):
         embed = target.get_input_embeddings()
         table = embed.weight.shape[0] * head.config.hidden_size * head.fuse.weight.element_size()
         head.pack_projections(embed if table <= TOKEN_FUSE_BYTES else None)
-        self.gemms = HEAD_GEMMS[head_gemms]
+        self.head_gemms = head_gemms
         self.static_shapes = static_shapes
         self.compiled = compiled
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
@@ -379,13 +380,13 @@ class EagleDrafter(Drafter):
         """The head's :meth:`EagleHead.project` of pairs of ``features`` and token ids (their ids where the head
         holds the token table, else their embeddings), with the chosen GEMMs."""
         pairs = tokens if self.head.token_fuse is not None else self.embed(tokens).to(self._dtype)
-        return self.head.project(features, pairs, positions, self.gemms)
+        return self.head.project(features, pairs, positions, HEAD_GEMMS[self.head_gemms])
 
     def attend(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         """The head's :meth:`EagleHead.attend` with the chosen attention kernel and GEMMs."""
         return self.head.attend(x, q, keys, values, mask, _specla_attention if self.attention == "specla" else None,
-                                self.gemms)
+                                HEAD_GEMMS[self.head_gemms])
 
     def _check_host_state(self) -> None:
         if self._device_cached is not None:
