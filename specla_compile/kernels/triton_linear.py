@@ -60,8 +60,10 @@ def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.conste
     w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], mask=in_n[:, None] & (offs_k[None, :] < K),
                 other=0.0)
     if IEEE:
-        return tl.dot(x, tl.trans(w), input_precision="ieee")
-    return tl.dot(x, tl.trans(w))
+        product = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        product = tl.dot(x, tl.trans(w))
+    return product
 
 
 @triton.jit
