@@ -188,9 +188,9 @@ class EagleDrafter(Drafter):
     vocabulary can only be emitted by the target itself. None (default) or the vocabulary's size: every
     token, through the target's LM head module. ``head_gemms``: how the head's GEMMs run with the norms,
     residuals, table rows and gate around them (``HEAD_GEMMS``, the ``gemms`` of :meth:`EagleHead.project` and
-    :meth:`EagleHead.attend`): ``"specla"`` (default: one
-    launch each, Triton on CUDA for up to 16 half-precision rows) or ``"pytorch"`` (PyTorch code, inductor's
-    GEMMs and fusions). The same drafts either way, up to rounding.
+    :meth:`EagleHead.attend`): ``"specla"`` (default: one launch each, Triton on CUDA for up to 16 half-precision
+    rows) or ``"pytorch"`` (PyTorch code, inductor's GEMMs and fusions). The same drafts either way, up to
+    rounding.
     """
 
     needs_features = True

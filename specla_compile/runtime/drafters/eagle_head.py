@@ -173,7 +173,7 @@ class EagleHead(nn.Module):
         values ``[R, H, S, d]`` (RoPE applied), for a caller that keeps its keys in its own buffers. ``embeds``:
         the tokens' embeddings ``[R, S, D]``, or their ids ``[R, S]`` once packed with the target's embedding.
         ``gemms``: how a packed head runs its GEMMs (one of ``HEAD_GEMMS``; default: the ``specla::`` ops)."""
-        gemms = gemms or HEAD_GEMMS["specla"]
+        gemms = gemms or HEAD_GEMMS["specla"]  # (read by a packed head only)
         rows, s, _ = features.shape
         heads, dim = self.config.num_heads, self.config.head_dim
         if embeds.is_floating_point():
