@@ -6,16 +6,19 @@ weight at 0.27 TB/s, 7.7-8 us for 2 MB (``gemv_gpu_eagle_head.md``). Here one pr
 columns reads its slice of the weight once over the whole depth, 64-128 programs in all (3.8-4.1 us for the
 same weight), and the elementwise work around the GEMM happens in the same launch:
 
-- before it, the head's RMS norm: a first pass over the few rows takes their ``rsqrt(mean(x^2) + eps)``, and
-  the rows are normalized on their way into the GEMM (one kernel fewer);
+- before it, the head's RMS norm (one kernel fewer). bf16 and fp32 rows enter the GEMM times the norm's weight
+  while the same loop sums their squares, and each output row is scaled by its ``rsqrt(mean(x^2) + eps)`` at the
+  end. fp16 rows, whose ``x * weight`` could overflow fp16, take a first pass for their ``rsqrt`` and enter
+  normalized: on the H200 that pass doubled a launch (q/k/v 4.5 -> 10.7 us, gate/up 6.5 -> 13 us in a propose,
+  ``eagle_profile.md``: eight dependent reads of the rows before the weight's loop starts);
 - after it, a bias and a residual, the residual's rows optionally gathered from a table by index (the fuse's
   token table: one kernel fewer);
 - or, for a packed gate/up weight ``[2I, K]``, ``silu(gate) * up`` of the two halves (one kernel fewer).
 
-The norm's output rounds to the rows' dtype as ``nn.RMSNorm``'s does; products accumulate in fp32 (fp32 rows: full
-fp32 products, not TF32) and the epilogue rounds once at the store. Same results as
-``reference.linear_add_reference``, ``norm_linear_reference`` and ``norm_gated_linear_reference`` up to that
-rounding (the references round the GEMM's output before the epilogue).
+The GEMM's inputs round to the rows' dtype (``x * weight``, or for fp16 the normalized rows, as ``nn.RMSNorm``'s
+output does); products accumulate in fp32 (fp32 rows: full fp32 products, not TF32) and the epilogue rounds once
+at the store. Same results as ``reference.linear_add_reference``, ``norm_linear_reference`` and
+``norm_gated_linear_reference`` up to that rounding (the references round the norm's and the GEMM's outputs).
 """
 
 from __future__ import annotations
@@ -43,14 +46,19 @@ def _inverse_rms(x_ptr, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr)
 
 @triton.jit
 def _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns ``k0 : k0 + BLOCK_K`` of the rows ``[BLOCK_M, BLOCK_K]`` in their dtype, normalized as ``nn.RMSNorm``
-    (in fp32, rounded once) when there is a norm; rows and columns past ``M`` and ``K`` are zeros."""
+    """Columns ``k0 : k0 + BLOCK_K`` of the rows: ``(x, x^2 summed over the block)``. ``x`` comes in its dtype,
+    times the norm's weight when there is one (in fp32, rounded once), and also times ``inverse_rms`` when that
+    is given (the two-pass form); rows and columns past ``M`` and ``K`` are zeros."""
     offs_m, offs_k = tl.arange(0, BLOCK_M), k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    wide = x.to(tl.float32)
+    squares = tl.sum(wide * wide, 1)
     if norm_ptr is not None:
-        norm = tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * inverse_rms[:, None] * norm[None, :]).to(x.dtype)
-    return x
+        wide = wide * tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        if inverse_rms is not None:
+            wide = wide * inverse_rms[:, None]
+        x = wide.to(x.dtype)
+    return x, squares
 
 
 @triton.jit
@@ -68,18 +76,23 @@ def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.conste
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   TWO_PASS: tl.constexpr):
     """Grid: (output column blocks,). ``y = norm?(x) @ W^T + bias? + residual?[rows?]``."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n, in_m = offs_n < N, offs_m < M
     inverse_rms = None
-    if norm_ptr is not None:
+    if norm_ptr is not None and TWO_PASS:
         inverse_rms = _inverse_rms(x_ptr, M, K, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    squares = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc += _times(_row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K), w_ptr, offs_n, in_n, K, k0,
-                      BLOCK_K, IEEE)
+        x, block_squares = _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+        squares += block_squares
+        acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE)
+    if norm_ptr is not None and not TWO_PASS:
+        acc *= tl.rsqrt(squares / K + eps)[:, None]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
     inside = in_m[:, None] & in_n[None, :]
@@ -93,21 +106,26 @@ def _linear_kernel(x_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows
 
 @triton.jit
 def _gated_kernel(x_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TWO_PASS: tl.constexpr):
     """Grid: (output column blocks,). ``W = [gate; up]`` of ``2N`` rows; ``y = silu(gate) * up`` of
     ``norm?(x) @ W^T`` ``[M, N]``: each block of rows read once for both halves."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n = offs_n < N
     inverse_rms = None
-    if norm_ptr is not None:
+    if norm_ptr is not None and TWO_PASS:
         inverse_rms = _inverse_rms(x_ptr, M, K, eps, BLOCK_M, BLOCK_K)
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    squares = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+        x, block_squares = _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+        squares += block_squares
         gate += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE)
         up += _times(x, w_ptr, offs_n + N, in_n, K, k0, BLOCK_K, IEEE)
+    if norm_ptr is not None and not TWO_PASS:
+        scale = tl.rsqrt(squares / K + eps)[:, None]
+        gate, up = gate * scale, up * scale
     out = gate * tl.sigmoid(gate) * up
     inside = (offs_m[:, None] < M) & in_n[None, :]
     tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=inside)
@@ -152,7 +170,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows:
         _linear_kernel[(triton.cdiv(n, block_n),)](x, weight, norm_weight, bias, residual, residual_rows, y, rows, n,
                                                    x.shape[1], eps, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                   IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+                                                   IEEE=x.dtype == torch.float32, TWO_PASS=x.dtype == torch.float16,
+                                                   num_warps=4, num_stages=4)
     return y
 
 
@@ -169,5 +188,5 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     if rows:
         _gated_kernel[(triton.cdiv(n, block_n),)](x, weight, norm_weight, y, rows, n, x.shape[1], eps, BLOCK_M=MAX_ROWS,
                                                   BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                                                  num_warps=4, num_stages=4)
+                                                  TWO_PASS=x.dtype == torch.float16, num_warps=4, num_stages=4)
     return y
