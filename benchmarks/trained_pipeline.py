@@ -10,7 +10,9 @@ Stages (``--stages``, in this order), each a subprocess that prints its progress
 1. ``target``: ``examples/train_target.py --fit-steps --max-minutes T`` on ``--sharegpt-mb`` of ShareGPT and
    ``--code-mb`` of installed Python sources (no document containing a benchmark prompt), the schedule
    sized to end at the cap;
-2. ``eagle``: ``examples/train_eagle.py --max-minutes E`` on the target's features over the same corpus;
+2. ``eagle``: ``examples/train_eagle.py --max-minutes E`` on the target's features over the same corpus, half
+   of every batch from the target's own greedy continuations of training contexts, generated first for up to
+   ``--distill-minutes`` (``--distill-blocks``; 0 minutes: corpus text only);
 3. ``bench``: ``benchmarks/e2e_trained.py`` on the three suites (``--limit-prompts`` per suite, default
    all), measuring for what is left of ``--minutes``.
 
@@ -71,13 +73,18 @@ def overhead(stage: str) -> float:
     return sum(OVERHEAD_MINUTES[stage].values())
 
 
+def distill_minutes(args: argparse.Namespace, stage: str) -> float:
+    """The eagle stage's generation of distilled blocks, before its training (0 for the other stages)."""
+    return args.distill_minutes if stage == "eagle" else 0.0
+
+
 def plan(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Minutes per stage of this call: ``budget`` (training or measuring) and ``total`` (overheads
-    included); raises ``ValueError`` when they do not fit ``--minutes``."""
+    """Minutes per stage of this call: ``budget`` (training or measuring) and ``total`` (overheads and
+    the distilled blocks' generation included); raises ``ValueError`` when they do not fit ``--minutes``."""
     out = {}
     for stage, budget in (("target", args.target_minutes), ("eagle", args.eagle_minutes)):
         if stage in args.stages:
-            out[stage] = {"budget": budget, "total": overhead(stage) + budget}
+            out[stage] = {"budget": budget, "total": overhead(stage) + distill_minutes(args, stage) + budget}
     used = sum(p["total"] for p in out.values())
     if "bench" in args.stages:
         left = args.minutes - RESERVE_MINUTES - used - overhead("bench")
@@ -88,20 +95,22 @@ def plan(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         out["bench"] = {"budget": left, "total": overhead("bench") + left}
     elif used > args.minutes - RESERVE_MINUTES:
         raise ValueError(f"--minutes {args.minutes} is short of the {used:.2f} min planned for {' + '.join(out)} "
-                         f"(training budgets plus their overheads {', '.join(f'{s} {overhead(s):.1f}' for s in out)}) "
+                         f"(training budgets plus their overheads {', '.join(f'{s} {overhead(s):.1f}' for s in out)}"
+                         f"{f', and {d} of self-distillation' if (d := distill_minutes(args, 'eagle')) and 'eagle' in out else ''}) "
                          f"and {RESERVE_MINUTES} in reserve: pass --minutes {used + RESERVE_MINUTES:.2f} or more, or train for less")
     return out
 
 
-def describe_plan(stages: dict[str, dict[str, float]], minutes: float) -> str:
+def describe_plan(args: argparse.Namespace) -> str:
     parts = []
-    for stage, p in stages.items():
+    for stage, p in args.plan.items():
         o = OVERHEAD_MINUTES[stage]
         what = "measuring" if stage == "bench" else "training"
-        parts.append(f"{stage} {p['total']:.2f} = {o['prepare']} preparation + {o['compile']} "
+        distill = f" + {d} self-distillation" if (d := distill_minutes(args, stage)) else ""
+        parts.append(f"{stage} {p['total']:.2f} = {o['prepare']} preparation{distill} + {o['compile']} "
                      f"{'warm-ups' if stage == 'bench' else 'first step (compilation)'} + {p['budget']:.2f} {what} + {o['finish']} finish")
-    total = sum(p["total"] for p in stages.values())
-    return f"plan (minutes): {'; '.join(parts)}; total {total:.2f} of --minutes {minutes}"
+    total = sum(p["total"] for p in args.plan.values())
+    return f"plan (minutes): {'; '.join(parts)}; total {total:.2f} of --minutes {args.minutes}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=8.75, help="budget of this call (a 10-minute call less the wheel install)")
     p.add_argument("--target-minutes", type=float, default=1.5, help="target training time, after its first (compiling) step")
     p.add_argument("--eagle-minutes", type=float, default=0.75, help="EAGLE head training time, after its first step")
+    p.add_argument("--distill-minutes", type=float, default=0.25,
+                   help="the eagle stage's generation of the target's own continuations, before its training (0: none)")
+    p.add_argument("--distill-blocks", type=int, default=8192, help="distilled blocks at most (the time cap may stop sooner)")
     p.add_argument("--sharegpt-mb", type=float, default=30.0)
     p.add_argument("--code-mb", type=float, default=15.0)
     p.add_argument("--tokenizer-mb", type=float, default=15.0)
@@ -126,8 +138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.stages = [s for s in STAGES if s in args.stages]
     problems = [f"--{n.replace('_', '-')} must be positive, got {getattr(args, n)}"
-                for n in ("minutes", "target_minutes", "eagle_minutes", "sharegpt_mb", "code_mb", "tokenizer_mb", "limit_prompts")
+                for n in ("minutes", "target_minutes", "eagle_minutes", "sharegpt_mb", "code_mb", "tokenizer_mb", "limit_prompts",
+                          "distill_blocks")
                 if getattr(args, n) is not None and getattr(args, n) <= 0]
+    if args.distill_minutes < 0:
+        problems.append(f"--distill-minutes must be >= 0, got {args.distill_minutes}")
     try:
         args.plan = plan(args)
     except ValueError as e:
@@ -166,7 +181,7 @@ def stage_commands(args: argparse.Namespace, bench_minutes: float = 0.0, bench_w
 
     def wall(stage: str, budget: float) -> str:
         o = OVERHEAD_MINUTES[stage]
-        return f"{o['prepare'] + o['compile'] + budget:.2f}"
+        return f"{o['prepare'] + distill_minutes(args, stage) + o['compile'] + budget:.2f}"
 
     target = [py, str(ROOT / "examples" / "train_target.py"), "--out", str(work / "target"), "--no-resume", "--fit-steps",
               "--max-minutes", str(args.target_minutes), "--max-wall-minutes", wall("target", args.target_minutes),
@@ -175,6 +190,8 @@ def stage_commands(args: argparse.Namespace, bench_minutes: float = 0.0, bench_w
              "--max-minutes", str(args.eagle_minutes), "--max-wall-minutes", wall("eagle", args.eagle_minutes),
              "--dtype", "bfloat16", "--steps", "1000000", "--batch-size", "16",
              "--lr", "5e-4", "--eval-every", "1000000", "--save-every", "1000000", *corpus_args(args)]
+    if args.distill_minutes:
+        eagle += ["--distill-blocks", str(args.distill_blocks), "--distill-minutes", str(args.distill_minutes)]
     bench = [py, str(ROOT / "benchmarks" / "e2e_trained.py"), "--target", str(work / "target"), "--eagle", str(work / "eagle"),
              "--out", str(work / "bench"), "--max-minutes", f"{bench_minutes:.2f}", "--max-wall-minutes", f"{bench_wall:.2f}",
              "--prompts-dir", args.prompts_dir, "--humaneval", str(args.humaneval)]
@@ -255,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     env = stage_env(work)
-    print(describe_plan(args.plan, args.minutes), flush=True)
+    print(describe_plan(args), flush=True)
     earlier = (_json(work / CALLS_NAME) or []) if "target" not in args.stages else []  # a new target starts a new history
     stages: dict[str, dict] = {}
     calls = earlier + [{"command": command, "plan": args.plan, "stages": stages}]

@@ -26,6 +26,15 @@ the same corpus) and reports the head's top-1 agreement with the target on held-
 each source, every ``--eval-every`` steps and at the end (``--out/report.json``):
 
     python examples/train_eagle.py --target runs/target --out runs/eagle
+
+``--distill-blocks N`` (corpus mode) adds the target's own greedy text before training
+(``specla_compile.training.self_distill``): N contexts cut from the training stream (conversation ones
+ending at an ``ASSISTANT:`` turn, as a chat prompt does), each continued by ``--distill-new-tokens`` greedy
+tokens of the target, and ``--distill-share`` of every batch's rows come from these blocks; they are saved
+in ``--out`` (reused by ``--resume``), and the report adds the head's agreement on continuations of
+held-out contexts (``heldout_top1_distilled``):
+
+    python examples/train_eagle.py --target runs/target --out runs/eagle --distill-blocks 4096 --distill-minutes 0.5
 """
 
 from __future__ import annotations
@@ -49,8 +58,10 @@ from specla_compile.training import corpus as C
 from specla_compile.training.budget import TimeBudget
 from specla_compile.training.chunked_gdn import DEFAULT_CHUNK, plain_torch_fla
 from specla_compile.training.corpus import batch_indices, make_blocks
+from specla_compile.training.self_distill import TURN_MARKER, distill_contexts, greedy_continuations
 
 STATE_NAME = "trainer_state.pt"
+DISTILL_NAME = "distill_blocks.pt"  # the target's greedy continuations, kept for --resume
 LOG_NAME = "train_log.jsonl"
 REPORT_NAME = "report.json"
 
@@ -89,14 +100,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gdn-chunk", type=int, default=DEFAULT_CHUNK, help="chunk size of the torch features backend")
     p.add_argument("--eval-every", type=int, default=500, help="held-out agreement every this many steps (corpus mode)")
     p.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source (corpus mode)")
+    p.add_argument("--distill-blocks", type=int, default=0,
+                   help="blocks of the target's own greedy continuations to train on too (corpus mode; 0: none)")
+    p.add_argument("--distill-new-tokens", type=int, default=None,
+                   help="greedy tokens per distilled block, after a context of the rest of --seq-len (default half)")
+    p.add_argument("--distill-share", type=float, default=0.5, help="share of each batch's rows from distilled blocks")
+    p.add_argument("--distill-batch", type=int, default=512, help="rows per greedy decoding loop of the distillation")
+    p.add_argument("--distill-minutes", type=float, default=None,
+                   help="stop generating distilled blocks after this long (fewer than --distill-blocks)")
     C.add_corpus_arguments(p)
     args = p.parse_args(argv)
-    for name in ("seq_len", "batch_size", "steps", "save_every", "eval_every", "eval_blocks", "gdn_chunk"):
+    for name in ("seq_len", "batch_size", "steps", "save_every", "eval_every", "eval_blocks", "gdn_chunk",
+                 "distill_batch"):
         if getattr(args, name) < 1 or (name == "seq_len" and args.seq_len < 2):
             raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    if args.distill_new_tokens is None:
+        args.distill_new_tokens = args.seq_len // 2
+    if args.distill_blocks < 0 or not 0 < args.distill_share <= 1 or not 1 <= args.distill_new_tokens < args.seq_len:
+        raise ValueError(f"--distill-blocks must be >= 0, --distill-share in (0, 1] and --distill-new-tokens in "
+                         f"[1, {args.seq_len - 1}], got {args.distill_blocks}, {args.distill_share}, {args.distill_new_tokens}")
+    if args.distill_blocks and args.data is not None:
+        raise ValueError("--distill-blocks needs the shared corpus (no --data): its contexts come from its training split")
     if not 1 <= args.unroll < args.seq_len - 1:
         raise ValueError(f"--unroll must be in [1, {args.seq_len - 2}] for --seq-len {args.seq_len}, got {args.unroll}")
-    for name in ("max_minutes", "max_wall_minutes"):
+    for name in ("max_minutes", "max_wall_minutes", "distill_minutes"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.data is None:
@@ -185,6 +212,47 @@ def heldout_agreement(
     return out
 
 
+def features_backend(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """Where the target's forward runs: plain PyTorch (``--features-backend torch``) or its own kernels."""
+    return plain_torch_fla(args.gdn_chunk) if args.features_backend == "torch" else contextlib.nullcontext()
+
+
+def distilled_blocks(
+    args: argparse.Namespace, target: torch.nn.Module, streams: dict[str, dict[str, np.ndarray]], split: str,
+    count: int, max_seconds: float | None = None,
+) -> torch.Tensor:
+    """``[n, seq_len]``: contexts of ``split`` continued by the target's own greedy tokens."""
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+    marker = tok(TURN_MARKER, add_special_tokens=False)["input_ids"]
+    contexts = distill_contexts({s: v[split] for s, v in streams.items()}, count, args.seq_len - args.distill_new_tokens,
+                                args.seed, ends_with={"sharegpt": marker})
+    with features_backend(args):
+        return greedy_continuations(target, contexts, args.distill_new_tokens, args.distill_batch, max_seconds)
+
+
+def self_distillation(
+    args: argparse.Namespace, target: torch.nn.Module, streams: dict[str, dict[str, np.ndarray]]
+) -> tuple[torch.Tensor, dict]:
+    """The distilled training blocks (generated now, or an earlier run's from ``--out`` on ``--resume``) and
+    their report."""
+    path = os.path.join(args.out, DISTILL_NAME)
+    started = time.perf_counter()
+    if args.resume and os.path.isfile(path):
+        blocks = torch.load(path)
+        if blocks.shape[1] != args.seq_len:
+            raise ValueError(f"--resume: {path} holds blocks of {blocks.shape[1]} tokens, not --seq-len {args.seq_len}")
+    else:
+        cap = None if args.distill_minutes is None else 60 * args.distill_minutes
+        blocks = distilled_blocks(args, target, streams, "train", args.distill_blocks, cap)
+        torch.save(blocks, path)
+    seconds = time.perf_counter() - started
+    report = {"blocks": len(blocks), "new_tokens": args.distill_new_tokens, "share": args.distill_share,
+              "seconds": round(seconds, 1), "new_tokens_per_second": round(len(blocks) * args.distill_new_tokens / seconds)}
+    print(f"self-distillation: {report['blocks']} blocks of {args.seq_len - args.distill_new_tokens} context + "
+          f"{args.distill_new_tokens} greedy tokens in {seconds:.0f} s; {args.distill_share:.0%} of each batch")
+    return blocks, report
+
+
 def save_checkpoint(out: str, head: EagleHead, optimizer: torch.optim.Optimizer, step: int) -> None:
     head.save_pretrained(out)
     torch.save({"step": step, "optimizer": optimizer.state_dict()}, os.path.join(out, STATE_NAME))
@@ -201,7 +269,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     target.requires_grad_(False)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     os.makedirs(args.out, exist_ok=True)
-    heldout = {}
+    heldout, distilled, distill_report, heldout_distilled = {}, None, None, None
     if args.data is not None:
         blocks = make_blocks(
             tokenize(read_corpus(args.data), args.tokenizer, args.target, output_vocab_size(target)), args.seq_len
@@ -212,6 +280,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         heldout = C.heldout_blocks(streams, args.seq_len, args.eval_blocks)
         if (top := int(blocks.max())) >= (vocab := output_vocab_size(target)):
             raise ValueError(f"the corpus has token id {top}; the target's vocabulary has {vocab}")
+        if args.distill_blocks:
+            distilled, distill_report = self_distillation(args, target, streams)
+            heldout_distilled = {"distilled": distilled_blocks(args, target, streams, "heldout", args.eval_blocks)}
 
     state_file = os.path.join(args.out, STATE_NAME)
     if args.resume:
@@ -226,8 +297,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         }
         head = EagleHead(EagleConfig.for_target(target, **overrides)).to(args.device)
         state = {"step": 0}
-    # the training tokens by frequency, saved with the head: EagleDrafter(draft_vocab=N) drafts the first N
-    head.set_token_ranking(rank_tokens(blocks, head.config.vocab_size))
+    # the training tokens by frequency (the target's own text included), saved with the head:
+    # EagleDrafter(draft_vocab=N) drafts the first N
+    head.set_token_ranking(rank_tokens(blocks if distilled is None else torch.cat([blocks, distilled]), head.config.vocab_size))
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95))
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
@@ -235,12 +307,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     history, agreement, done = [], None, state["step"]
     head.train()
     budget = TimeBudget(args.max_minutes, args.max_wall_minutes, launched)
-    features = plain_torch_fla(args.gdn_chunk) if args.features_backend == "torch" else contextlib.nullcontext()
+    distill_rows = 0 if distilled is None else min(args.batch_size, max(1, round(args.distill_share * args.batch_size)))
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="train eagle head")
-    with features, open(os.path.join(args.out, LOG_NAME), "a") as log:
+    with features_backend(args), open(os.path.join(args.out, LOG_NAME), "a") as log:
         for step in bar:
             tic = time.perf_counter()
-            ids = blocks[batch_indices(len(blocks), step, args.batch_size, args.seed)].to(args.device)
+            ids = blocks[batch_indices(len(blocks), step, args.batch_size - distill_rows, args.seed)]
+            if distill_rows:
+                ids = torch.cat([ids, distilled[batch_indices(len(distilled), step, distill_rows, args.seed)]])
+            ids = ids.to(args.device)
             with torch.no_grad():
                 out = target(input_ids=ids, output_hidden_states=True)
             loss, stats = eagle_loss(head, embed, lm_head, ids, out.hidden_states[-1], out.logits, args.cls_weight,
@@ -276,6 +351,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                       "wall_seconds": time.perf_counter() - launched, "time_budget": budget.report(),
                       "features_backend": args.features_backend, "heldout_top1": agreement,
                       "last_step": history[-1] if history else None, "head": dataclasses.asdict(head.config)}
+            if heldout_distilled is not None:  # whole blocks: held-out contexts and the target's continuations
+                report["self_distillation"] = distill_report
+                report["heldout_top1_distilled"] = heldout_agreement(head, target, heldout_distilled, args)["distilled"]
+                agreement = {**agreement, "distilled": report["heldout_top1_distilled"]}
             Path(args.out, REPORT_NAME).write_text(json.dumps(report, indent=1, default=str))
             summary = ", ".join(f"{s} {v['top1']:.3f}" for s, v in agreement.items())
             print(f"held-out top-1 agreement with the target: {summary}")

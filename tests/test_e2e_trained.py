@@ -164,9 +164,12 @@ def test_pipeline_plans_compilation_apart_and_refuses_a_plan_that_does_not_fit(p
     one = P.parse_args(_pipeline_args(prompt_files, work))  # (a) one call, every stage, the default budgets
     assert one.stages == list(P.STAGES) and sum(p["total"] for p in one.plan.values()) <= one.minutes - P.RESERVE_MINUTES
     assert one.plan["target"]["total"] == pytest.approx(P.overhead("target") + one.target_minutes)  # compile on top
+    # the head's stage generates its distilled blocks first: their minutes are in its plan and its wall cap
+    assert one.plan["eagle"]["total"] == pytest.approx(P.overhead("eagle") + one.distill_minutes + one.eagle_minutes)
+    assert "0.25 self-distillation" in P.describe_plan(one)
     assert one.plan["bench"]["budget"] >= P.MIN_BENCH_MINUTES
     call1 = P.parse_args(_pipeline_args(prompt_files, work, "--stages", "eagle", "target", "--target-minutes", "3.5",
-                                        "--eagle-minutes", "1"))  # (b) call 1
+                                        "--eagle-minutes", "0.9"))  # (b) call 1
     assert call1.stages == ["target", "eagle"] and set(call1.plan) == {"target", "eagle"}
     with pytest.raises(SystemExit, match="^error: --minutes 8.75 is short of the 8.90 min planned for target.*pass --minutes 9.15 or more"):
         P.parse_args(_pipeline_args(prompt_files, work, "--stages", "target", "--target-minutes", "6"))
@@ -184,6 +187,12 @@ def test_pipeline_plans_compilation_apart_and_refuses_a_plan_that_does_not_fit(p
     o = P.OVERHEAD_MINUTES["target"]
     assert target[target.index("--max-minutes") + 1] == "1.5"  # training time after the first step ...
     assert float(target[target.index("--max-wall-minutes") + 1]) == pytest.approx(o["prepare"] + o["compile"] + 1.5)  # ... capped
+    eagle = commands["eagle"]
+    assert eagle[eagle.index("--distill-minutes") + 1] == "0.25" and eagle[eagle.index("--distill-blocks") + 1] == "8192"
+    o = P.OVERHEAD_MINUTES["eagle"]
+    assert float(eagle[eagle.index("--max-wall-minutes") + 1]) == pytest.approx(o["prepare"] + 0.25 + o["compile"] + 0.75, abs=0.01)
+    plain = P.parse_args(_pipeline_args(prompt_files, work, "--distill-minutes", "0"))
+    assert "--distill-blocks" not in P.stage_commands(plain)["eagle"] and plain.plan["eagle"]["total"] == pytest.approx(P.overhead("eagle") + 0.75)
     bench = commands["bench"]
     assert bench[bench.index("--out") + 1] == str(work / "bench") and "--limit-prompts" not in bench and "--resume" not in bench
     assert bench[bench.index("--max-minutes") + 1] == "2.00" and bench[bench.index("--max-wall-minutes") + 1] == "3.50"
@@ -222,7 +231,7 @@ def test_two_calls_share_the_work_folder_and_complete_the_pipeline(prompt_files,
         return {"returncode": 0, "seconds": 1.0, "command": " ".join(command)}
 
     monkeypatch.setattr(P, "run_stage", fake_stage)
-    first = P.main(_pipeline_args(prompt_files, work, "--stages", "target", "eagle", "--target-minutes", "3.5", "--eagle-minutes", "1"))
+    first = P.main(_pipeline_args(prompt_files, work, "--stages", "target", "eagle", "--target-minutes", "3.5", "--eagle-minutes", "0.9"))
     assert [r[0] for r in ran] == ["target", "eagle"] and set(first["stages"]) == {"target", "eagle"}
     assert ran[0][2] == pytest.approx(P.overhead("target") + 3.5 + P.GRACE_MINUTES)
     assert not (out / "e2e_trained.json").exists() and first["target"] == {"steps": 3}
@@ -365,7 +374,7 @@ def test_pipeline_end_to_end_on_cpu_at_tiny_sizes(prompt_files, tmp_path):
     data = f"--device cpu --sharegpt {corpus / 'sharegpt.json'} --code-dirs {corpus / 'code'} --heldout-fraction 0.1 --eval-blocks 2"
     target = f"{data} --vocab-size 300 --hidden-size 32 --num-layers 1 --num-heads 2 --head-dim 16 --seq-len 32 --batch-size 4 " \
              "--gdn-chunk 8 --warmup 2 --stop-after 12"
-    eagle = f"{data} --seq-len 32 --batch-size 4 --steps 6 --dtype float32"
+    eagle = f"{data} --seq-len 32 --batch-size 4 --steps 6 --dtype float32 --distill-batch 64"
     bench = "--device cpu --dtype float32 --inner eager --new-tokens 6 --warmup-tokens 2 --eager-prompts 1 " \
             "--suites gsm8k humaneval --routes plain eager eagle_tree ngram_chain"
     out = tmp_path / "out"
@@ -379,6 +388,7 @@ def test_pipeline_end_to_end_on_cpu_at_tiny_sizes(prompt_files, tmp_path):
     saved = json.loads((out / "report.json").read_text())
     assert saved["target"]["steps"] == 12 and saved["target"]["config"]["hidden_size"] == 32
     assert saved["eagle"]["steps"] == 6 and 0 <= saved["eagle"]["heldout_top1"]["all"]["top1"] <= 1
+    assert saved["eagle"]["self_distillation"]["blocks"] >= 64  # (the pipeline's default: a time cap, at least one batch)
     results = json.loads((out / "e2e_trained.json").read_text())
     assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
     assert all(set(r["routes"]) == {"plain", "eager", "eagle_tree", "ngram_chain"} for r in results["records"])

@@ -410,6 +410,93 @@ def test_eagle_head_trains_on_the_target_corpus_and_reports_heldout_agreement(tr
     assert unrolled["all"]["top1"] == pytest.approx(trained_head["all"]["top1"]) and 0 <= unrolled["all"]["top1_2"] <= 1
 
 
+# --- self-distillation: the head also trains on the target's own greedy text ---------------------------
+
+
+def test_distill_contexts_end_at_assistant_turns_and_mix_sources_by_size():
+    from specla_compile.training.self_distill import distill_contexts, marker_ends
+
+    marker = [7, 8, 9]
+    chat = np.array([1, 7, 8, 9, 2, 3, 7, 8, 7, 8, 9, 4, 5, 6, 7, 8, 9] * 6)
+    assert marker_ends(chat[:17], marker).tolist() == [4, 11, 17]  # (a partial 7, 8 is no marker; one at the very end)
+    assert marker_ends(chat[:2], marker).size == 0 and marker_ends(chat, []).size == 0
+    code = np.concatenate([np.arange(100, 200), marker, np.arange(200, 297)])  # no turns: contexts anywhere
+    streams, ends_with = {"sharegpt": chat, "code": code}, {"sharegpt": marker}
+    contexts = distill_contexts(streams, 60, 5, seed=0, ends_with=ends_with)
+    assert contexts.shape == (60, 5) and contexts.dtype == torch.int64
+    from_chat = [row for row in contexts.tolist() if row[-1] < 100]
+    assert all(row[-3:] == marker for row in from_chat)
+    assert 60 * 102 / 302 - 2 <= len(from_chat) <= 60 * 102 / 302 + 2  # the sources' shares: their stream lengths
+    code_rows = [row for row in contexts.tolist() if row[-1] >= 100]
+    assert len({row[-1] for row in code_rows}) > 10  # anywhere, not at the marker the code stream happens to hold
+    assert all(any(row == code[i : i + 5].tolist() for i in range(len(code) - 4)) for row in code_rows)
+    assert torch.equal(contexts, distill_contexts(streams, 60, 5, seed=0, ends_with=ends_with))
+    with pytest.raises(ValueError, match="longer than a 500-token context"):
+        distill_contexts({"code": code}, 4, 500, seed=0)
+    with pytest.raises(ValueError, match=r"no \[7, 8, 9\]"):
+        distill_contexts({"sharegpt": np.arange(10, 40)}, 4, 5, seed=0, ends_with=ends_with)
+
+
+def test_greedy_continuations_are_plain_decoding_without_fla_kernels(monkeypatch):
+    """The distilled blocks: each context and the target's greedy tokens, decoded in batches under plain_torch_fla
+    (its cache's decoding steps included) with none of fla's own (Triton) functions reachable."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    from specla_compile.lowering import capture
+    from specla_compile.runtime.baseline import autoregressive_generate
+    from specla_compile.training.chunked_gdn import plain_torch_fla
+    from specla_compile.training.self_distill import greedy_continuations
+
+    torch.manual_seed(0)
+    config = GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=1.0,
+                                 vocab_size=50, fuse_cross_entropy=False)
+    model = GatedDeltaNetForCausalLM(config).eval()
+    contexts = torch.randint(0, 50, (5, 9))
+    expected = [autoregressive_generate(model, row[None], 6)[0][0] for row in contexts]  # the capture's references
+    monkeypatch.setattr(capture, "use_specla_path", lambda x: False)  # fla's originals would now be called (and fail)
+    with plain_torch_fla(chunk_size=4):
+        blocks = greedy_continuations(model, contexts, 6, batch_rows=2)
+        first = greedy_continuations(model, contexts, 6, batch_rows=2, max_seconds=0.0)  # the cap: one batch only
+    assert blocks.shape == (5, 15) and torch.equal(blocks[:, :9], contexts)
+    assert all(torch.equal(block, want) for block, want in zip(blocks, expected))
+    assert torch.equal(first, blocks[:2])
+    with pytest.raises(ValueError, match="new_tokens and batch_rows"):
+        greedy_continuations(model, contexts, 0, batch_rows=2)
+
+
+def test_eagle_head_trains_on_the_targets_own_continuations(trained, corpus_dir, tmp_path):
+    eagle = load_script("train_eagle")
+    target_dir, out = trained[0] / "straight", tmp_path / "eagle"
+    options = ("--seq-len 32 --batch-size 4 --steps 6 --lr 5e-3 --eval-every 100 --eval-blocks 2 --device cpu "
+               "--distill-blocks 6 --distill-new-tokens 8 --distill-batch 4 --distill-share 0.5")
+    argv = ["--target", str(target_dir), "--out", str(out), *corpus_args(corpus_dir), *options.split()]
+    history = eagle.main(argv)
+    assert [r["step"] for r in history] == list(range(1, 7))
+    report = json.loads((out / eagle.REPORT_NAME).read_text())
+    assert report["self_distillation"]["blocks"] == 6 and report["self_distillation"]["new_tokens"] == 8
+    assert 0 <= report["heldout_top1_distilled"]["top1"] <= 1 and set(report["heldout_top1"]) == {"sharegpt", "code", "all"}
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specla_compile.runtime.baseline import autoregressive_generate
+    from specla_compile.training.self_distill import TURN_MARKER
+
+    blocks = torch.load(out / eagle.DISTILL_NAME)
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    assert blocks.shape == (6, 32)
+    for block in blocks[:2]:  # each block: a context of 24 training tokens, then the target's 8 greedy tokens
+        assert torch.equal(autoregressive_generate(target, block[None, :24], 8)[0][0], block)
+    marker = AutoTokenizer.from_pretrained(target_dir)(TURN_MARKER, add_special_tokens=False)["input_ids"]
+    assert any(block[24 - len(marker) : 24].tolist() == marker for block in blocks)  # conversation contexts
+    again = eagle.main([*argv, "--resume", "--steps", "7"])  # the saved blocks are reused, not generated again
+    assert [r["step"] for r in again] == [7] and torch.equal(torch.load(out / eagle.DISTILL_NAME), blocks)
+    for bad, message in ((["--distill-share", "0"], "--distill-share in"), (["--distill-new-tokens", "32"], r"\[1, 31\]")):
+        with pytest.raises(ValueError, match=message):
+            eagle.parse_args([*argv, *bad])
+    with pytest.raises(ValueError, match="needs the shared corpus"):
+        eagle.parse_args([*argv, "--data", str(corpus_dir / "sharegpt.json")])
+
+
 def test_prepared_data_is_reused_and_a_time_budget_stops_after_saving(script, corpus_dir, tmp_path):
     out = tmp_path / "run"
     prepared = script.main(train_args(corpus_dir, out, 5, "--prepare-only"))

@@ -118,6 +118,7 @@ def chunked_gdn(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     out_dtype, (batch, n, _, dk), (hv, dv) = v.dtype, q.shape, v.shape[2:]
+    chunk_size = max(1, min(chunk_size, n))  # a shorter sequence (a decoding step) is one chunk, not padded to one
     dtype = torch.float64 if torch.float64 in (v.dtype, getattr(initial_state, "dtype", None)) else torch.float32
     with torch.autocast(v.device.type, enabled=False):  # the recurrence needs fp32 even in bf16 training
         q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
