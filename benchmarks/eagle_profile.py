@@ -35,7 +35,7 @@ from e2e_gpu import kernel_profile, summarize_kernels, timed
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
 from specla_compile.runtime.drafters.eagle import ATTENTION
-from specla_compile.runtime.drafters.eagle_head import HEAD_GEMMS
+from specla_compile.runtime.drafters.eagle_head import DEFAULT_HEAD_GEMMS, HEAD_GEMMS
 from specla_compile.runtime.drafting import DraftRequest
 
 CONFIGS = {  # the routes of benchmarks/e2e_trained.py
@@ -228,7 +228,7 @@ def main() -> None:
     p.add_argument("--attention", nargs="+", choices=ATTENTION, default=["pytorch", "specla"],
                    help="the head's attention kernels to time in the propose section; "
                         "the loop section drafts with the one whose tree propose replays fastest")
-    p.add_argument("--head-gemms", nargs="+", choices=sorted(HEAD_GEMMS), default=["specla"],
+    p.add_argument("--head-gemms", nargs="+", choices=sorted(HEAD_GEMMS), default=[DEFAULT_HEAD_GEMMS],
                    help="how the head's GEMMs run (EagleDrafter's head_gemms) in the propose section: the fused specla "
                         "ops, or PyTorch code that inductor compiles; the loop section drafts with the first")
     p.add_argument("--draft-vocab", nargs="+", type=int, default=[0],

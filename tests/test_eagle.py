@@ -528,10 +528,10 @@ def test_attention_choice_changes_the_kernel_not_the_draft():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
-    """``head_gemms="specla"`` (the default) runs the packed head's GEMMs as the fused specla ops (two
+    """``head_gemms="specla"`` runs the packed head's GEMMs as the fused specla ops (two
     linear_add, one norm_linear and one norm_gated_linear per head call), ``"pytorch"`` as PyTorch code with no
-    specla GEMM op, uncaptured and in the program inductor compiles; both draft the same tree; an unknown name
-    is refused at construction."""
+    specla GEMM op, uncaptured and in the program inductor compiles (the default); both draft the same tree; an
+    unknown name is refused at construction."""
     from torch._inductor.utils import run_and_get_code
 
     target, head = make(seed=6)
@@ -559,6 +559,7 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     assert fused_calls["pytorch"] == 0 and fused_calls["specla"] >= 4 * config.depth
     assert gemm_calls["pytorch"] >= gemm_calls["specla"] + 4 * config.depth
     assert_same_draft(drafts["specla"], drafts["pytorch"])
+    assert EagleDrafter(head, target).head_gemms == "pytorch"
     with pytest.raises(ValueError, match="head_gemms must be one of"):
         EagleDrafter(head, target, head_gemms="cublas")
 

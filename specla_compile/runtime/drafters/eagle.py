@@ -41,7 +41,7 @@ from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest, PassOutputs
 from ..graph_capture import capture
 from ..tree_builder import Frontier, build_draft
-from .eagle_head import HEAD_GEMMS, EagleHead
+from .eagle_head import DEFAULT_HEAD_GEMMS, HEAD_GEMMS, EagleHead
 
 log = logging.getLogger("specla_compile")
 
@@ -188,16 +188,16 @@ class EagleDrafter(Drafter):
     vocabulary can only be emitted by the target itself. None (default) or the vocabulary's size: every
     token, through the target's LM head module. ``head_gemms``: how the head's GEMMs run with the norms,
     residuals, table rows and gate around them (``HEAD_GEMMS``, the ``gemms`` of :meth:`EagleHead.project` and
-    :meth:`EagleHead.attend`): ``"specla"`` (default: one launch each, Triton on CUDA for up to 16 half-precision
-    rows) or ``"pytorch"`` (PyTorch code, inductor's GEMMs and fusions). The same drafts either way, up to
-    rounding.
+    :meth:`EagleHead.attend`): ``"pytorch"`` (default: PyTorch code, cuBLAS's GEMMs and inductor's fusions) or
+    ``"specla"`` (one launch each, Triton on CUDA for up to 16 half-precision rows; on the H200 no faster in a
+    propose, ``benchmarks/results/eagle_profile.md``). The same drafts either way, up to rounding.
     """
 
     needs_features = True
 
     def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None,
                  compiled: bool | None = None, attention: str | None = None, draft_vocab: int | None = None,
-                 head_gemms: str = "specla"):
+                 head_gemms: str = DEFAULT_HEAD_GEMMS):
         if attention is not None and attention not in ATTENTION:
             raise ValueError(f"EagleDrafter: attention must be None or one of {sorted(ATTENTION)}, got {attention!r}")
         if head_gemms not in HEAD_GEMMS:
