@@ -38,7 +38,9 @@ def device_calls(config: SpecConfig, vocab: int = 1000, hidden: int = 128) -> li
     torch.manual_seed(0)
     head = EagleHead(EagleConfig(hidden, vocab, 4, 2 * hidden)).eval()
     target = stub_target(hidden, vocab, torch.float32, "cpu")
-    drafter = EagleDrafter(head, target, static_shapes=True, compiled=True, attention="specla")
+    # (the head's GEMMs as the fused specla ops, as the committed counts were taken; the default, PyTorch code,
+    # leaves them to inductor's GEMMs and fusions)
+    drafter = EagleDrafter(head, target, static_shapes=True, compiled=True, attention="specla", head_gemms="specla")
     seq = torch.randint(0, vocab, (40,))
     drafter.begin([seq[:-1]], [torch.randn(39, hidden)])
     torch._dynamo.reset()

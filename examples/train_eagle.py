@@ -31,8 +31,8 @@ each source, every ``--eval-every`` steps and at the end (``--out/report.json``)
 (``specla_compile.training.self_distill``): N contexts cut from the training stream (conversation ones
 ending at an ``ASSISTANT:`` turn, as a chat prompt does), each continued by ``--distill-new-tokens`` greedy
 tokens of the target, and ``--distill-share`` of every batch's rows come from these blocks; they are saved
-in ``--out`` (reused by ``--resume``), and the report adds the head's agreement on continuations of
-held-out contexts (``heldout_top1_distilled``):
+in ``--out`` (reused by ``--resume``), and the report adds the head's agreement on held-out contexts
+continued so (``heldout_top1_distilled``, over whole blocks: context and continuation):
 
     python examples/train_eagle.py --target runs/target --out runs/eagle --distill-blocks 4096 --distill-minutes 0.5
 """
@@ -222,8 +222,7 @@ def distilled_blocks(
     count: int, max_seconds: float | None = None,
 ) -> torch.Tensor:
     """``[n, seq_len]``: contexts of ``split`` continued by the target's own greedy tokens."""
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-    marker = tok(TURN_MARKER, add_special_tokens=False)["input_ids"]
+    marker = AutoTokenizer.from_pretrained(args.tokenizer or args.target)(TURN_MARKER, add_special_tokens=False)["input_ids"]
     contexts = distill_contexts({s: v[split] for s, v in streams.items()}, count, args.seq_len - args.distill_new_tokens,
                                 args.seed, ends_with={"sharegpt": marker})
     with features_backend(args):
@@ -236,21 +235,25 @@ def self_distillation(
     """The distilled training blocks (generated now, or an earlier run's from ``--out`` on ``--resume``) and
     their report."""
     path = os.path.join(args.out, DISTILL_NAME)
-    started = time.perf_counter()
+    report = {"new_tokens": args.distill_new_tokens, "share": args.distill_share}
     if args.resume and os.path.isfile(path):
-        blocks = torch.load(path)
-        if blocks.shape[1] != args.seq_len:
-            raise ValueError(f"--resume: {path} holds blocks of {blocks.shape[1]} tokens, not --seq-len {args.seq_len}")
+        saved = torch.load(path)
+        if (saved["blocks"].shape[1], saved["new_tokens"]) != (args.seq_len, args.distill_new_tokens):
+            raise ValueError(f"--resume: {path} holds blocks of {saved['blocks'].shape[1]} tokens ending in "
+                             f"{saved['new_tokens']} greedy ones, not --seq-len {args.seq_len} and "
+                             f"--distill-new-tokens {args.distill_new_tokens}")
+        blocks, report["reused"] = saved["blocks"], True
+        print(f"self-distillation: reusing {len(blocks)} blocks from {path}")
     else:
+        started = time.perf_counter()
         cap = None if args.distill_minutes is None else 60 * args.distill_minutes
         blocks = distilled_blocks(args, target, streams, "train", args.distill_blocks, cap)
-        torch.save(blocks, path)
-    seconds = time.perf_counter() - started
-    report = {"blocks": len(blocks), "new_tokens": args.distill_new_tokens, "share": args.distill_share,
-              "seconds": round(seconds, 1), "new_tokens_per_second": round(len(blocks) * args.distill_new_tokens / seconds)}
-    print(f"self-distillation: {report['blocks']} blocks of {args.seq_len - args.distill_new_tokens} context + "
-          f"{args.distill_new_tokens} greedy tokens in {seconds:.0f} s; {args.distill_share:.0%} of each batch")
-    return blocks, report
+        torch.save({"blocks": blocks, "new_tokens": args.distill_new_tokens}, path)
+        seconds = time.perf_counter() - started
+        report.update(seconds=round(seconds, 1), new_tokens_per_second=round(len(blocks) * args.distill_new_tokens / seconds))
+        print(f"self-distillation: {len(blocks)} blocks of {args.seq_len - args.distill_new_tokens} context + "
+              f"{args.distill_new_tokens} greedy tokens in {seconds:.0f} s; {args.distill_share:.0%} of each batch")
+    return blocks, {"blocks": len(blocks), **report}
 
 
 def save_checkpoint(out: str, head: EagleHead, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -269,6 +272,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     target.requires_grad_(False)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     os.makedirs(args.out, exist_ok=True)
+    state_file = os.path.join(args.out, STATE_NAME)
+    if args.resume and not os.path.isfile(state_file):  # (before the slow data preparation and distillation)
+        raise ValueError(f"--resume: no checkpoint in {args.out} ({STATE_NAME} missing)")
     heldout, distilled, distill_report, heldout_distilled = {}, None, None, None
     if args.data is not None:
         blocks = make_blocks(
@@ -284,10 +290,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             distilled, distill_report = self_distillation(args, target, streams)
             heldout_distilled = {"distilled": distilled_blocks(args, target, streams, "heldout", args.eval_blocks)}
 
-    state_file = os.path.join(args.out, STATE_NAME)
     if args.resume:
-        if not os.path.isfile(state_file):
-            raise ValueError(f"--resume: no checkpoint in {args.out} ({STATE_NAME} missing)")
         head = EagleHead.from_pretrained(args.out, device=args.device, dtype=torch.float32)
         head.config.check_target(target)
         state = torch.load(state_file, map_location=args.device)
@@ -307,7 +310,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     history, agreement, done = [], None, state["step"]
     head.train()
     budget = TimeBudget(args.max_minutes, args.max_wall_minutes, launched)
-    distill_rows = 0 if distilled is None else min(args.batch_size, max(1, round(args.distill_share * args.batch_size)))
+    # (a share below 1 leaves at least one corpus row)
+    distill_rows = 0 if distilled is None else min(args.batch_size - (args.distill_share < 1),
+                                                   max(1, round(args.distill_share * args.batch_size)))
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="train eagle head")
     with features_backend(args), open(os.path.join(args.out, LOG_NAME), "a") as log:
         for step in bar:

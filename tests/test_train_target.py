@@ -424,14 +424,14 @@ def test_distill_contexts_end_at_assistant_turns_and_mix_sources_by_size():
     streams, ends_with = {"sharegpt": chat, "code": code}, {"sharegpt": marker}
     contexts = distill_contexts(streams, 60, 5, seed=0, ends_with=ends_with)
     assert contexts.shape == (60, 5) and contexts.dtype == torch.int64
-    from_chat = [row for row in contexts.tolist() if row[-1] < 100]
+    from_chat = [row for row in contexts.tolist() if max(row) < 100]
     assert all(row[-3:] == marker for row in from_chat)
     assert 60 * 102 / 302 - 2 <= len(from_chat) <= 60 * 102 / 302 + 2  # the sources' shares: their stream lengths
-    code_rows = [row for row in contexts.tolist() if row[-1] >= 100]
+    code_rows = [row for row in contexts.tolist() if max(row) >= 100]
     assert len({row[-1] for row in code_rows}) > 10  # anywhere, not at the marker the code stream happens to hold
     assert all(any(row == code[i : i + 5].tolist() for i in range(len(code) - 4)) for row in code_rows)
     assert torch.equal(contexts, distill_contexts(streams, 60, 5, seed=0, ends_with=ends_with))
-    with pytest.raises(ValueError, match="longer than a 500-token context"):
+    with pytest.raises(ValueError, match="no stream is longer than a 500-token context"):
         distill_contexts({"code": code}, 4, 500, seed=0)
     with pytest.raises(ValueError, match=r"no \[7, 8, 9\]"):
         distill_contexts({"sharegpt": np.arange(10, 40)}, 4, 5, seed=0, ends_with=ends_with)
@@ -481,15 +481,20 @@ def test_eagle_head_trains_on_the_targets_own_continuations(trained, corpus_dir,
     from specla_compile.runtime.baseline import autoregressive_generate
     from specla_compile.training.self_distill import TURN_MARKER
 
-    blocks = torch.load(out / eagle.DISTILL_NAME)
+    blocks = torch.load(out / eagle.DISTILL_NAME)["blocks"]
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     assert blocks.shape == (6, 32)
     for block in blocks[:2]:  # each block: a context of 24 training tokens, then the target's 8 greedy tokens
         assert torch.equal(autoregressive_generate(target, block[None, :24], 8)[0][0], block)
     marker = AutoTokenizer.from_pretrained(target_dir)(TURN_MARKER, add_special_tokens=False)["input_ids"]
     assert any(block[24 - len(marker) : 24].tolist() == marker for block in blocks)  # conversation contexts
-    again = eagle.main([*argv, "--resume", "--steps", "7"])  # the saved blocks are reused, not generated again
-    assert [r["step"] for r in again] == [7] and torch.equal(torch.load(out / eagle.DISTILL_NAME), blocks)
+    # --resume trains on the saved blocks (here replaced by three others), not on new ones
+    torch.save({"blocks": blocks[:3].flip(0), "new_tokens": 8}, out / eagle.DISTILL_NAME)
+    again = eagle.main([*argv, "--resume", "--steps", "7"])
+    resumed = json.loads((out / eagle.REPORT_NAME).read_text())["self_distillation"]
+    assert [r["step"] for r in again] == [7] and resumed["blocks"] == 3 and resumed["reused"]
+    with pytest.raises(ValueError, match="ending in 8 greedy ones, not --seq-len 32 and --distill-new-tokens 4"):
+        eagle.main([*argv, "--resume", "--steps", "8", "--distill-new-tokens", "4"])
     for bad, message in ((["--distill-share", "0"], "--distill-share in"), (["--distill-new-tokens", "32"], r"\[1, 31\]")):
         with pytest.raises(ValueError, match=message):
             eagle.parse_args([*argv, *bad])

@@ -51,13 +51,14 @@ def _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M: tl.constexpr, BL
     is given (the two-pass form); rows and columns past ``M`` and ``K`` are zeros."""
     offs_m, offs_k = tl.arange(0, BLOCK_M), k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-    wide = x.to(tl.float32)
-    squares = tl.sum(wide * wide, 1)
+    squares = tl.zeros((BLOCK_M,), tl.float32)  # (summed only where the one-pass norm needs them)
     if norm_ptr is not None:
-        wide = wide * tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
-        if inverse_rms is not None:
+        wide = x.to(tl.float32)
+        if inverse_rms is None:
+            squares = tl.sum(wide * wide, 1)
+        else:
             wide = wide * inverse_rms[:, None]
-        x = wide.to(x.dtype)
+        x = (wide * tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
     return x, squares
 
 

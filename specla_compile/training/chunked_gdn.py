@@ -186,7 +186,8 @@ def plain_torch_fla(chunk_size: int = DEFAULT_CHUNK) -> Iterator[None]:
     device: the recurrence (chunk and fused-recurrent modes) by :func:`chunked_gdn`, eagerly; the short
     convolutions, RMSNorm, gated RMSNorm and SwiGLU by the PyTorch forms the capture routes them to on
     CPU. For a forward pass whose first call must not wait for fla's Triton autotuning (on the H200,
-    about 100 s of compiling every config of the chunk kernels): the EAGLE head's training features.
+    about 100 s of compiling every config of the chunk kernels): the EAGLE head's training features, and
+    the greedy decoding of its self-distillation (prompt and one-token steps over fla's cache).
     The names are swapped and restored on exit, as in :func:`torch_chunk_gdn`."""
     from ..lowering import capture
 

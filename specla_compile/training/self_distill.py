@@ -44,7 +44,7 @@ def distill_contexts(
     ends_with = ends_with or {}
     usable = {s: np.asarray(ids) for s, ids in streams.items() if len(ids) > context_len}
     if not usable:
-        raise ValueError(f"no training stream is longer than a {context_len}-token context")
+        raise ValueError(f"no stream is longer than a {context_len}-token context")
     rng = np.random.default_rng(seed)
     total = sum(len(ids) for ids in usable.values())
     rows = []

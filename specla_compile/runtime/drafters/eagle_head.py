@@ -148,8 +148,8 @@ class EagleHead(nn.Module):
         the head's dtype): :meth:`project` then takes token ids and its fuse reads a ``D x D`` weight plus one
         table row per pair instead of a ``2D x D`` weight (on the H200 a 2048-deep GEMM of a few rows costs
         about twice a 1024-deep one). Packed, :meth:`project` and :meth:`attend` run the GEMMs with the norms,
-        residuals, table rows and gate around them through their ``gemms`` (by default the ``specla::`` ops,
-        inference only: they have no backward). The parameters stay what training and checkpoints use; call it
+        residuals, table rows and gate around them through their ``gemms`` (``DEFAULT_HEAD_GEMMS``'s by default, the
+        ``specla::`` ops on request; inference only: the packed weights get no gradient). The parameters stay what training and checkpoints use; call it
         again after changing them."""
         self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
