@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"[1, {args.seq_len - 1}], got {args.distill_blocks}, {args.distill_share}, {args.distill_new_tokens}")
     if args.distill_blocks and args.data is not None:
         raise ValueError("--distill-blocks needs the shared corpus (no --data): its contexts come from its training split")
+    if args.distill_blocks and args.distill_share < 1 and args.batch_size < 2:
+        raise ValueError("--distill-share below 1 mixes corpus and distilled rows in a batch: needs --batch-size >= 2")
     if not 1 <= args.unroll < args.seq_len - 1:
         raise ValueError(f"--unroll must be in [1, {args.seq_len - 2}] for --seq-len {args.seq_len}, got {args.unroll}")
     for name in ("max_minutes", "max_wall_minutes", "distill_minutes"):
@@ -218,11 +220,11 @@ def features_backend(args: argparse.Namespace) -> contextlib.AbstractContextMana
 
 
 def distilled_blocks(
-    args: argparse.Namespace, target: torch.nn.Module, streams: dict[str, dict[str, np.ndarray]], split: str,
-    count: int, max_seconds: float | None = None,
+    args: argparse.Namespace, target: torch.nn.Module, streams: dict[str, dict[str, np.ndarray]], marker: list[int],
+    split: str, count: int, max_seconds: float | None = None,
 ) -> torch.Tensor:
-    """``[n, seq_len]``: contexts of ``split`` continued by the target's own greedy tokens."""
-    marker = AutoTokenizer.from_pretrained(args.tokenizer or args.target)(TURN_MARKER, add_special_tokens=False)["input_ids"]
+    """``[n, seq_len]``: contexts of ``split`` (conversation ones ending at the token ids ``marker``) continued by
+    the target's own greedy tokens."""
     contexts = distill_contexts({s: v[split] for s, v in streams.items()}, count, args.seq_len - args.distill_new_tokens,
                                 args.seed, ends_with={"sharegpt": marker})
     with features_backend(args):
@@ -230,7 +232,7 @@ def distilled_blocks(
 
 
 def self_distillation(
-    args: argparse.Namespace, target: torch.nn.Module, streams: dict[str, dict[str, np.ndarray]]
+    args: argparse.Namespace, target: torch.nn.Module, streams: dict[str, dict[str, np.ndarray]], marker: list[int]
 ) -> tuple[torch.Tensor, dict]:
     """The distilled training blocks (generated now, or an earlier run's from ``--out`` on ``--resume``) and
     their report."""
@@ -247,7 +249,7 @@ def self_distillation(
     else:
         started = time.perf_counter()
         cap = None if args.distill_minutes is None else 60 * args.distill_minutes
-        blocks = distilled_blocks(args, target, streams, "train", args.distill_blocks, cap)
+        blocks = distilled_blocks(args, target, streams, marker, "train", args.distill_blocks, cap)
         torch.save({"blocks": blocks, "new_tokens": args.distill_new_tokens}, path)
         seconds = time.perf_counter() - started
         report.update(seconds=round(seconds, 1), new_tokens_per_second=round(len(blocks) * args.distill_new_tokens / seconds))
@@ -287,8 +289,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         if (top := int(blocks.max())) >= (vocab := output_vocab_size(target)):
             raise ValueError(f"the corpus has token id {top}; the target's vocabulary has {vocab}")
         if args.distill_blocks:
-            distilled, distill_report = self_distillation(args, target, streams)
-            heldout_distilled = {"distilled": distilled_blocks(args, target, streams, "heldout", args.eval_blocks)}
+            tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+            marker = tok(TURN_MARKER, add_special_tokens=False)["input_ids"]
+            distilled, distill_report = self_distillation(args, target, streams, marker)
+            heldout_distilled = {"distilled": distilled_blocks(args, target, streams, marker, "heldout", args.eval_blocks)}
 
     if args.resume:
         head = EagleHead.from_pretrained(args.out, device=args.device, dtype=torch.float32)
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     history, agreement, done = [], None, state["step"]
     head.train()
     budget = TimeBudget(args.max_minutes, args.max_wall_minutes, launched)
-    # (a share below 1 leaves at least one corpus row)
+    # (a share below 1 leaves at least one corpus row; parse_args made sure there is room for both)
     distill_rows = 0 if distilled is None else min(args.batch_size - (args.distill_share < 1),
                                                    max(1, round(args.distill_share * args.batch_size)))
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="train eagle head")

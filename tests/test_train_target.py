@@ -498,6 +498,8 @@ def test_eagle_head_trains_on_the_targets_own_continuations(trained, corpus_dir,
     for bad, message in ((["--distill-share", "0"], "--distill-share in"), (["--distill-new-tokens", "32"], r"\[1, 31\]")):
         with pytest.raises(ValueError, match=message):
             eagle.parse_args([*argv, *bad])
+    with pytest.raises(ValueError, match="needs --batch-size >= 2"):
+        eagle.parse_args([*argv, "--batch-size", "1"])
     with pytest.raises(ValueError, match="needs the shared corpus"):
         eagle.parse_args([*argv, "--data", str(corpus_dir / "sharegpt.json")])
 
