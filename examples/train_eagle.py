@@ -35,6 +35,11 @@ in ``--out`` (reused by ``--resume``), and the report adds the head's agreement 
 continued so (``heldout_top1_distilled``, over whole blocks: context and continuation):
 
     python examples/train_eagle.py --target runs/target --out runs/eagle --distill-blocks 4096 --distill-minutes 0.5
+
+At the end (corpus mode) the head's ``acceptance_temperature`` is fitted on the held-out blocks (the distilled
+ones where there are some) and saved in its config: the temperature at which its probabilities estimate the
+chance that the target's greedy token is the drafted one, by which tree drafts rank their nodes (report:
+``acceptance_temperature``, with the head's mean top-1 probability before and after against its top-1 agreement).
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specla_compile.runtime.drafters.eagle_head import EagleConfig, EagleHead, eagle_loss, rank_tokens
+from specla_compile.runtime.drafters.eagle_head import (
+    EagleConfig, EagleHead, eagle_loss, fit_acceptance_temperature, greedy_pairs, rank_tokens,
+)
 from specla_compile.runtime.drafting import output_vocab_size
 from specla_compile.training import corpus as C
 from specla_compile.training.budget import TimeBudget
@@ -64,6 +71,7 @@ STATE_NAME = "trainer_state.pt"
 DISTILL_NAME = "distill_blocks.pt"  # the target's greedy continuations, kept for --resume
 LOG_NAME = "train_log.jsonl"
 REPORT_NAME = "report.json"
+CALIBRATION_POSITIONS = 8192  # held-out positions the acceptance temperature is fitted on (a [N, V] fp32 tensor)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -214,6 +222,43 @@ def heldout_agreement(
     return out
 
 
+@torch.no_grad()
+def calibrate(head: EagleHead, target: torch.nn.Module, blocks: dict[str, torch.Tensor], args: argparse.Namespace) -> dict:
+    """Fit the head's ``acceptance_temperature`` (``fit_acceptance_temperature``) on held-out ``blocks``: the head's
+    logits at up to ``CALIBRATION_POSITIONS`` random positions of every unrolled step, labelled with the target's
+    greedy token. Returns its report: the temperature; the cross-entropy of the greedy tokens before and after; the
+    head's mean top-1 probability before and after, against its top-1 agreement (calibrated, the two come close)."""
+    was_training = head.training
+    head.eval()
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    batches = [(source, block) for source, source_blocks in blocks.items() for block in source_blocks.split(args.batch_size)]
+    quota = max(1, CALIBRATION_POSITIONS // len(batches))
+    generator = torch.Generator().manual_seed(args.seed)
+    logits, labels = [], []
+    for _, ids in batches:
+        ids = ids.to(args.device)
+        out = target(input_ids=ids, output_hidden_states=True)
+        z, y = greedy_pairs(head, embed, lm_head, ids, out.hidden_states[-1], out.logits, args.unroll)
+        keep = torch.randperm(len(y), generator=generator)[:quota].to(y.device)
+        logits.append(z[keep])
+        labels.append(y[keep])
+    logits, labels = torch.cat(logits), torch.cat(labels)
+    temperature = fit_acceptance_temperature(logits, labels)
+    head.config.acceptance_temperature = temperature
+    head.train(was_training)
+
+    def mean_top1(t: float) -> float:
+        return round(float(torch.softmax(logits / t, -1).amax(-1).mean()), 4)
+
+    def nll(t: float) -> float:  # of the target's greedy tokens
+        return round(float(torch.nn.functional.cross_entropy(logits / t, labels)), 4)
+
+    return {"temperature": round(temperature, 4), "positions": len(labels), "sources": sorted(blocks),
+            "top1_agreement": round(float((logits.argmax(-1) == labels).float().mean()), 4),
+            "mean_top1_probability": {"raw": mean_top1(1.0), "calibrated": mean_top1(temperature)},
+            "greedy_token_nll": {"raw": nll(1.0), "calibrated": nll(temperature)}}
+
+
 def features_backend(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     """Where the target's forward runs: plain PyTorch (``--features-backend torch``) or its own kernels."""
     return plain_torch_fla(args.gdn_chunk) if args.features_backend == "torch" else contextlib.nullcontext()
@@ -353,13 +398,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                     agreement = None
                 break
         budget.end()
+        calibration = None
+        if heldout:  # the target's own continuations where there are some: what the tree drafts for
+            calibration = calibrate(head, target, heldout_distilled or heldout, args)
+            print(f"acceptance temperature {calibration['temperature']:.3f}: mean top-1 probability "
+                  f"{calibration['mean_top1_probability']['raw']:.3f} -> {calibration['mean_top1_probability']['calibrated']:.3f}, "
+                  f"top-1 agreement {calibration['top1_agreement']:.3f} ({calibration['positions']} held-out positions)")
         save_checkpoint(args.out, head, optimizer, done)
         if heldout:
             agreement = agreement or heldout_agreement(head, target, heldout, args)
             report = {"steps": done, "steps_planned": args.steps, "complete": done >= args.steps,
                       "wall_seconds": time.perf_counter() - launched, "time_budget": budget.report(),
                       "features_backend": args.features_backend, "heldout_top1": agreement,
-                      "last_step": history[-1] if history else None, "head": dataclasses.asdict(head.config)}
+                      "last_step": history[-1] if history else None, "head": dataclasses.asdict(head.config),
+                      "acceptance_temperature": calibration}
             if heldout_distilled is not None:  # whole blocks: held-out contexts and the target's continuations
                 report["self_distillation"] = distill_report
                 report["heldout_top1_distilled"] = heldout_agreement(head, target, heldout_distilled, args)["distilled"]

@@ -622,3 +622,60 @@ def test_token_ranking_is_saved_checked_and_required_for_a_draft_vocabulary(tmp_
     for size in (0, VOCAB + 1):
         with pytest.raises(ValueError, match=r"draft_vocab must be in \[1, 300\]"):
             EagleDrafter(head, target, draft_vocab=size)
+
+
+def test_acceptance_temperature_deepens_the_tree_and_keeps_the_chain(tmp_path):
+    """Draft levels score ``logits / T``: a chain drafts the same tokens at any T; a tree ranked by sharpened
+    probabilities spends its nodes on depth, down to the whole greedy chain, where the head's flat raw
+    probabilities spread them over siblings. The head's calibrated T is the default and is saved with it."""
+    from specla_compile.tree import depth
+
+    target, head = make(seed=11)
+    gen = torch.Generator().manual_seed(12)
+    seq = torch.randint(0, VOCAB, (15,), generator=gen)
+    chain, tree = SpecConfig(mode="chain", depth=5), SpecConfig(mode="tree", depth=5, tree_top_k=3, budget=8)
+    drafters = {t: EagleDrafter(head, target, static_shapes=False, compiled=False, acceptance_temperature=t)
+                for t in (1.0, 0.5, 1e-4)}
+    drafts = {}
+    for t, d in drafters.items():
+        d.begin([seq[:-1]], [features_of(target, seq[:-1])])
+        drafts[t] = {mode: d.propose(DraftRequest([0], [seq]), config) for mode, config in (("chain", chain), ("tree", tree))}
+    hidden = torch.randn(2, head.config.hidden_size, dtype=torch.float64)
+    assert torch.allclose(drafters[0.5].logits(hidden), drafters[1.0].logits(hidden) / 0.5)
+    assert drafters[1.0]._lm_weight is None  # (T = 1, every token: the target's LM head itself)
+    for t in (0.5, 1e-4):
+        assert torch.equal(drafts[t]["chain"].tokens, drafts[1.0]["chain"].tokens)
+    deepest = {t: int(depth(d["tree"].parents).max()) for t, d in drafts.items()}
+    # (a random head's logits lie within hundredths of each other: a bushy tree at T = 1, depth only when sharpened)
+    assert deepest[1e-4] == tree.depth > deepest[1.0]
+    sharp = drafts[1e-4]["tree"]
+    leaf = int(depth(sharp.parents)[0].argmax())
+    path = [leaf]
+    while sharp.parents[0, path[-1]] > 0:
+        path.append(int(sharp.parents[0, path[-1]]))
+    assert sharp.tokens[0, path[::-1]].tolist() == drafts[1.0]["chain"].tokens[0, 1:].tolist()  # the greedy chain
+
+    head.config.acceptance_temperature = 0.25
+    assert EagleDrafter(head, target).acceptance_temperature == 0.25
+    assert EagleDrafter(head, target, acceptance_temperature=1.0).acceptance_temperature == 1.0
+    head.save_pretrained(tmp_path)
+    assert EagleDrafter.from_pretrained(tmp_path, target).head.config.acceptance_temperature == 0.25
+    with pytest.raises(ValueError, match="acceptance_temperature must be > 0"):
+        EagleDrafter(head, target, acceptance_temperature=0.0)
+    with pytest.raises(ValueError, match="acceptance_temperature must be > 0"):
+        EagleConfig(hidden_size=32, vocab_size=10, num_heads=4, intermediate_size=8, acceptance_temperature=-1.0)
+
+
+def test_fitted_acceptance_temperature_recovers_the_labels_temperature():
+    """Temperature scaling against the target's greedy tokens: labels drawn from ``softmax(z / T0)`` give back
+    about T0; labels that are always the argmax drive T to its lower bound (the argmax is certain)."""
+    from specla_compile.runtime.drafters.eagle_head import fit_acceptance_temperature
+
+    gen = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(20000, 40, generator=gen)
+    for t0 in (0.3, 1.0, 2.5):
+        labels = torch.multinomial(torch.softmax(logits / t0, -1), 1, generator=gen)[:, 0]
+        assert fit_acceptance_temperature(logits, labels) == pytest.approx(t0, rel=0.05)
+    assert fit_acceptance_temperature(logits, logits.argmax(-1), low=0.05) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+        fit_acceptance_temperature(logits, logits.argmax(-1)[:5])

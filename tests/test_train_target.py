@@ -475,6 +475,12 @@ def test_eagle_head_trains_on_the_targets_own_continuations(trained, corpus_dir,
     report = json.loads((out / eagle.REPORT_NAME).read_text())
     assert report["self_distillation"]["blocks"] == 6 and report["self_distillation"]["new_tokens"] == 8
     assert 0 <= report["heldout_top1_distilled"]["top1"] <= 1 and set(report["heldout_top1"]) == {"sharegpt", "code", "all"}
+    # the acceptance temperature: fitted on the held-out continuations, saved with the head, and no worse a
+    # predictor of the target's greedy tokens than the raw probabilities (T = 1)
+    calibration = report["acceptance_temperature"]
+    saved = json.loads((out / "config.json").read_text())["acceptance_temperature"]
+    assert calibration["sources"] == ["distilled"] and saved == pytest.approx(calibration["temperature"], abs=1e-4)
+    assert calibration["greedy_token_nll"]["calibrated"] <= calibration["greedy_token_nll"]["raw"] and saved != 1.0
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

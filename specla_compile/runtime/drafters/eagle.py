@@ -191,13 +191,18 @@ class EagleDrafter(Drafter):
     :meth:`EagleHead.attend`): ``"pytorch"`` (default: PyTorch code, cuBLAS's GEMMs and inductor's fusions) or
     ``"specla"`` (one launch each, Triton on CUDA for up to 16 half-precision rows; on the H200 no faster in a
     propose, ``benchmarks/results/eagle_profile.md``). The same drafts either way, up to rounding.
+    ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
+    at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
+    saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat
+    probabilities it spends its nodes on siblings near the root rather than on depth. A chain drafts the same
+    argmax at any ``T`` (up to the rounding of the scaled rows).
     """
 
     needs_features = True
 
     def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None,
                  compiled: bool | None = None, attention: str | None = None, draft_vocab: int | None = None,
-                 head_gemms: str = DEFAULT_HEAD_GEMMS):
+                 head_gemms: str = DEFAULT_HEAD_GEMMS, acceptance_temperature: float | None = None):
         if attention is not None and attention not in ATTENTION:
             raise ValueError(f"EagleDrafter: attention must be None or one of {sorted(ATTENTION)}, got {attention!r}")
         if head_gemms not in HEAD_GEMMS:
@@ -207,6 +212,8 @@ class EagleDrafter(Drafter):
                              "examples/train_eagle.py since the ranking was added)")
         if draft_vocab is not None and not 1 <= draft_vocab <= head.config.vocab_size:
             raise ValueError(f"EagleDrafter: draft_vocab must be in [1, {head.config.vocab_size}], got {draft_vocab}")
+        if acceptance_temperature is not None and not acceptance_temperature > 0:
+            raise ValueError(f"EagleDrafter: acceptance_temperature must be > 0, got {acceptance_temperature}")
         head.config.check_target(target)
         self.attention = attention or ("specla" if TRITON_KERNELS and head.fuse.weight.is_cuda else "pytorch")
         embed = target.get_input_embeddings()
@@ -224,11 +231,15 @@ class EagleDrafter(Drafter):
         self.lm_head = target.get_output_embeddings()
         self.draft_vocab = None  # [N] token ids the draft levels score (None: every token)
         if draft_vocab is not None and draft_vocab < head.config.vocab_size:
-            with torch.no_grad():  # (copies of the LM head's rows for those tokens)
-                self.draft_vocab = head.token_ranking[:draft_vocab].to(self.lm_head.weight.device)
-                self._lm_weight = self.lm_head.weight[self.draft_vocab]
-                bias = getattr(self.lm_head, "bias", None)
-                self._lm_bias = None if bias is None else bias[self.draft_vocab]
+            self.draft_vocab = head.token_ranking[:draft_vocab].to(self.lm_head.weight.device)
+        self.acceptance_temperature = float(acceptance_temperature or head.config.acceptance_temperature)
+        self._lm_weight = self._lm_bias = None  # the draft levels' LM rows, where they differ from the target's
+        if self.draft_vocab is not None or self.acceptance_temperature != 1.0:
+            bias = getattr(self.lm_head, "bias", None)
+            rows = slice(None) if self.draft_vocab is None else self.draft_vocab
+            with torch.no_grad():  # (copies: those tokens' rows, scaled by 1 / T)
+                self._lm_weight = self.lm_head.weight[rows] / self.acceptance_temperature
+                self._lm_bias = None if bias is None else bias[rows] / self.acceptance_temperature
         self.vocab_size = head.config.vocab_size
         self._cached: list[int] = []  # per row: pairs in the buffers
         self._features: list[torch.Tensor] = []  # per row: committed features waiting for their pair
@@ -429,8 +440,9 @@ class EagleDrafter(Drafter):
             raise ValueError(f"{what} must be [positions, {self.head.config.hidden_size}], got {tuple(feats.shape)}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Target LM head over predicted features: ``[..., V]``, or ``[..., N]`` for the draft vocabulary's tokens."""
-        if self.draft_vocab is None:
+        """Target LM head over predicted features, over ``acceptance_temperature``: ``[..., V]``, or ``[..., N]`` for
+        the draft vocabulary's tokens."""
+        if self._lm_weight is None:
             return self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +49,12 @@ WEIGHTS_NAME = "model.safetensors"
 
 @dataclass
 class EagleConfig:
-    """Shape of an EAGLE head; ``hidden_size`` and ``vocab_size`` must equal the target's."""
+    """Shape of an EAGLE head; ``hidden_size`` and ``vocab_size`` must equal the target's.
+
+    ``acceptance_temperature``: the temperature at which the head's next-token probabilities estimate the
+    chance that the target's greedy token is that token (:func:`fit_acceptance_temperature`, on held-out text,
+    by ``examples/train_eagle.py``). The head learns the target's whole distribution, which is much flatter
+    than the target's argmax is predictable; tree drafts rank their nodes by these sharper probabilities."""
 
     hidden_size: int
     vocab_size: int
@@ -56,11 +62,14 @@ class EagleConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    acceptance_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EagleConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.acceptance_temperature > 0:  # (also rejects NaN)
+            raise ValueError(f"EagleConfig.acceptance_temperature must be > 0, got {self.acceptance_temperature}")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must split into {self.num_heads} heads of an even size (RoPE)"
@@ -317,6 +326,57 @@ def unrolled_predictions(head: EagleHead, features: torch.Tensor, embeds: torch.
     return out
 
 
+def _predictions(head: EagleHead, embed: nn.Module, input_ids: torch.Tensor, features: torch.Tensor,
+                 unroll: int) -> list[torch.Tensor]:
+    """The head's feature predictions on a block, step 1 to ``unroll`` (:func:`unrolled_predictions`)."""
+    dtype = head.fuse.weight.dtype
+    with torch.no_grad():
+        embeds = embed(input_ids[:, 1:]).to(dtype)
+    return unrolled_predictions(head, features[:, :-1].to(dtype), embeds, unroll)
+
+
+@torch.no_grad()
+def greedy_pairs(
+    head: EagleHead, embed: nn.Module, lm_head: nn.Module, input_ids: torch.Tensor, features: torch.Tensor,
+    target_logits: torch.Tensor, unroll: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's next-token logits ``[N, V]`` (fp32) at every position of a block and of each unrolled step, as
+    drafting's levels see them, and the target's greedy token there ``[N]``: what
+    :func:`fit_acceptance_temperature` calibrates on."""
+    logits, labels = [], []
+    for s, predicted in enumerate(_predictions(head, embed, input_ids, features, unroll), start=1):
+        logits.append(lm_head(predicted.to(lm_head.weight.dtype)).float().flatten(0, 1))
+        labels.append(target_logits[:, s:].argmax(-1).flatten())
+    return torch.cat(logits), torch.cat(labels)
+
+
+def fit_acceptance_temperature(logits: torch.Tensor, labels: torch.Tensor, low: float = 0.02, high: float = 50.0) -> float:
+    """The temperature ``T`` in ``[low, high]`` that minimises the cross-entropy of ``labels [N]`` (the target's
+    greedy tokens) under ``softmax(logits [N, V] / T)``: temperature scaling, with the greedy token as the label.
+    Its derivative in ``1 / T``, ``E[z] - z_label`` under that softmax, increases (the loss is convex in ``1 / T``),
+    so the root is bisected (in log space, 60 halvings)."""
+    if logits.dim() != 2 or labels.shape != logits.shape[:1] or not len(labels):
+        raise ValueError(f"logits must be [N, V] and labels [N] with N >= 1, got {tuple(logits.shape)} and {tuple(labels.shape)}")
+    if not 0 < low < high:
+        raise ValueError(f"need 0 < low < high, got {low} and {high}")
+    z = logits.float()
+    z = z - z.max(-1, keepdim=True).values
+    label_z = z.gather(1, labels[:, None].long()).double().mean()
+
+    def slope(beta: float) -> float:  # d/dbeta of mean(logsumexp(beta z) - beta z_label)
+        return float((torch.softmax(beta * z, -1) * z).sum(-1).double().mean() - label_z)
+
+    lo, hi = math.log(1 / high), math.log(1 / low)  # (bounds on log beta)
+    if slope(math.exp(lo)) >= 0:
+        return high
+    if slope(math.exp(hi)) <= 0:
+        return low
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if slope(math.exp(mid)) < 0 else (lo, mid)
+    return 1 / math.exp((lo + hi) / 2)
+
+
 def eagle_loss(
     head: EagleHead,
     embed: nn.Module,
@@ -335,11 +395,8 @@ def eagle_loss(
     (reg, cls, top-1 agreement with the target, of step 1; ``top1_s`` of each later step s)."""
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [batch, length >= 2], got {tuple(input_ids.shape)}")
-    dtype = head.fuse.weight.dtype
-    with torch.no_grad():
-        embeds = embed(input_ids[:, 1:]).to(dtype)
-    predictions = unrolled_predictions(head, features[:, :-1].to(dtype), embeds, unroll)
     loss, stats = 0.0, {}
+    predictions = _predictions(head, embed, input_ids, features, unroll)
     for s, predicted in enumerate(predictions, start=1):
         with torch.no_grad():
             target_probs = target_logits[:, s:].float().softmax(-1)
