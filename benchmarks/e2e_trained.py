@@ -16,7 +16,9 @@ request (``--routes ...``): ``eagle_tree_fr`` and ``eagle_tree_d4_fr``, the tree
 only the head's ``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and
 ``eagle_chain_fr`` and ``eagle_tree_d8_fr``, the chain and the depth-8 tree with it (for heads that accept long
 drafts), and ``eagle_tree_d4_fr_specla``, ``eagle_tree_d4_fr`` with the head's GEMMs as the fused specla ops
-rather than PyTorch code (``EagleDrafter(head_gemms="specla")``: their A/B in one run); the tree's other shapes:
+rather than PyTorch code (``EagleDrafter(head_gemms="specla")``: their A/B in one run), and ``eagle_tree_fr_t1`` and
+``eagle_tree_d4_fr_t1``, the trees ranked by the head's raw probabilities rather than by its calibrated ones
+(``EagleDrafter(acceptance_temperature=1.0)``; the others take the head's ``acceptance_temperature``); the tree's other shapes:
 ``eagle_tree_d4``, ``_d5`` and ``_d8`` (4, 5 and 8 levels deep in the same 16 nodes; a depth-6 tree caps an
 iteration at 7 tokens) and ``eagle_tree_n32`` (depth 6, 32 nodes: more of the same beam's candidates).
 
@@ -49,6 +51,11 @@ accepted), the share of prompts whose output equals plain decoding's (SHA-1 of t
 time over verification time; 95% bootstrap intervals over prompts. A mismatch is examined in fp32: the
 logit margin, at the first differing position, between the two tokens (a near-tie if below
 ``--near-tie``).
+
+Targets (the JSON's ``targets``): the tree route's speedup, accepted length and drafting cost, and the tree
+against the chain, are measured on ``--tree-route`` and ``--chain-route`` (default ``eagle_tree`` and
+``eagle_chain``; the target's name says which). The exact-output check of the other dtype comes from another
+study's JSON (``--exactness-from``, e.g. a float32 run on fewer prompts), as its measured string says.
 """
 
 from __future__ import annotations
@@ -82,9 +89,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # the tree's shape at today's costs: shallower trees draft fewer head levels, a 32-node tree verifies more
 # candidates of the same beam (a pass costs about the same at 16 and 32 nodes, a level about the same too)
 TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n32")
-# drafting from the head's --draft-vocab most frequent tokens; the last with the head's GEMMs as the fused specla
-# ops (EagleDrafter(head_gemms="specla")) instead of PyTorch code: their A/B on one checkpoint and one run
-FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_d4_fr_specla")
+# drafting from the head's --draft-vocab most frequent tokens; "_specla": the head's GEMMs as the fused specla ops
+# (EagleDrafter(head_gemms="specla")) instead of PyTorch code; "_t1": the tree ranked by the head's raw probabilities
+# (acceptance_temperature=1) instead of its calibrated ones: each an A/B on one checkpoint and one run
+FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_d4_fr_specla",
+             "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1")
 ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
 DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
@@ -126,6 +135,8 @@ def spec_configs() -> dict:
         "eagle_tree_d4_fr": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d8_fr": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d4_fr_specla": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_fr_t1": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree_d4_fr_t1": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d4": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d5": SpecConfig(mode="tree", depth=5, tree_top_k=4, budget=15, bucket=16),
         "eagle_tree_d8": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
@@ -249,9 +260,45 @@ def _value(summary: dict | None, key: str) -> float | None:
     return None if summary is None or key not in summary else summary[key]["value"]
 
 
+def exactness(results: dict) -> tuple[str, bool] | None:
+    """How many speculative outputs equal plain decoding's, and whether every other one is a near-tie in fp32
+    (None without records)."""
+    if not results.get("summary"):
+        return None
+    runs = [r["routes"][route]["hash"] == r["routes"]["plain"]["hash"]  # each prompt once, whatever its suites
+            for r in results.get("records", []) for route in SPEC_ROUTES if route in r["routes"]]
+    same, total = sum(runs), len(runs)
+    mismatches = [m for m in results.get("mismatches", []) if m["route"] in SPEC_ROUTES]
+    explained = sum(bool(m.get("near_tie")) for m in mismatches)
+    routes = sorted({route for r in results.get("records", []) for route in r["routes"] if route in SPEC_ROUTES})
+    measured = (f"{same}/{total} identical; {explained}/{len(mismatches)} mismatches near-ties "
+                f"({len(results.get('records', []))} prompts, {len(routes)} routes)")
+    return measured, total > 0 and (same == total or explained == len(mismatches) == total - same)
+
+
+def designated(results: dict) -> tuple[str, str]:
+    """The study's tree and chain routes: the ones the targets are measured on (``--tree-route``, ``--chain-route``)."""
+    routes = results.get("target_routes", {})
+    return routes.get("tree", "eagle_tree"), routes.get("chain", "eagle_chain")
+
+
+def add_exactness_from(results: dict, path: str) -> None:
+    """The exact-output check of the study in ``path`` (the other dtype) kept in ``results`` for its target."""
+    other = json.loads(Path(path).read_text())
+    if other.get("dtype") == results.get("dtype"):
+        raise SystemExit(f"error: --exactness-from {path}: measured in {other.get('dtype')} too; give a study in the other dtype")
+    other["summary"], _ = summaries(other)
+    found = exactness(other)
+    if found is None:
+        raise SystemExit(f"error: --exactness-from {path}: no prompt measured there")
+    results.setdefault("exactness_from", {})[other["dtype"]] = {"file": Path(path).name, "measured": found[0], "met": found[1]}
+
+
 def targets(results: dict) -> list[dict]:
-    """The issue's targets; those this run did not measure have ``measured: None``."""
+    """The issue's targets; those this run did not measure have ``measured: None``. The exactness of the other
+    dtype comes from another study's JSON where one was given (``--exactness-from``)."""
     by_suite = results.get("summary", {})
+    tree, chain = designated(results)
     out = []
 
     def add(name, measured, goal, met):
@@ -260,34 +307,33 @@ def targets(results: dict) -> list[dict]:
     near_tie = "100%, or every mismatch a near-tie in fp32"
     for dtype in ("bfloat16", "float32"):
         name = f"exact output vs graphed plain decoding, speculative routes, all prompts ({dtype})"
-        if results.get("dtype") != dtype or not by_suite:
-            add(name, None, near_tie, False)
-            continue
-        runs = [r["routes"][route]["hash"] == r["routes"]["plain"]["hash"]  # each prompt once, whatever its suites
-                for r in results.get("records", []) for route in SPEC_ROUTES if route in r["routes"]]
-        same, total = sum(runs), len(runs)
-        mismatches = [m for m in results.get("mismatches", []) if m["route"] in SPEC_ROUTES]
-        explained = sum(bool(m.get("near_tie")) for m in mismatches)
-        add(name, f"{same}/{total} identical; {explained}/{len(mismatches)} mismatches near-ties", near_tie,
-            total > 0 and (same == total or explained == len(mismatches) == total - same))
+        if results.get("dtype") == dtype:
+            found = exactness(results)
+        elif other := results.get("exactness_from", {}).get(dtype):
+            found = (f"{other['measured']}, in {other['file']}", other["met"])
+        else:
+            found = None
+        measured, met = found or (None, False)
+        add(name, measured, near_tie, met)
     for suite in SUITES:
-        speedup = _value(by_suite.get(suite, {}).get("eagle_tree"), "speedup")
-        add(f"EAGLE tree speedup over graphed plain decoding, {suite}", None if speedup is None else round(speedup, 3),
+        speedup = _value(by_suite.get(suite, {}).get(tree), "speedup")
+        add(f"EAGLE tree ({tree}) speedup over graphed plain decoding, {suite}", None if speedup is None else round(speedup, 3),
             f">= {GOAL_SPEEDUP}", speedup is not None and speedup >= GOAL_SPEEDUP)
     compared = {}
     for suite in SUITES:
-        tree, chain = by_suite.get(suite, {}).get("eagle_tree"), by_suite.get(suite, {}).get("eagle_chain")
-        if tree and chain:
-            compared[suite] = {k: [round(_value(tree, k), 3), round(_value(chain, k), 3)] for k in ("accepted_length", "speedup")}
-    add("EAGLE tree over chain, accepted length and speedup [tree, chain], every suite", compared or None,
+        tree_summary, chain_summary = by_suite.get(suite, {}).get(tree), by_suite.get(suite, {}).get(chain)
+        if tree_summary and chain_summary:
+            compared[suite] = {k: [round(_value(tree_summary, k), 3), round(_value(chain_summary, k), 3)]
+                               for k in ("accepted_length", "speedup")}
+    add(f"EAGLE tree ({tree}) over chain ({chain}), accepted length and speedup [tree, chain], every suite", compared or None,
         "tree higher on every suite", len(compared) == len(SUITES) and all(a > b for c in compared.values() for a, b in c.values()))
-    accepted = _value(by_suite.get("mixed", {}).get("eagle_tree"), "accepted_length")
-    add("EAGLE tree accepted length, mixed", None if accepted is None else round(accepted, 3), f">= {GOAL_ACCEPTED}",
+    accepted = _value(by_suite.get("mixed", {}).get(tree), "accepted_length")
+    add(f"EAGLE tree ({tree}) accepted length, mixed", None if accepted is None else round(accepted, 3), f">= {GOAL_ACCEPTED}",
         accepted is not None and accepted >= GOAL_ACCEPTED)
-    ratios = [s["eagle_tree"]["draft_over_verify"] for s in by_suite.values() if s.get("eagle_tree", {}).get("draft_over_verify")]
+    ratios = [s[tree]["draft_over_verify"] for s in by_suite.values() if s.get(tree, {}).get("draft_over_verify")]
     ratio = max(ratios) if ratios else None
-    add("EAGLE tree drafting time per iteration over one verify pass (worst suite)", None if ratio is None else round(ratio, 3),
-        f"<= {GOAL_DRAFT_RATIO}", ratio is not None and ratio <= GOAL_DRAFT_RATIO)
+    add(f"EAGLE tree ({tree}) drafting time per iteration over one verify pass (worst suite)",
+        None if ratio is None else round(ratio, 3), f"<= {GOAL_DRAFT_RATIO}", ratio is not None and ratio <= GOAL_DRAFT_RATIO)
     pipeline = results.get("pipeline")
     add("the whole pipeline from a fresh GPU machine", None if pipeline is None else pipeline.get("command"),
         "documented commands: one GPU call, or consecutive calls on one warm machine",
@@ -440,11 +486,13 @@ class Bench:
         if any(r.startswith("eagle") for r in args.routes):
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
             self.drafters.update(dict.fromkeys(("eagle_chain", "eagle_tree", *TREE_SHAPES), eagle))
-        gemms_of = {route: "specla" if route.endswith("_specla") else "pytorch" for route in FR_ROUTES}
-        for gemms in sorted({gemms_of[r] for r in FR_ROUTES if r in args.routes}):  # their own drafters: the frequent tokens
+        options_of = {route: (("specla" if route.endswith("_specla") else "pytorch"), (1.0 if route.endswith("_t1") else None))
+                      for route in FR_ROUTES}  # (head_gemms, acceptance_temperature: None is the head's own)
+        for gemms, temperature in sorted({options_of[r] for r in FR_ROUTES if r in args.routes}, key=str):
             frequent = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype, head_gemms=gemms,
+                                                    acceptance_temperature=temperature,
                                                     draft_vocab=min(args.draft_vocab, output_vocab_size(self.model)))
-            self.drafters.update({route: frequent for route in FR_ROUTES if gemms_of[route] == gemms})
+            self.drafters.update({route: frequent for route in FR_ROUTES if options_of[route] == (gemms, temperature)})
         # the generator compiles the model with backend="specla" (and the options that suit a model it prefills eagerly)
         # shared_features: every route, plain decoding and the n-gram routes included, through one engine and graph
         self.gen = SpeculativeGenerator(self.model, self.drafters["ngram_chain"], self.configs["ngram_chain"],
@@ -632,7 +680,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="plain is always run (the baseline); the *_fr routes (eagle_chain_fr, and the trees of depth "
                         "6, 4 and 8: eagle_tree_fr, _d4_fr, _d8_fr, drafting only the head's --draft-vocab most "
                         "frequent tokens), eagle_tree_d4_fr_specla (the head's GEMMs as the fused specla ops, not "
-                        "PyTorch code) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
+                        "PyTorch code), eagle_tree_fr_t1 and eagle_tree_d4_fr_t1 (trees ranked by the head's raw "
+                        "probabilities, not its calibrated ones) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
                         "eagle_tree_n32: 32 nodes) run when named")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="the draft vocabulary of the *_fr* routes: the head's most frequent training "
@@ -656,11 +705,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--near-tie", type=float, default=0.25, help="fp32 logit margin below which a mismatch is a near-tie")
     p.add_argument("--bootstrap-samples", type=int, default=2000)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tree-route", choices=SPEC_ROUTES, default=None,
+                   help="the tree route the targets are measured on (default eagle_tree; with --plot: the JSON's)")
+    p.add_argument("--chain-route", choices=SPEC_ROUTES, default=None,
+                   help="the chain route the tree is compared with (default eagle_chain; with --plot: the JSON's)")
+    p.add_argument("--exactness-from", metavar="JSON",
+                   help="another study's e2e_trained.json in the other dtype: its exact-output check fills that dtype's target")
     p.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
     args = p.parse_args(argv)
+    if args.exactness_from and not Path(args.exactness_from).is_file():
+        raise SystemExit(f"error: --exactness-from: no file {args.exactness_from}")
     if args.plot:
         return args
     problems = []
+    designated_routes = [r for r in (args.tree_route, args.chain_route) if r is not None]
+    if missing := [r for r in designated_routes if r not in args.routes]:
+        problems.append(f"--tree-route / --chain-route {missing[0]} is not among --routes")
     if not args.target or not Path(args.target, "config.json").is_file():
         problems.append(f"--target: no config.json in {args.target}")
     if any(r.startswith("eagle") for r in args.routes) and (not args.eagle or not Path(args.eagle, "config.json").is_file()):
@@ -694,13 +754,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot:
         with open(args.plot) as f:
             results = json.load(f)
+    else:
+        results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+                   "torch": torch.__version__, "command": " ".join(["python", *sys.argv]) if argv is None else f"main({argv})",
+                   "dtype": args.dtype, "new_tokens": args.new_tokens, "bootstrap_samples": args.bootstrap_samples,
+                   "routes": {r: (dataclasses.asdict(c) if (c := spec_configs().get(r)) else None) for r in args.routes},
+                   "target": str(args.target), "eagle": str(args.eagle)}
+    tree, chain = designated(results)
+    results["target_routes"] = {"tree": args.tree_route or tree, "chain": args.chain_route or chain}
+    if args.exactness_from:
+        add_exactness_from(results, args.exactness_from)
+    if args.plot:
         write_report(results, args.out)
         return results
-    results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
-               "torch": torch.__version__, "command": " ".join(["python", *sys.argv]) if argv is None else f"main({argv})",
-               "dtype": args.dtype, "new_tokens": args.new_tokens, "bootstrap_samples": args.bootstrap_samples,
-               "routes": {r: (dataclasses.asdict(c) if (c := spec_configs().get(r)) else None) for r in args.routes},
-               "target": str(args.target), "eagle": str(args.eagle)}
     if args.resume:
         results = resumed(args, results)
     logging.basicConfig(format="%(asctime)s %(message)s")

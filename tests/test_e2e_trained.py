@@ -99,15 +99,15 @@ def test_summary_and_targets_from_records():
     targets = {t["name"]: t for t in E.targets(results)}
     assert len(targets) == 9 and all(set(t) == {"name", "measured", "goal", "met"} for t in targets.values())
     exact = targets["exact output vs graphed plain decoding, speculative routes, all prompts (bfloat16)"]
-    assert exact["measured"].startswith("12/14 identical; 1/2") and not exact["met"]  # the chain's mismatch is no near-tie
+    assert exact["measured"] == "12/14 identical; 1/2 mismatches near-ties (7 prompts, 2 routes)" and not exact["met"]  # the chain's mismatch is no near-tie
     assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["measured"] is None
-    assert targets["EAGLE tree speedup over graphed plain decoding, mixed"]["met"]
-    assert not targets["EAGLE tree speedup over graphed plain decoding, gsm8k"]["met"]
-    assert targets["EAGLE tree speedup over graphed plain decoding, humaneval"]["measured"] is None
-    tree_chain = targets["EAGLE tree over chain, accepted length and speedup [tree, chain], every suite"]
+    assert targets["EAGLE tree (eagle_tree) speedup over graphed plain decoding, mixed"]["met"]
+    assert not targets["EAGLE tree (eagle_tree) speedup over graphed plain decoding, gsm8k"]["met"]
+    assert targets["EAGLE tree (eagle_tree) speedup over graphed plain decoding, humaneval"]["measured"] is None
+    tree_chain = targets["EAGLE tree (eagle_tree) over chain (eagle_chain), accepted length and speedup [tree, chain], every suite"]
     assert set(tree_chain["measured"]) == {"mixed", "gsm8k"} and not tree_chain["met"]  # gsm8k: chain faster; humaneval missing
-    assert targets["EAGLE tree accepted length, mixed"]["met"]
-    draft = targets["EAGLE tree drafting time per iteration over one verify pass (worst suite)"]
+    assert targets["EAGLE tree (eagle_tree) accepted length, mixed"]["met"]
+    draft = targets["EAGLE tree (eagle_tree) drafting time per iteration over one verify pass (worst suite)"]
     assert draft["measured"] == pytest.approx(0.4) and not draft["met"]  # gsm8k: 0.2 / 0.5
     assert targets["the whole pipeline from a fresh GPU machine"]["measured"] is None
     assert not any(t["met"] for t in targets.values() if t["measured"] is None)
@@ -117,6 +117,29 @@ def test_summary_and_targets_from_records():
         r["routes"]["eagle_chain"]["hash"] = "h"
     results["summary"], _ = E.summaries(results)
     assert {t["name"]: t for t in E.targets(results)}[exact["name"]]["met"]  # the one mismatch left is a near-tie
+
+    results["target_routes"] = {"tree": "eagle_chain", "chain": "eagle_tree"}  # (--tree-route, --chain-route)
+    swapped = {t["name"]: t for t in E.targets(results)}
+    assert swapped["EAGLE tree (eagle_chain) speedup over graphed plain decoding, gsm8k"]["measured"] == pytest.approx(1.8)
+    over = swapped["EAGLE tree (eagle_chain) over chain (eagle_tree), accepted length and speedup [tree, chain], every suite"]
+    assert over["measured"]["gsm8k"]["speedup"] == [1.8, 1.5]
+
+
+def test_exactness_of_the_other_dtype_from_another_study(tmp_path):
+    fp32 = {"dtype": "float32", "records": [_record(f"m{i}", ["mixed"], "qa", {"eagle_tree": 2.0}) for i in range(3)],
+            "bootstrap_samples": 50}
+    fp32["records"][0]["routes"]["eagle_tree"]["hash"] = "x"  # one output differs, not examined: not a near-tie
+    (tmp_path / "fp32.json").write_text(json.dumps(fp32))
+    bf16 = {"dtype": "bfloat16", "records": [_record("m0", ["mixed"], "qa", {"eagle_tree": 2.0})], "bootstrap_samples": 50}
+    (tmp_path / "bf16.json").write_text(json.dumps(bf16))
+    E.add_exactness_from(bf16, str(tmp_path / "fp32.json"))
+    bf16["summary"], _ = E.summaries(bf16)
+    exact = {t["name"]: t for t in E.targets(bf16)}
+    other = exact["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]
+    assert other["measured"] == "2/3 identical; 0/0 mismatches near-ties (3 prompts, 1 routes), in fp32.json" and not other["met"]
+    assert exact["exact output vs graphed plain decoding, speculative routes, all prompts (bfloat16)"]["met"]
+    with pytest.raises(SystemExit, match="measured in bfloat16 too"):
+        E.add_exactness_from(bf16, str(tmp_path / "bf16.json"))
 
 
 def test_report_files_from_partial_results_and_again_from_the_json(tmp_path):
@@ -146,7 +169,9 @@ def test_bad_arguments_fail_with_one_line_before_loading(prompt_files, tmp_path)
     assert E.parse_args(base + ["--routes", "ngram_tree", "eager"]).routes == ["plain", "eager", "ngram_tree"]
     for bad, message in (([], "error: --target"), (["--routes", "eagle_tree", "--eagle", str(tmp_path)], "error: --eagle"),
                          (["--prompts-dir", str(tmp_path)], "error: --prompts-dir"), (["--limit-prompts", "0"], "error: --limit-prompts"),
-                         (["--humaneval", str(tmp_path / "none.gz")], "error: --humaneval")):
+                         (["--humaneval", str(tmp_path / "none.gz")], "error: --humaneval"),
+                         (["--routes", "eagle_chain", "--tree-route", "eagle_tree_d4_fr"], "error: --tree-route / --chain-route eagle_tree_d4_fr"),
+                         (["--exactness-from", str(tmp_path / "none.json")], "error: --exactness-from")):
         with pytest.raises(SystemExit, match=f"^{message}"):
             E.parse_args((base if bad else base[2:]) + bad)
     with pytest.raises(SystemExit, match="^error: --minutes 5.0 leaves 0.00 min for the benchmark's measuring"):
@@ -433,3 +458,22 @@ def test_the_draft_vocabulary_route_needs_a_ranked_head(checkpoints, prompt_file
         E.parse_args([*base, "--eagle", str(checkpoints / "eagle_unranked"), "--routes", "eagle_tree_d4_fr", "eagle_tree_fr"])
     with pytest.raises(SystemExit, match="^error: --draft-vocab must be positive"):
         E.parse_args([*base, "--eagle", str(checkpoints / "eagle"), "--draft-vocab", "0"])
+
+
+def test_route_suffixes_pick_the_drafters_options(checkpoints, prompt_files, tmp_path):
+    """The draft-vocabulary routes share a drafter per option set: ``_specla`` drafts with the fused head GEMMs,
+    ``_t1`` ranks its tree by the head's raw probabilities; the others take the head's calibrated temperature."""
+    import shutil
+
+    calibrated = tmp_path / "eagle"
+    shutil.copytree(checkpoints / "eagle", calibrated)
+    config = json.loads((calibrated / "config.json").read_text())
+    (calibrated / "config.json").write_text(json.dumps({**config, "acceptance_temperature": 0.5}))
+    args = E.parse_args(["--target", str(checkpoints / "target"), "--eagle", str(calibrated), "--prompts-dir", str(prompt_files),
+                         "--suites", "gsm8k", "--device", "cpu", "--inner", "eager", "--routes", "eagle_tree_fr",
+                         "eagle_tree_d4_fr", "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1", "eagle_tree_d4_fr_specla"])
+    drafters = E.Bench(args).drafters
+    assert drafters["eagle_tree_fr"] is drafters["eagle_tree_d4_fr"] and drafters["eagle_tree_fr_t1"] is drafters["eagle_tree_d4_fr_t1"]
+    options = {r: (drafters[r].head_gemms, drafters[r].acceptance_temperature) for r in args.routes[1:]}
+    assert options == {"eagle_tree_fr": ("pytorch", 0.5), "eagle_tree_d4_fr": ("pytorch", 0.5), "eagle_tree_fr_t1": ("pytorch", 1.0),
+                       "eagle_tree_d4_fr_t1": ("pytorch", 1.0), "eagle_tree_d4_fr_specla": ("specla", 0.5)}
