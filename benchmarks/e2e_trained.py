@@ -10,7 +10,7 @@ features (``SpeculativeGenerator(shared_features=True)``: with or without a draf
 route verifies through the same compiled graph, so the study compiles the target once): ``plain`` (one token per pass
 through the static, CUDA-graphed engine, ``SpeculativeGenerator.decode``: the baseline of every
 speedup), ``eager`` (the eager model's own token-by-token loop, on the first ``--eager-prompts`` prompts
-of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, pruned to 15 drafted nodes:
+of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, its 15 most likely drafted nodes, none cut by tau:
 16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8). On
 request (``--routes ...``): ``eagle_tree_fr`` and ``eagle_tree_d4_fr``, the tree routes of depth 6 and 4 drafting
 only the head's ``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and
@@ -68,6 +68,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -127,20 +128,26 @@ def default_humaneval() -> Path | None:
 def spec_configs() -> dict:
     from specla_compile import SpecConfig
 
+    # the EAGLE trees keep their budget's best nodes, none pruned by tau: the draft is padded to budget + 1 nodes
+    # anyway (a CUDA graph's fixed shape) and a pass costs the same, while tau would cut the calibrated (sharper)
+    # probabilities' siblings
+    def eagle_tree(depth: int, budget: int = 15) -> SpecConfig:
+        return SpecConfig(mode="tree", depth=depth, tree_top_k=4, budget=budget, bucket=budget + 1, tau=math.inf)
+
     return {
         "eagle_chain": SpecConfig(mode="chain", depth=8, bucket=16),
-        "eagle_tree": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
+        "eagle_tree": eagle_tree(6),
         "eagle_chain_fr": SpecConfig(mode="chain", depth=8, bucket=16),
-        "eagle_tree_fr": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_d4_fr": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_d8_fr": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_d4_fr_specla": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_fr_t1": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_d4_fr_t1": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_d4": SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_d5": SpecConfig(mode="tree", depth=5, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_d8": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
-        "eagle_tree_n32": SpecConfig(mode="tree", depth=6, tree_top_k=4, budget=31, bucket=32),
+        "eagle_tree_fr": eagle_tree(6),
+        "eagle_tree_d4_fr": eagle_tree(4),
+        "eagle_tree_d8_fr": eagle_tree(8),
+        "eagle_tree_d4_fr_specla": eagle_tree(4),
+        "eagle_tree_fr_t1": eagle_tree(6),
+        "eagle_tree_d4_fr_t1": eagle_tree(4),
+        "eagle_tree_d4": eagle_tree(4),
+        "eagle_tree_d5": eagle_tree(5),
+        "eagle_tree_d8": eagle_tree(8),
+        "eagle_tree_n32": eagle_tree(6, budget=31),
         "ngram_chain": SpecConfig(mode="chain", depth=8, bucket=16),
         "ngram_tree": SpecConfig(mode="tree", depth=8, tree_top_k=4, budget=15, bucket=16),
     }
