@@ -231,11 +231,11 @@ def calibrate(head: EagleHead, target: torch.nn.Module, blocks: dict[str, torch.
     was_training = head.training
     head.eval()
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    batches = [(source, block) for source, source_blocks in blocks.items() for block in source_blocks.split(args.batch_size)]
+    batches = [batch for source_blocks in blocks.values() for batch in source_blocks.split(args.batch_size)]
     quota = max(1, CALIBRATION_POSITIONS // len(batches))
     generator = torch.Generator().manual_seed(args.seed)
     logits, labels = [], []
-    for _, ids in batches:
+    for ids in batches:
         ids = ids.to(args.device)
         out = target(input_ids=ids, output_hidden_states=True)
         z, y = greedy_pairs(head, embed, lm_head, ids, out.hidden_states[-1], out.logits, args.unroll)

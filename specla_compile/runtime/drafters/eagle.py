@@ -232,7 +232,8 @@ class EagleDrafter(Drafter):
         self.draft_vocab = None  # [N] token ids the draft levels score (None: every token)
         if draft_vocab is not None and draft_vocab < head.config.vocab_size:
             self.draft_vocab = head.token_ranking[:draft_vocab].to(self.lm_head.weight.device)
-        self.acceptance_temperature = float(acceptance_temperature or head.config.acceptance_temperature)
+        self.acceptance_temperature = float(head.config.acceptance_temperature if acceptance_temperature is None
+                                            else acceptance_temperature)
         self._lm_weight = self._lm_bias = None  # the draft levels' LM rows, where they differ from the target's
         if self.draft_vocab is not None or self.acceptance_temperature != 1.0:
             bias = getattr(self.lm_head, "bias", None)
