@@ -227,7 +227,7 @@ def calibrate(head: EagleHead, target: torch.nn.Module, blocks: dict[str, torch.
     """Fit the head's ``acceptance_temperature`` (``fit_acceptance_temperature``) on held-out ``blocks``: the head's
     logits at up to ``CALIBRATION_POSITIONS`` random positions of every unrolled step, labelled with the target's
     greedy token. Returns its report: the temperature; the cross-entropy of the greedy tokens before and after; the
-    head's mean top-1 probability before and after, against its top-1 agreement (calibrated, the two come close)."""
+    head's mean top-1 probability before and after, against its top-1 agreement (calibrated, the two come closer)."""
     was_training = head.training
     head.eval()
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()

@@ -195,7 +195,9 @@ class EagleDrafter(Drafter):
     at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
     saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat
     probabilities it spends its nodes on siblings near the root rather than on depth. A chain drafts the same
-    argmax at any ``T`` (up to the rounding of the scaled rows).
+    argmax at any ``T`` (up to the rounding of the scaled rows). Sharper probabilities also let ``SpecConfig.tau``
+    cut more siblings; a fixed-size draft (static shapes: padded to ``budget + 1`` nodes, a pass costs the same)
+    loses acceptance by it and wants ``tau=math.inf``, as ``benchmarks/e2e_trained.py``'s trees use.
     """
 
     needs_features = True
