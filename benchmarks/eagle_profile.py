@@ -53,11 +53,11 @@ def stub_target(hidden: int, vocab: int, dtype: torch.dtype, device: str = "cuda
     return LlamaForCausalLM(config).to(device, dtype).eval()
 
 
-def run(drafter: EagleDrafter, config: SpecConfig, prompt: int, iterations: int, hidden: int) -> dict:
+def run(drafter: EagleDrafter, config: SpecConfig, prompt: int, iterations: int, hidden: int, dtype: torch.dtype) -> dict:
     """Propose/commit ``iterations`` times (three tokens accepted each time); seconds per propose."""
     gen = torch.Generator().manual_seed(0)
     seq = torch.randint(0, drafter.vocab_size, (prompt,), generator=gen)
-    drafter.begin([seq[:-1]], [torch.randn(prompt - 1, hidden, device="cuda", dtype=torch.bfloat16)])
+    drafter.begin([seq[:-1]], [torch.randn(prompt - 1, hidden, device="cuda", dtype=dtype)])
     times = []
     for i in range(iterations):
         torch.cuda.synchronize()
@@ -66,7 +66,7 @@ def run(drafter: EagleDrafter, config: SpecConfig, prompt: int, iterations: int,
         torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
         accepted = draft.tokens[0, 1:3].cpu()
-        drafter.commit([0], [torch.cat([seq[-1:], accepted])], [torch.randn(3, hidden, device="cuda", dtype=torch.bfloat16)])
+        drafter.commit([0], [torch.cat([seq[-1:], accepted])], [torch.randn(3, hidden, device="cuda", dtype=dtype)])
         seq = torch.cat([seq, accepted, torch.randint(0, drafter.vocab_size, (1,), generator=gen)])
     steady = sorted(times[3:])
     return {"ms_per_propose": 1000 * steady[len(steady) // 2], "first_ms": 1000 * times[0]}
@@ -87,8 +87,8 @@ LOOP_ROUTES = ("plain", "eagle_chain", "eagle_tree", "eagle_tree_host")  # host:
 RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaGraphLaunch", "cudaLaunchKernel", "cudaEventRecord")
 
 
-def trained_shape_target(vocab: int) -> torch.nn.Module:
-    """An fla GDN model of the trained study's config (random weights), bf16 on the GPU."""
+def trained_shape_target(vocab: int, dtype: torch.dtype) -> torch.nn.Module:
+    """An fla GDN model of the trained study's config (random weights) on the GPU."""
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
     config = json.loads(TRAINED_REPORT.read_text())["target"]["config"]
@@ -96,7 +96,7 @@ def trained_shape_target(vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
     model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig.from_dict(config))
     model.generation_config.eos_token_id = None  # random weights: every call decodes its full length
-    return model.to("cuda", torch.bfloat16).eval()
+    return model.to("cuda", dtype).eval()
 
 
 def host_profile(call, top: int = 25) -> list[str]:
@@ -132,9 +132,10 @@ def loop_section(args, results: dict) -> None:
 
     from specla_compile import SpeculativeGenerator
 
-    model = trained_shape_target(args.vocab)
+    dtype = getattr(torch, args.dtype)
+    model = trained_shape_target(args.vocab, dtype)
     hidden = model.config.hidden_size
-    head = EagleHead(EagleConfig(hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
+    head = EagleHead(EagleConfig(hidden, args.vocab, args.heads, args.intermediate)).to("cuda", dtype)
     tree_replays = {r["attention"]: r["replay_ms"] for name, r in results["routes"].items()
                     if name.startswith("tree") and "replay_ms" in r and not r.get("draft_vocab")}
     attention = min(tree_replays, key=tree_replays.get) if tree_replays else None
@@ -175,18 +176,21 @@ def loop_section(args, results: dict) -> None:
         }
         if route in ("eagle_tree", "eagle_tree_host"):
             entry["host_top"] = host_profile(call)
+        if route != "plain":  # (a propose that replays no graph launches its kernels from the host, ~10x slower)
+            entry["propose_graphs"], entry["propose_graph_error"] = len(drafter._graphs), drafter._graph_error
         idle = entry["ms_per_iteration"] - entry["runtime"]["kernel_ms_per_iteration"]
         print(f"loop {route}: {entry['ms_per_iteration']:.3f} ms per iteration ({iters} iterations), phases "
               f"{ {k: round(v, 3) for k, v in entry['phase_ms_per_iteration'].items()} }, GPU kernels "
               f"{entry['runtime']['kernel_ms_per_iteration']:.3f} ms (waiting {idle:.3f} ms), "
-              f"runtime calls {entry['runtime']['per_iteration']}", flush=True)
+              f"runtime calls {entry['runtime']['per_iteration']}, propose graphs {entry.get('propose_graphs', '-')} "
+              f"{entry.get('propose_graph_error', '')}", flush=True)
         for line in entry.get("host_top", []):
             print("   ", line, flush=True)
     # pipelined and host-loop drafting run the same passes over the same drafts: the same tokens, bit for bit
     loop["identical_to_host_loop"] = sequences["eagle_tree"] == sequences["eagle_tree_host"]
     loop["identical_to_plain"] = {route: sequences[route] == sequences["plain"] for route in LOOP_ROUTES[1:]}
     print(f"loop outputs: pipelined tree == host-loop tree: {loop['identical_to_host_loop']}; "
-          f"== plain (bf16, random weights: near-ties may differ): {loop['identical_to_plain']}", flush=True)
+          f"== plain ({args.dtype}, random weights: near-ties may differ): {loop['identical_to_plain']}", flush=True)
     loop["one_token_calls"] = one_token_calls(gen, configs["eagle_tree"], prompt)
 
 
@@ -224,6 +228,7 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--prompt", type=int, default=200)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="of the target, head and features")
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--attention", nargs="+", choices=ATTENTION, default=["pytorch", "specla"],
                    help="the head's attention kernels to time in the propose section; "
@@ -253,9 +258,10 @@ def main() -> None:
 
 def propose_section(args, results: dict) -> None:
     """Each route's propose, graphed and uncaptured, over a stub target (embeddings and LM head)."""
-    target = stub_target(args.hidden, args.vocab, torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    target = stub_target(args.hidden, args.vocab, dtype)
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig(args.hidden, args.vocab, args.heads, args.intermediate)).to("cuda", torch.bfloat16)
+    head = EagleHead(EagleConfig(args.hidden, args.vocab, args.heads, args.intermediate)).to("cuda", dtype)
     head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
     for (name, config), attention, vocab, gemms in itertools.product(CONFIGS.items(), args.attention, args.draft_vocab,
                                                                      args.head_gemms):
@@ -268,7 +274,7 @@ def propose_section(args, results: dict) -> None:
                 continue  # (none of them changes a propose's launch count much)
             drafter = EagleDrafter(head, target, static_shapes=static, attention=attention, draft_vocab=draft_vocab,
                                    head_gemms=gemms)
-            route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden)
+            route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden, dtype)
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph
                 route["replay_ms"] = replay_ms(graph)
@@ -296,7 +302,7 @@ def write_markdown(results: dict, out_dir: str) -> None:
     """``eagle_profile.md``: per route, a propose's time graphed and uncaptured, and the graph's kernels."""
     shape = results["shape"]
     setup = (f"device: {results.get('device')}, torch {results.get('torch')}, head and LM head at hidden {shape['hidden']}, "
-             f"vocabulary {shape['vocab']}, bf16, B=1, {shape['prompt']}-token prompt")
+             f"vocabulary {shape['vocab']}, {shape.get('dtype', 'bfloat16')}, B=1, {shape['prompt']}-token prompt")
     lines = ["# EAGLE drafting on the GPU", "", setup, "",
              "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | uncaptured, ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -332,7 +338,7 @@ def write_markdown(results: dict, out_dir: str) -> None:
                              f"({call['prefill_passes']} pass{'es' if call['prefill_passes'] != 1 else ''}{same})")
         if "identical_to_host_loop" in loop:
             lines.append(f"- outputs: pipelined tree drafting identical to the host loop's: {loop['identical_to_host_loop']}; "
-                         f"identical to plain decoding (bf16, random weights): {loop['identical_to_plain']}")
+                         f"identical to plain decoding ({shape.get('dtype', 'bfloat16')}, random weights): {loop['identical_to_plain']}")
         lines.append("")
     lines += [f"- {note}" for note in results.get("notes", [])]
     with open(os.path.join(out_dir, "eagle_profile.md"), "w") as f:
