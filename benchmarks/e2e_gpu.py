@@ -333,9 +333,13 @@ def weight_bytes(model) -> int:
 # --- sections -------------------------------------------------------------------------------------
 
 
-def make_generator(model, drafter=None, config=None):
+def make_generator(model, drafter=None, config=None, mode: str | None = None):
+    """A generator over ``model``; ``mode``: inductor's mode for the compiled passes
+    (``torch.compile(model, backend="specla", mode=mode)``; None: the generator's own compile)."""
     from specla_compile import SpecConfig, SpeculativeGenerator
 
+    if mode is not None:
+        model = torch.compile(model, backend="specla", mode=mode)
     return SpeculativeGenerator(model, drafter or OracleDrafter([[0]], 1.0, 1), config or SpecConfig(bucket=16))
 
 
@@ -376,7 +380,7 @@ def fla_b1(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("fla_b1", {"weights_gb": weight_bytes(model) / 1e9})
-    gen = make_generator(model)
+    gen = make_generator(model, mode=args.mode)
     section["cold_process"] = first_compile_of_process()
     started = time.perf_counter()
     gen.decode(prompts[0], 4)  # compiles and captures the 1-node pass
@@ -417,7 +421,7 @@ def fla_quick(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("fla_b1", {"weights_gb": weight_bytes(model) / 1e9, "quick": True})
-    gen = make_generator(model)
+    gen = make_generator(model, mode=args.mode)
     section["cold_process"] = first_compile_of_process()
     started = time.perf_counter()
     gen.decode(prompts[0], 2)
@@ -466,7 +470,7 @@ def fla_passes(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompt = prompts_for(model, 1, 1)[0]
     section = results.setdefault("fla_passes", {})
-    gen = make_generator(model)
+    gen = make_generator(model, mode=args.mode)
     gen.decode(prompt, 2)
     gen.drafter, gen.config = OracleDrafter([[0]], 1.0, 15), chain_config(15)
     gen.generate(prompt, 2)
@@ -489,7 +493,7 @@ def fla_profile(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("fla_profile", {})
-    gen = make_generator(model)
+    gen = make_generator(model, mode=args.mode)
     gen.decode(prompts[0], 2)
     section["plain"] = {k: v for k, v in run_route(gen, prompts, args.new_tokens, plain=True).items() if k != "sequences"}
     gen.drafter, gen.config = OracleDrafter([[0] * 64], 1.0, 8), chain_config(8)
@@ -512,7 +516,7 @@ def fla_batch(args, results: dict) -> None:
     section = results.setdefault("fla_batch", {})
     for batch in (4, 16):
         prompts = prompts_for(model, batch, 2, seed=batch)
-        gen = make_generator(model)
+        gen = make_generator(model, mode=args.mode)
         gen.decode(prompts[0], 2)
         plain = run_route(gen, prompts, args.new_tokens, plain=True)
         truths = truth_of(plain, prompts)
@@ -528,7 +532,7 @@ def qwen(args, results: dict) -> None:
     model = build("qwen", torch.bfloat16, args.qwen_layers)
     prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("qwen", {"weights_gb": weight_bytes(model) / 1e9})
-    gen = make_generator(model)
+    gen = make_generator(model, mode=args.mode)
     gen.decode(prompts[0], 2)
     plain = run_route(gen, prompts, args.new_tokens, plain=True)
     truths = truth_of(plain, prompts)
@@ -547,7 +551,7 @@ def exact_fp32(args, results: dict) -> None:
     for family, layers in (("fla", 4), ("qwen", 4)):
         model = build(family, torch.float32, layers)
         prompts = prompts_for(model, 1, 16)
-        gen = make_generator(model)
+        gen = make_generator(model, mode=args.mode)
         plain = run_route(gen, prompts, 128, plain=True)
         truths = truth_of(plain, prompts)
         for name, drafter, config in (
@@ -575,7 +579,7 @@ def warm_start(args, results: dict) -> None:
     if args.child:
         model = build("fla", torch.bfloat16, args.layers)
         prompt = prompts_for(model, 1, 1)[0]
-        gen = make_generator(model)
+        gen = make_generator(model, mode=args.mode)
         started = time.perf_counter()
         gen.decode(prompt, 2)
         for bucket in (16, 32):
@@ -584,7 +588,8 @@ def warm_start(args, results: dict) -> None:
         print(json.dumps({"warm_start_s": time.perf_counter() - started, "compile_caches": compile_cache_counters(),
                           "compile_seconds": next(iter(gen._engines.values())).compile_seconds}))
         return
-    command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)]
+    command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)] + (
+        ["--mode", args.mode] if args.mode else [])
     started = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True, timeout=400)
     line = [l for l in out.stdout.splitlines() if l.startswith("{")]
@@ -853,6 +858,10 @@ def main() -> None:
     parser.add_argument("--qwen-layers", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--mode", choices=("default", "max-autotune-no-cudagraphs"),
+                        help="inductor's mode for every section's passes (torch.compile(model, backend='specla', mode=...)): "
+                             "max-autotune-no-cudagraphs tunes Triton GEMM templates against cuBLAS, with their epilogues "
+                             "fused, and the reductions' launch configs; default: the generator's own compile")
     parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -177,7 +177,7 @@ def loop_section(args, results: dict) -> None:
         if route in ("eagle_tree", "eagle_tree_host"):
             entry["host_top"] = host_profile(call)
         if route != "plain":  # (a propose that replays no graph launches its kernels from the host, ~10x slower)
-            entry["propose_graphs"], entry["propose_graph_error"] = len(drafter._graphs), drafter._graph_error
+            entry["propose_graphs"], entry["propose_graph_error"] = drafter.captured_graphs, drafter.graph_error
         idle = entry["ms_per_iteration"] - entry["runtime"]["kernel_ms_per_iteration"]
         print(f"loop {route}: {entry['ms_per_iteration']:.3f} ms per iteration ({iters} iterations), phases "
               f"{ {k: round(v, 3) for k, v in entry['phase_ms_per_iteration'].items()} }, GPU kernels "

@@ -94,7 +94,7 @@ def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
             for d in (graphed, uncaptured):
                 d.commit([b], [new[len(seqs[b]) - 1 :]], [features_of(target, new)[len(seqs[b]) - 1 :]])
             seqs[b] = new
-    assert graphed._graphs and not graphed._graph_error, "the proposes were replayed from captured graphs"
+    assert graphed.captured_graphs and not graphed.graph_error, "the proposes were replayed from captured graphs"
 
 
 def test_bf16_experts_keep_grouped_mm_inside_the_cuda_graphs():
@@ -131,7 +131,7 @@ def test_graphed_pipelined_eagle_drafting_equals_the_host_loop_and_plain_decodin
         config = SpecConfig(mode="tree", depth=4, tree_top_k=2, budget=7, bucket=8, pipelined=pipelined)
         gen = SpeculativeGenerator(model, drafter, config)
         outs[pipelined] = gen.generate(prompts, max_new_tokens=16, eos_token_id=eos, pad_token_id=VOCAB + 1).sequences.tolist()
-        assert drafter._graphs and not drafter._graph_error
+        assert drafter.captured_graphs and not drafter.graph_error
         assert (drafter._device_cached is not None) == (pipelined is None)
     plain_out = gen.decode(prompts, max_new_tokens=16, eos_token_id=eos, pad_token_id=VOCAB + 1).sequences.tolist()
     assert outs[None] == outs[False] == plain_out

@@ -270,6 +270,17 @@ class EagleDrafter(Drafter):
     def _dtype(self) -> torch.dtype:
         return self.head.fuse.weight.dtype
 
+    @property
+    def captured_graphs(self) -> int:
+        """How many propose graphs the drafter holds now: 0 where it drafts without CUDA graphs (on the CPU,
+        ``SpecConfig(cuda_graphs=False)``, or after a failed capture: :attr:`graph_error`)."""
+        return len(self._graphs)
+
+    @property
+    def graph_error(self) -> str:
+        """The first line of the error that stopped its proposes from capturing CUDA graphs ("" if none)."""
+        return self._graph_error
+
     def begin(self, sequences: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         if features is None or len(features) != len(sequences):
             raise ValueError("EagleDrafter.begin needs the target's features over every prompt (needs_features=True)")
