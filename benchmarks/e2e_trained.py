@@ -14,8 +14,8 @@ of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, its 1
 16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8). On
 request (``--routes ...``): ``eagle_tree_fr`` and ``eagle_tree_d4_fr``, the tree routes of depth 6 and 4 drafting
 only the head's ``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and
-``eagle_chain_fr`` and ``eagle_tree_d8_fr``, the chain and the depth-8 tree with it (for heads that accept long
-drafts), and ``eagle_tree_d4_fr_specla``, ``eagle_tree_d4_fr`` with the head's GEMMs as the fused specla ops
+``eagle_chain_fr``, ``eagle_tree_d8_fr`` and ``eagle_tree_n32_fr``, the chain, the depth-8 tree and the 32-node
+depth-6 tree with it (for heads that accept long drafts), and ``eagle_tree_d4_fr_specla``, ``eagle_tree_d4_fr`` with the head's GEMMs as the fused specla ops
 rather than PyTorch code (``EagleDrafter(head_gemms="specla")``: their A/B in one run), and ``eagle_tree_fr_t1`` and
 ``eagle_tree_d4_fr_t1``, the trees ranked by the head's raw probabilities rather than by its calibrated ones
 (``EagleDrafter(acceptance_temperature=1.0)``; the others take the head's ``acceptance_temperature``); the tree's other shapes:
@@ -93,8 +93,8 @@ TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n3
 # drafting from the head's --draft-vocab most frequent tokens; "_specla": the head's GEMMs as the fused specla ops
 # (EagleDrafter(head_gemms="specla")) instead of PyTorch code; "_t1": the tree ranked by the head's raw probabilities
 # (acceptance_temperature=1) instead of its calibrated ones: each an A/B on one checkpoint and one run
-FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_d4_fr_specla",
-             "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1")
+FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_n32_fr",
+             "eagle_tree_d4_fr_specla", "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1")
 ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
 DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
@@ -141,6 +141,7 @@ def spec_configs() -> dict:
         "eagle_tree_fr": eagle_tree(6),
         "eagle_tree_d4_fr": eagle_tree(4),
         "eagle_tree_d8_fr": eagle_tree(8),
+        "eagle_tree_n32_fr": eagle_tree(6, budget=31),
         "eagle_tree_d4_fr_specla": eagle_tree(4),
         "eagle_tree_fr_t1": eagle_tree(6),
         "eagle_tree_d4_fr_t1": eagle_tree(4),
@@ -691,8 +692,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
     p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
                    help="plain is always run (the baseline); the *_fr routes (eagle_chain_fr, and the trees of depth "
-                        "6, 4 and 8: eagle_tree_fr, _d4_fr, _d8_fr, drafting only the head's --draft-vocab most "
-                        "frequent tokens), eagle_tree_d4_fr_specla (the head's GEMMs as the fused specla ops, not "
+                        "6, 4 and 8: eagle_tree_fr, _d4_fr, _d8_fr, and of 32 nodes: _n32_fr, drafting only the head's "
+                        "--draft-vocab most frequent tokens), eagle_tree_d4_fr_specla (the head's GEMMs as the fused specla ops, not "
                         "PyTorch code), eagle_tree_fr_t1 and eagle_tree_d4_fr_t1 (trees ranked by the head's raw "
                         "probabilities, not its calibrated ones) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
                         "eagle_tree_n32: 32 nodes) run when named")
