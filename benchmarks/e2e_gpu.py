@@ -861,7 +861,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=("default", "max-autotune-no-cudagraphs"),
                         help="inductor's mode for every section's passes (torch.compile(model, backend='specla', mode=...)): "
                              "max-autotune-no-cudagraphs tunes Triton GEMM templates against cuBLAS, with their epilogues "
-                             "fused, and the reductions' launch configs; default: the generator's own compile")
+                             "fused, and the reductions' launch configs; 'default' compiles the same way with inductor's defaults (the "
+                             "like-for-like baseline of that A/B); absent: the generator's own compile")
     parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
