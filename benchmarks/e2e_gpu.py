@@ -333,14 +333,18 @@ def weight_bytes(model) -> int:
 # --- sections -------------------------------------------------------------------------------------
 
 
+def compiled_with(model, mode: str | None):
+    """``model`` compiled with inductor's ``mode`` for its passes (``torch.compile(model, backend="specla",
+    mode=mode)``); None: ``model`` itself, which the generator compiles its own way. Compile once per model:
+    each compiled wrapper has its own backend, so a second one compiles every pass again."""
+    return model if mode is None else torch.compile(model, backend="specla", mode=mode)
+
+
 def make_generator(model, drafter=None, config=None, mode: str | None = None):
-    """A generator over ``model``; ``mode``: inductor's mode for the compiled passes
-    (``torch.compile(model, backend="specla", mode=mode)``; None: the generator's own compile)."""
+    """A generator over ``model`` (:func:`compiled_with` its ``mode``)."""
     from specla_compile import SpecConfig, SpeculativeGenerator
 
-    if mode is not None:
-        model = torch.compile(model, backend="specla", mode=mode)
-    return SpeculativeGenerator(model, drafter or OracleDrafter([[0]], 1.0, 1), config or SpecConfig(bucket=16))
+    return SpeculativeGenerator(compiled_with(model, mode), drafter or OracleDrafter([[0]], 1.0, 1), config or SpecConfig(bucket=16))
 
 
 def chain_config(depth: int):
@@ -513,10 +517,11 @@ def fla_profile(args, results: dict) -> None:
 
 def fla_batch(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
+    target = compiled_with(model, args.mode)  # (one compile for both batch sizes)
     section = results.setdefault("fla_batch", {})
     for batch in (4, 16):
         prompts = prompts_for(model, batch, 2, seed=batch)
-        gen = make_generator(model, mode=args.mode)
+        gen = make_generator(target)
         gen.decode(prompts[0], 2)
         plain = run_route(gen, prompts, args.new_tokens, plain=True)
         truths = truth_of(plain, prompts)
