@@ -337,6 +337,8 @@ def compiled_with(model, mode: str | None):
     """``model`` compiled with inductor's ``mode`` for its passes (``torch.compile(model, backend="specla",
     mode=mode)``); None: ``model`` itself, which the generator compiles its own way. Compile once per model:
     each compiled wrapper has its own backend, so a second one compiles every pass again."""
+    import specla_compile.backend  # noqa: F401  (registers "specla" where no entry point is installed)
+
     return model if mode is None else torch.compile(model, backend="specla", mode=mode)
 
 
@@ -470,7 +472,8 @@ def fla_quick(args, results: dict) -> None:
 
 def fla_passes(args, results: dict) -> None:
     """Only the captured passes, in about a minute and a half of a cold process: replay times of the 1- and
-    16-node chain passes and the 16- and 32-node tree passes, and the 16-node tree pass's kernels."""
+    16-node chain passes and the 16- and 32-node tree passes, the 16-node tree pass's kernels and the 1-node
+    pass's (one layer in launch order)."""
     model = build("fla", torch.bfloat16, args.layers)
     prompt = prompts_for(model, 1, 1)[0]
     section = results.setdefault("fla_passes", {})
@@ -486,9 +489,13 @@ def fla_passes(args, results: dict) -> None:
         section.setdefault("pass_ms_tree", {})[str(nodes)] = pass_ms(gen, nodes, chain=False)
         print("pass ms", section["pass_ms"], "trees", section["pass_ms_tree"], flush=True)
         write_report(results, args.out)
-    bucket = next(iter(gen._engines.values())).buckets[bucket_key(16, False)]
-    profile = kernel_profile(bucket.graph)
+    engine = next(iter(gen._engines.values()))
+    profile = kernel_profile(engine.buckets[bucket_key(16, False)].graph)
     section["profile_16_tree"] = {k: v for k, v in profile.items() if k != "one_layer"}
+    plain = engine.buckets[bucket_key(1)]
+    plain.step.zero_()
+    section["profile_1"] = kernel_profile(plain.graph)  # with one layer's kernels: what --mode fused
+    plain.step.zero_()
 
 
 def fla_profile(args, results: dict) -> None:
@@ -594,7 +601,7 @@ def warm_start(args, results: dict) -> None:
                           "compile_seconds": next(iter(gen._engines.values())).compile_seconds}))
         return
     command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)] + (
-        ["--mode", args.mode] if args.mode else [])
+        ["--mode", args.mode] if args.mode else []) + (["--inductor", *args.inductor] if args.inductor else [])
     started = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True, timeout=400)
     line = [l for l in out.stdout.splitlines() if l.startswith("{")]
@@ -854,6 +861,23 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def set_inductor_config(pairs: list[str]) -> None:
+    """Set ``KEY=VALUE`` entries of ``torch._inductor.config`` (values as Python literals) for the process."""
+    import ast
+
+    import torch._inductor.config as config
+
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        if not hasattr(config, key):
+            raise ValueError(f"--inductor {pair}: torch._inductor.config has no entry {key!r}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--inductor {pair}: the value must be a Python literal (True, 8, 'name')") from None
+        setattr(config, key, value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
@@ -868,9 +892,16 @@ def main() -> None:
                              "max-autotune-no-cudagraphs tunes Triton GEMM templates against cuBLAS, with their epilogues "
                              "fused, and the reductions' launch configs; 'default' compiles the same way with inductor's defaults (the "
                              "like-for-like baseline of that A/B); absent: the generator's own compile")
+    parser.add_argument("--inductor", nargs="+", metavar="KEY=VALUE", default=[],
+                        help="set torch._inductor.config entries for this process, e.g. combo_kernels=True (one launch "
+                             "for independent pointwise kernels): an A/B of inductor's options against a run without")
     parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    try:
+        set_inductor_config(args.inductor)
+    except ValueError as err:
+        parser.error(str(err))
     if args.plot:
         with open(args.plot) as f:
             write_report(json.load(f), args.out)

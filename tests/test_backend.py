@@ -264,6 +264,29 @@ def test_options_are_checked():
         specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "verify_kernel": "fastest"})
     with pytest.raises(ValueError, match="'plain'"):
         specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "plain": "lazy"})
+    with pytest.raises(ValueError, match="'combo_kernels'"):
+        specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "combo_kernels": "yes"})
+
+
+@pytest.mark.parametrize("combo_kernels", [True, False])
+def test_combo_kernels_are_asked_of_inductor_for_cuda_graphs_only(combo_kernels, monkeypatch):
+    """inductor's combo kernels (one launch for independent pointwise kernels) where the graph's inputs
+    are on CUDA, unless the option turns them off; CPU graphs compile with inductor's defaults."""
+    import torch._inductor.compile_fx as inductor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specla_compile import backend
+
+    patches_seen = []
+    monkeypatch.setattr(inductor, "compile_fx", lambda gm, inputs, config_patches: patches_seen.append(config_patches))
+    compile_inner = backend._inner_compiler("inductor", None, combo_kernels)
+    with FakeTensorMode():
+        on_gpu = torch.empty(2, device="cuda")
+    compile_inner(None, [torch.randn(2), 3])
+    compile_inner(None, [3, on_gpu])
+    cpu, gpu = patches_seen
+    assert "combo_kernels" not in cpu and gpu["combo_kernels"] is combo_kernels
+    assert cpu["triton.cudagraphs"] is False and gpu["triton.cudagraphs"] is False
 
 
 def test_plain_eager_compiles_only_the_verification_twin(monkeypatch):
@@ -272,8 +295,8 @@ def test_plain_eager_compiles_only_the_verification_twin(monkeypatch):
     compiled_graphs = []
     real = backend._inner_compiler
 
-    def counting(inner, mode):
-        compile_inner = real(inner, mode)
+    def counting(*args):
+        compile_inner = real(*args)
         return lambda gm, example_inputs: compiled_graphs.append(gm) or compile_inner(gm, example_inputs)
 
     monkeypatch.setattr(backend, "_inner_compiler", counting)
