@@ -31,6 +31,8 @@ import traceback
 
 import torch
 
+from specla_compile.runtime.drafting import Drafter
+
 FLA_1P3B = dict(hidden_size=2048, num_hidden_layers=24, num_heads=8, head_dim=256, expand_v=1, vocab_size=32000)
 QWEN3_5_SMALL = dict(  # a Qwen3.5 0.8B-class text config: 3 GDN layers to 1 full-attention layer
     vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
@@ -86,9 +88,9 @@ def peaked_logits(model: torch.nn.Module, seed: int = 1) -> None:
 # --- controlled drafts -----------------------------------------------------------------------------
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts the known greedy continuation of every row, each token wrong with probability 1 - p
-    (see the module docstring for trees). Implements the Drafter protocol."""
+    (see the module docstring for trees), on the host."""
 
     vocab_size = None
     needs_features = False
