@@ -384,6 +384,16 @@ def first_compile_of_process() -> bool:
     return not torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def record_cold_start(results: dict, name: str) -> None:
+    """The cold-start target's figure (``results["cold_start"]``) from section ``name``'s compile times, if
+    its process compiled them from nothing: no graph before them and no inductor or AOTAutograd cache hit
+    (a process after another on the same machine reloads what that one compiled: a warm start)."""
+    section = results[name]
+    section["compile_cache_hits"] = sum(v for k, v in compile_cache_counters().items() if "hit" in k)
+    if section["cold_process"] and not section["compile_cache_hits"]:
+        results["cold_start"] = {"s": section["cold_plain_s"] + section["cold_buckets_s"], "section": name}
+
+
 def fla_b1(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
@@ -404,6 +414,7 @@ def fla_b1(args, results: dict) -> None:
         gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, bucket - 1), chain_config(bucket - 1)
         gen.generate(prompts[0], 2)
     section["cold_buckets_s"] = time.perf_counter() - started
+    record_cold_start(results, "fla_b1")
     section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16, 32)}
     print("pass ms", section["pass_ms"], flush=True)
     heat = section.setdefault("chain", {})
@@ -443,6 +454,7 @@ def fla_quick(args, results: dict) -> None:
     gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, 12), chain_config(12)
     gen.generate(prompts[0], 2)
     section["cold_buckets_s"] = time.perf_counter() - started
+    record_cold_start(results, "fla_b1")
     section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16)}
     section["pass_ms_by_pending"] = {str(a): pass_ms(gen, 16, a) for a in (0, 4, 8, 13, 16)}
     print("pass ms", section["pass_ms"], "16 nodes by pending records", section["pass_ms_by_pending"], flush=True)
@@ -660,8 +672,8 @@ def targets(results: dict) -> list[dict]:
     if exact:
         ok = all(v.split("/")[0] == v.split("/")[1] for v in exact.values())
         add("fp32 greedy identical to graphed plain decoding (4-layer models)", exact, "100%", ok)
-    if "cold_plain_s" in b1 and "cold_buckets_s" in b1 and b1.get("cold_process", True):  # (after another section: not cold)
-        cold = b1["cold_plain_s"] + b1["cold_buckets_s"]
+    if "cold_start" in results:
+        cold = results["cold_start"]["s"]
         add("cold start, AR step + 2 buckets, s", round(cold, 1), "<= 90", cold <= 90)
     warm = results.get("warm_start", {})
     if "warm_start_s" in warm:

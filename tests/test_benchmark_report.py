@@ -46,11 +46,16 @@ def test_targets_from_partial_results(results):
     assert not any(t["met"] for t in targets.values() if t["measured"] is None)
 
 
-@pytest.mark.parametrize("cold_process", [True, False])
-def test_cold_start_is_reported_only_from_a_process_that_had_compiled_nothing(cold_process):
+@pytest.mark.parametrize("cold_process, cache_hits", [(True, 0), (False, 0), (True, 3)])
+def test_cold_start_is_reported_only_from_a_process_that_compiled_from_nothing(cold_process, cache_hits, monkeypatch):
+    """Not after another compile in the process, nor on an inductor cache a process before it filled."""
+    monkeypatch.setattr(e2e_gpu, "compile_cache_counters", lambda: {"fxgraph_cache_hit": cache_hits, "fxgraph_cache_miss": 2})
     results = {"fla_b1": {"cold_plain_s": 40.0, "cold_buckets_s": 30.0, "cold_process": cold_process}}
+    e2e_gpu.record_cold_start(results, "fla_b1")
     cold = {t["name"]: t for t in e2e_gpu.targets(results)}["cold start, AR step + 2 buckets, s"]
-    assert (cold["measured"], cold["met"]) == ((70.0, True) if cold_process else (None, False))
+    from_nothing = cold_process and not cache_hits
+    assert (cold["measured"], cold["met"]) == ((70.0, True) if from_nothing else (None, False))
+    assert results["fla_b1"]["compile_cache_hits"] == cache_hits
 
 
 def test_plain_target_is_the_b1_run_else_the_profile_run_and_operators_reach_the_report(tmp_path):
