@@ -151,6 +151,7 @@ def loop_section(args, results: dict) -> None:
         if route != "plain":
             gen.config = configs[route]
         call = (lambda: gen.decode(prompt, 128)) if route == "plain" else (lambda: gen.generate(prompt, 128))
+        print(f"loop {route}: compiling, capturing and warming up (3 calls)", flush=True)
         started = time.perf_counter()
         for _ in range(3):  # compile, capture, warm
             call()
@@ -186,6 +187,7 @@ def loop_section(args, results: dict) -> None:
               f"{entry.get('propose_graph_error', '')}", flush=True)
         for line in entry.get("host_top", []):
             print("   ", line, flush=True)
+        save_json(results, args.out)  # (a call cut short keeps the routes before)
     # pipelined and host-loop drafting run the same passes over the same drafts: the same tokens, bit for bit
     loop["identical_to_host_loop"] = sequences["eagle_tree"] == sequences["eagle_tree_host"]
     loop["identical_to_plain"] = {route: sequences[route] == sequences["plain"] for route in LOOP_ROUTES[1:]}
@@ -251,9 +253,13 @@ def main() -> None:
             except Exception:  # noqa: BLE001 (one GPU call runs both: a failing section keeps the other's results)
                 results.setdefault("errors", {})[name] = traceback.format_exc()
                 print(results["errors"][name], flush=True)
-    with open(os.path.join(args.out, "eagle_profile.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    save_json(results, args.out)
     write_markdown(results, args.out)
+
+
+def save_json(results: dict, out: str) -> None:
+    with open(os.path.join(out, "eagle_profile.json"), "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def propose_section(args, results: dict) -> None:
@@ -288,6 +294,7 @@ def propose_section(args, results: dict) -> None:
               f"{route['profile']['kernels_per_pass']:.0f} kernels, busy {route['profile']['busy_ms']:.3f}), "
               f"uncaptured {route.get('uncaptured', {}).get('ms_per_propose', float('nan')):.3f} ms", flush=True)
         print(json.dumps(route["profile"], indent=1), flush=True)
+        save_json(results, args.out)
 
 
 def first_replay_kernels(trace_path: str, count: int) -> list[list]:
