@@ -192,6 +192,33 @@ def test_chain_verify_matches_token_by_token_decoding(family, inner):
         assert max_cache_diff(eager.past_key_values, verified.past_key_values) <= 1e-5
 
 
+def test_bf16_value_records_stay_bf16_and_commit_as_their_float32_copies():
+    """A bf16 model's v records keep v's dtype (no cast kernel per layer and pass): bf16 values are exact in
+    bf16, and committing them gives the state that committing their float32 copies gives, bit for bit."""
+    from specla_compile.kernels import ops
+
+    model = tiny_model("fla", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    prompt, chain = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=gen), torch.randint(0, VOCAB, (BATCH, NODES), generator=gen)
+    compiled = torch.compile(model, backend="specla", options={"inner": "aot_eager"})
+    parents = torch.arange(-1, NODES - 1).expand(BATCH, NODES)
+    with torch.no_grad():
+        cache = compiled(prompt, use_cache=True).past_key_values
+        session = VerifySession()
+        with session.verify(parents):
+            compiled(input_ids=chain, past_key_values=cache, use_cache=True)
+    accepted = torch.tensor([5, 8])
+    session.accept(torch.arange(NODES).expand(BATCH, NODES), accepted)
+    assert len(session.pending) == model.config.num_hidden_layers
+    for key, (k, v, g, beta, *_) in session.pending.items():
+        assert v.dtype == torch.bfloat16 and (k.dtype, g.dtype, beta.dtype) == (torch.float32,) * 3
+        state = session.layers[key].state
+        committed, from_float32 = state.clone(), state.clone()
+        ops.gdn_commit_(committed, k, v, g, beta, accepted)
+        ops.gdn_commit_(from_float32, k, v.float(), g, beta, accepted)
+        assert torch.equal(committed, from_float32) and not torch.equal(committed, state)
+
+
 def test_tree_nodes_match_their_own_paths_and_trees_do_not_recompile(family, monkeypatch):
     import specla_compile.backend as backend
 

@@ -114,7 +114,10 @@ class _Rewriter:
                 state, *pending, num_pending, q, k, v, g, beta, parents, scale, use_qk_l2norm,
             )
             o, k_hat = self.call(operator.getitem, verify, 0), self.call(operator.getitem, verify, 1)
-            records = [k_hat, *(self.graph.call_method("to", (t, torch.float32)) for t in (v, g, beta))]
+            # v's record keeps v's dtype (bf16 values are exact in bf16: no cast kernel per layer and pass);
+            # g and beta are float32 already in the models' code, the cast a no-op
+            records = [k_hat, self.graph.call_method("contiguous", (v,)),
+                       *(self.graph.call_method("to", (t, torch.float32)) for t in (g, beta))]
         for index, users in getitem_users(r).items():
             for user in users:
                 user.replace_all_uses_with(o if index == 0 else state)
@@ -223,7 +226,7 @@ def rewrite_for_verify(gm: fx.GraphModule) -> VerifyProgram:
         _, k, v, g, beta = layer.recurrence.args[:5]
         records = [
             RecordSpec("k", _feature_shape(k), torch.float32),
-            RecordSpec("v", _feature_shape(v), torch.float32),
+            RecordSpec("v", _feature_shape(v), _dtype(v)),
             RecordSpec("g", _feature_shape(g), torch.float32),
             RecordSpec("beta", _feature_shape(beta), torch.float32),
         ]
