@@ -508,7 +508,7 @@ def fla_passes(args, results: dict) -> None:
     section["profile_16_tree"] = {k: v for k, v in profile.items() if k != "one_layer"}
     plain = engine.buckets[bucket_key(1)]
     plain.step.zero_()
-    section["profile_1"] = kernel_profile(plain.graph)  # with one layer's kernels: what --mode fused
+    section["profile_1"] = kernel_profile(plain.graph)  # (with one layer in launch order: what an A/B fused)
     plain.step.zero_()
 
 
