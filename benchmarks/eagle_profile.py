@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_gpu import kernel_profile, summarize_kernels, timed
+from e2e_gpu import kernel_profile, set_inductor_config, summarize_kernels, timed
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
@@ -241,7 +241,14 @@ def main() -> None:
     p.add_argument("--draft-vocab", nargs="+", type=int, default=[0],
                    help="draft vocabularies to time in the propose section (0: the whole vocabulary; a random "
                         "token ranking: the cost does not depend on which tokens)")
+    p.add_argument("--inductor", nargs="+", metavar="KEY=VALUE", default=[],
+                   help="set torch._inductor.config entries for this process (the proposes' and the loop's compiles), "
+                        "e.g. combo_kernels=True: an A/B against a run without")
     args = p.parse_args()
+    try:
+        set_inductor_config(args.inductor)
+    except ValueError as err:
+        p.error(str(err))
     if not torch.cuda.is_available():
         sys.exit("error: eagle_profile.py needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
