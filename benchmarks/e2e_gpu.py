@@ -335,20 +335,11 @@ def weight_bytes(model) -> int:
 # --- sections -------------------------------------------------------------------------------------
 
 
-def compiled_with(model, mode: str | None):
-    """``model`` compiled with inductor's ``mode`` for its passes (``torch.compile(model, backend="specla",
-    mode=mode)``); None: ``model`` itself, which the generator compiles its own way. Compile once per model:
-    each compiled wrapper has its own backend, so a second one compiles every pass again."""
-    import specla_compile.backend  # noqa: F401  (registers "specla" where no entry point is installed)
-
-    return model if mode is None else torch.compile(model, backend="specla", mode=mode)
-
-
-def make_generator(model, drafter=None, config=None, mode: str | None = None):
-    """A generator over ``model`` (:func:`compiled_with` its ``mode``)."""
+def make_generator(model, drafter=None, config=None):
+    """A generator over ``model`` (it compiles the model once, however many generators share it)."""
     from specla_compile import SpecConfig, SpeculativeGenerator
 
-    return SpeculativeGenerator(compiled_with(model, mode), drafter or OracleDrafter([[0]], 1.0, 1), config or SpecConfig(bucket=16))
+    return SpeculativeGenerator(model, drafter or OracleDrafter([[0]], 1.0, 1), config or SpecConfig(bucket=16))
 
 
 def chain_config(depth: int):
@@ -398,7 +389,7 @@ def fla_b1(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("fla_b1", {"weights_gb": weight_bytes(model) / 1e9})
-    gen = make_generator(model, mode=args.mode)
+    gen = make_generator(model)
     section["cold_process"] = first_compile_of_process()
     started = time.perf_counter()
     gen.decode(prompts[0], 4)  # compiles and captures the 1-node pass
@@ -440,7 +431,7 @@ def fla_quick(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("fla_b1", {"weights_gb": weight_bytes(model) / 1e9, "quick": True})
-    gen = make_generator(model, mode=args.mode)
+    gen = make_generator(model)
     section["cold_process"] = first_compile_of_process()
     started = time.perf_counter()
     gen.decode(prompts[0], 2)
@@ -491,7 +482,7 @@ def fla_passes(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompt = prompts_for(model, 1, 1)[0]
     section = results.setdefault("fla_passes", {})
-    gen = make_generator(model, mode=args.mode)
+    gen = make_generator(model)
     gen.decode(prompt, 2)
     gen.drafter, gen.config = OracleDrafter([[0]], 1.0, 15), chain_config(15)
     gen.generate(prompt, 2)
@@ -518,7 +509,7 @@ def fla_profile(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("fla_profile", {})
-    gen = make_generator(model, mode=args.mode)
+    gen = make_generator(model)
     gen.decode(prompts[0], 2)
     section["plain"] = {k: v for k, v in run_route(gen, prompts, args.new_tokens, plain=True).items() if k != "sequences"}
     gen.drafter, gen.config = OracleDrafter([[0] * 64], 1.0, 8), chain_config(8)
@@ -538,11 +529,10 @@ def fla_profile(args, results: dict) -> None:
 
 def fla_batch(args, results: dict) -> None:
     model = build("fla", torch.bfloat16, args.layers)
-    target = compiled_with(model, args.mode)  # (one compile for both batch sizes)
     section = results.setdefault("fla_batch", {})
     for batch in (4, 16):
         prompts = prompts_for(model, batch, 2, seed=batch)
-        gen = make_generator(target)
+        gen = make_generator(model)
         gen.decode(prompts[0], 2)
         plain = run_route(gen, prompts, args.new_tokens, plain=True)
         truths = truth_of(plain, prompts)
@@ -558,7 +548,7 @@ def qwen(args, results: dict) -> None:
     model = build("qwen", torch.bfloat16, args.qwen_layers)
     prompts = prompts_for(model, 1, args.prompts)
     section = results.setdefault("qwen", {"weights_gb": weight_bytes(model) / 1e9})
-    gen = make_generator(model, mode=args.mode)
+    gen = make_generator(model)
     gen.decode(prompts[0], 2)
     plain = run_route(gen, prompts, args.new_tokens, plain=True)
     truths = truth_of(plain, prompts)
@@ -577,7 +567,7 @@ def exact_fp32(args, results: dict) -> None:
     for family, layers in (("fla", 4), ("qwen", 4)):
         model = build(family, torch.float32, layers)
         prompts = prompts_for(model, 1, 16)
-        gen = make_generator(model, mode=args.mode)
+        gen = make_generator(model)
         plain = run_route(gen, prompts, 128, plain=True)
         truths = truth_of(plain, prompts)
         for name, drafter, config in (
@@ -605,7 +595,7 @@ def warm_start(args, results: dict) -> None:
     if args.child:
         model = build("fla", torch.bfloat16, args.layers)
         prompt = prompts_for(model, 1, 1)[0]
-        gen = make_generator(model, mode=args.mode)
+        gen = make_generator(model)
         started = time.perf_counter()
         gen.decode(prompt, 2)
         for bucket in (16, 32):
@@ -615,7 +605,7 @@ def warm_start(args, results: dict) -> None:
                           "compile_seconds": next(iter(gen._engines.values())).compile_seconds}))
         return
     command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)] + (
-        ["--mode", args.mode] if args.mode else []) + (["--inductor", *args.inductor] if args.inductor else [])
+        ["--inductor", *args.inductor] if args.inductor else [])
     started = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True, timeout=400)
     line = [l for l in out.stdout.splitlines() if l.startswith("{")]
@@ -901,11 +891,6 @@ def main() -> None:
     parser.add_argument("--qwen-layers", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--mode", choices=("default", "max-autotune-no-cudagraphs"),
-                        help="inductor's mode for every section's passes (torch.compile(model, backend='specla', mode=...)): "
-                             "max-autotune-no-cudagraphs tunes Triton GEMM templates against cuBLAS, with their epilogues "
-                             "fused, and the reductions' launch configs; 'default' compiles the same way with inductor's defaults (the "
-                             "like-for-like baseline of that A/B); absent: the generator's own compile")
     parser.add_argument("--inductor", nargs="+", metavar="KEY=VALUE", default=[],
                         help="set torch._inductor.config entries for this process, e.g. combo_kernels=True (one launch "
                              "for independent pointwise kernels): an A/B of inductor's options against a run without")

@@ -17,7 +17,8 @@ that only verifies (what :class:`~specla_compile.SpeculativeGenerator` asks for 
 model itself: it prefills with the eager model); ``fuse_projections`` — True (default): projections
 that read one input and whose weights lie back to back in memory (:func:`~specla_compile.lowering.
 fuse_projections.pack_projections`, which the generator runs) become one GEMM each; ``combo_kernels`` —
-True (default): on CUDA, inductor launches independent pointwise kernels as one (its ``combo_kernels``). ``mode`` is passed to inductor, except for its CUDA graphs: the
+True (default): on CUDA, inductor launches independent pointwise kernels as one (its ``combo_kernels``). A
+max-autotune ``mode`` on CUDA needs ``fuse_projections=False`` (inductor's GEMM autotuner cannot read a fused weight). ``mode`` is passed to inductor, except for its CUDA graphs: the
 :class:`~specla_compile.runtime.engine.StaticEngine` captures whole passes itself (on CUDA by default,
 ``mode="reduce-overhead"`` included; ``SpecConfig(cuda_graphs=False)`` turns them off).
 """
@@ -67,8 +68,7 @@ def _inner_compiler(inner: str, mode: str | None, combo_kernels: bool = True) ->
     def compile_inner(gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         # on CUDA, one launch for independent pointwise kernels (a GDN layer's gate and beta): at B=1 a
         # pass is bound by launches, and the 1.3B shape's 1-node pass went 1.704 -> 1.662 ms on an H200
-        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-        return compile_fx(gm, example_inputs, config_patches=on_gpu if cuda else patches)
+        return compile_fx(gm, example_inputs, config_patches=on_gpu if _on_cuda(example_inputs) else patches)
 
     return compile_inner
 
@@ -263,7 +263,24 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     if options.get("fuse_projections", True):
         groups = fuse_projections(gm, example_inputs)
         log.info("specla: %d groups of projections reading one input became one GEMM each", groups)
+        if groups and _tunes_gemms_on_cuda(options.get("inner", "inductor"), mode, example_inputs):
+            # (measured on an H200: inductor's autotuner rebuilds a fused GEMM's weight, an as_strided view
+            # over its first part's graph input, at that part's size, and fails minutes into the compile)
+            raise ValueError(f"specla: mode={mode!r} cannot autotune the fused projection GEMMs on CUDA; pass "
+                             "options={'fuse_projections': False} to tune the unfused ones, or another mode")
     return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain)
+
+
+def _on_cuda(example_inputs: Sequence) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+
+
+def _tunes_gemms_on_cuda(inner: str, mode: str | None, example_inputs: Sequence) -> bool:
+    """Whether inductor will autotune this graph's GEMMs on CUDA (a max-autotune ``mode``, or its config set so)."""
+    config = torch._inductor.config
+    tunes = (mode is not None and torch._inductor.list_mode_options(mode).get("max_autotune", False)) or (
+        config.max_autotune or config.max_autotune_gemm)
+    return inner == "inductor" and bool(tunes) and _on_cuda(example_inputs)
 
 
 def _register_by_name() -> None:

@@ -97,3 +97,24 @@ def test_a_static_twin_reads_the_fused_gemms_parts_as_slices():
         assert sum(n.target is torch.narrow for n in gm.graph.nodes) == parts
         for got, want in zip(gm(*example_inputs), expected):
             assert torch.equal(got, want)
+
+
+def test_max_autotune_on_cuda_refuses_fused_projections_at_once():
+    """inductor's GEMM autotuner fails on a fused GEMM's weight (an as_strided view over its first part's
+    input) minutes into a CUDA compile: the backend says so in one line before compiling, and names the way
+    out; other modes, other inner compilers and CPU graphs go on."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specla_compile.backend import _tunes_gemms_on_cuda, specla_backend
+
+    gm, example_inputs = _packed_fla_graph(seed=6, dynamic=False)
+    with FakeTensorMode():
+        on_gpu = torch.empty(1, device="cuda")
+    with pytest.raises(ValueError, match="cannot autotune the fused projection GEMMs.*fuse_projections': False"):
+        specla_backend(gm, [*example_inputs, on_gpu], mode="max-autotune-no-cudagraphs")  # (one CUDA input: enough)
+    assert _tunes_gemms_on_cuda("inductor", "max-autotune", [on_gpu])
+    assert not _tunes_gemms_on_cuda("inductor", "max-autotune", example_inputs)  # CPU
+    assert not _tunes_gemms_on_cuda("inductor", "default", [on_gpu]) and not _tunes_gemms_on_cuda("inductor", None, [on_gpu])
+    assert not _tunes_gemms_on_cuda("aot_eager", "max-autotune", [on_gpu])
+    with torch._inductor.config.patch(max_autotune_gemm=True):  # (the same asked of inductor's config)
+        assert _tunes_gemms_on_cuda("inductor", None, [on_gpu])
