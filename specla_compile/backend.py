@@ -17,7 +17,10 @@ that only verifies (what :class:`~specla_compile.SpeculativeGenerator` asks for 
 model itself: it prefills with the eager model); ``fuse_projections`` — True (default): projections
 that read one input and whose weights lie back to back in memory (:func:`~specla_compile.lowering.
 fuse_projections.pack_projections`, which the generator runs) become one GEMM each; ``combo_kernels`` —
-True (default): on CUDA, inductor launches independent pointwise kernels as one (its ``combo_kernels``). A
+True (default): on CUDA, inductor launches independent pointwise kernels as one (its ``combo_kernels``);
+``fold_norms`` — False (default): True runs, on CUDA, each bf16 RMS norm of a static twin of up to 32 tokens inside
+the GEMM after it, with the residual add before it (:mod:`.lowering.fold_norms`; slower than inductor's norm and
+cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``). A
 max-autotune ``mode`` on CUDA needs ``fuse_projections=False`` (inductor's GEMM autotuner cannot read a fused weight). ``mode`` is passed to inductor, except for its CUDA graphs: the
 :class:`~specla_compile.runtime.engine.StaticEngine` captures whole passes itself (on CUDA by default,
 ``mode="reduce-overhead"`` included; ``SpecConfig(cuda_graphs=False)`` turns them off).
@@ -36,17 +39,18 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from .kernels import dispatch
+from .kernels import dispatch, ops
 from .lowering.capture import install
+from .lowering.fold_norms import fold_norms
 from .lowering.fuse_projections import fuse_projections, gathers_as_slices
-from .lowering.graph_analysis import find_gdn_layers, is_sdpa
+from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sdpa
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
 from .lowering.session import LayerBinding, VerifySession, active_session
 from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-_OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels"}
+_OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
 
@@ -76,7 +80,7 @@ def _inner_compiler(inner: str, mode: str | None, combo_kernels: bool = True) ->
 def _fake_verify_inputs(program: VerifyProgram, example_inputs: Sequence) -> list:
     """Fake values of the twin's extra inputs, for compiling it now (in the example inputs' fake mode),
     and, in the graph's own fake mode, as the example values of their placeholders and of every node
-    the rewrite added (:func:`_fill_example_values`)."""
+    the rewrite added (:func:`~.lowering.graph_analysis.fill_example_values`)."""
     placeholders = [n for n in program.graph_module.graph.nodes if n.op == "placeholder"]
     first_layer = next(n for n in program.graph_module.graph.nodes if "gdn_commit_verify_" in str(n.target))
     q = first_layer.args[6].meta["example_value"]
@@ -105,29 +109,8 @@ def _fake_verify_inputs(program: VerifyProgram, example_inputs: Sequence) -> lis
     with graph_mode if graph_mode is not None else contextlib.nullcontext():
         for placeholder, value in zip(placeholders[program.num_model_inputs :], make()):
             placeholder.meta["example_value"] = value
-    _fill_example_values(program.graph_module.graph, graph_mode)
+    fill_example_values(program.graph_module.graph, graph_mode)
     return extras
-
-
-def _fill_example_values(graph: fx.Graph, fake_mode) -> None:
-    """Give the nodes the rewrite added the example value Dynamo gives its own (run on their inputs'
-    fake values): AOTAutograd's cache refuses a graph that calls a tensor method on a node without one,
-    and without its cache a warm process re-traces every graph with AOTAutograd."""
-    if fake_mode is None:
-        return
-
-    def value(n: fx.Node):
-        return n.meta["example_value"]
-
-    with fake_mode:
-        for node in graph.nodes:
-            if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
-                continue
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
-            if node.op == "call_method":
-                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                node.meta["example_value"] = node.target(*args, **kwargs)
 
 
 def _has_symbolic_size(value) -> bool:
@@ -145,8 +128,9 @@ class SpeculativeGraph:
     attention length every pass) keep one dynamic twin."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
-                 plain: str = "compiled"):
+                 plain: str = "compiled", fold: bool = False):
         self.verify_kernel = verify_kernel
+        self.fold = fold
         started = time.perf_counter()
         self.plain = compile_inner(gm, example_inputs) if plain == "compiled" else gm.forward
         self.compile_seconds = {"plain": time.perf_counter() - started}
@@ -182,8 +166,8 @@ class SpeculativeGraph:
             raise RuntimeError(f"specla cannot verify through this graph: {self.unverifiable}")
         return self._verify(session, args)
 
-    def _twin_for(self, inputs: list) -> Callable:
-        """The static twin of these inputs' sizes, compiled at the first call of a size."""
+    def _twin_for(self, inputs: list, rows: int) -> Callable:
+        """The static twin of these inputs' sizes (``rows`` tokens in all), compiled at the first call of a size."""
         key = tuple(inputs[i] if isinstance(inputs[i], int) else tuple(inputs[i].shape) for i in self.size_inputs)
         twin = self.twins.get(key)
         if twin is None:
@@ -191,6 +175,8 @@ class SpeculativeGraph:
             program = self.program.graph_module  # (a copy per size: inductor's passes edit the graph they get)
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
             gathers_as_slices(gm)
+            if self.fold and rows <= ops.LINEAR_MAX_ROWS and _on_cuda(inputs):
+                log.info("specla: %d norms folded into the GEMMs after them", fold_norms(gm))
             # fake inputs of static shapes in a mode with a shape env, as Dynamo hands them over: without
             # one, AOTAutograd's and inductor's caches bypass the graph ("No shape env")
             fake_mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -228,7 +214,7 @@ class SpeculativeGraph:
             shapes = [(r.feature_shape, r.dtype) for r in layer.records]
             extras += session.take_pending(key, batch, nodes, shapes, device)
         inputs = [*args, *extras]
-        verify_fn = self.verify_fn or self._twin_for(inputs)
+        verify_fn = self.verify_fn or self._twin_for(inputs, batch * nodes)
         if self.verify_kernel == "auto":
             outputs = verify_fn(*inputs)
         else:
@@ -247,9 +233,10 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     unknown = set(options) - _OPTIONS
     if unknown:
         raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
-    combo_kernels = options.get("combo_kernels", True)
-    if not isinstance(combo_kernels, bool):
-        raise ValueError(f"specla option 'combo_kernels' must be True or False, got {combo_kernels!r}")
+    combo_kernels, fold = options.get("combo_kernels", True), options.get("fold_norms", False)
+    for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold)):
+        if not isinstance(value, bool):
+            raise ValueError(f"specla option {name!r} must be True or False, got {value!r}")
     compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, combo_kernels)
     verify_kernel = options.get("verify_kernel", "auto")
     if verify_kernel != "auto" and verify_kernel not in dispatch.ROUTES:
@@ -268,7 +255,7 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
             # over its first part's graph input, at that part's size, and fails minutes into the compile)
             raise ValueError(f"specla: mode={mode!r} cannot autotune the fused projection GEMMs on CUDA; pass "
                              "options={'fuse_projections': False} to tune the unfused ones, or another mode")
-    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain)
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold)
 
 
 def _on_cuda(example_inputs: Sequence) -> bool:

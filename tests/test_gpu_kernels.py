@@ -278,11 +278,11 @@ def test_draft_attention_at_the_heads_shape(rows, queries, columns, dtype):
     assert rel_err(out, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 16, 17])
+@pytest.mark.parametrize("rows", [1, 4, 16, 17, 33])
 def test_head_linear_ops_at_the_trained_heads_shapes(rows, monkeypatch):
     """The draft head's fused GEMMs on the GPU at the trained study's shapes (hidden 1024, MLP 4096, 32k-token
     table picked by a strided column of ids), bf16, over [R, 1, D] rows as a draft level runs them, against fp64
-    PyTorch; 17 rows take the reference (cuBLAS) route."""
+    PyTorch; 33 rows take the reference (cuBLAS) route."""
     gen = torch.Generator().manual_seed(rows)
     make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
     x, norm, bias = make(rows, 1, 1024), 1 + make(1024, scale=0.2), make(1024)
@@ -302,3 +302,27 @@ def test_head_linear_ops_at_the_trained_heads_shapes(rows, monkeypatch):
     assert rel_err(hidden, ref.norm_gated_linear_reference(d(x), d(norm), 1e-6, d(gate_up))) <= 1e-2
     assert fused.shape == projected.shape == (rows, 1, 1024) and hidden.shape == (rows, 1, 4096)
     assert len(launches) == (3 if rows <= triton_linear.MAX_ROWS else 0)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32, 33])
+@pytest.mark.parametrize("gated", [False, True])
+def test_folded_norm_ops_at_the_target_shapes(rows, gated, monkeypatch):
+    """A GDN-1.3B layer's folded sites on the GPU, bf16 over [1, R, 2048] rows as a pass runs them: the residual
+    add, the norm and the fused q/k/v/gate projection (or the MLP's gate/up and silu(gate) * up) in one launch
+    up to 32 rows, against fp64 PyTorch; the sum exactly the bf16 add; 33 rows take the reference route."""
+    gen = torch.Generator().manual_seed(rows + gated)
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
+    x, skip, norm = make(1, rows, 2048), make(1, rows, 2048), 1 + make(2048, scale=0.2)
+    weight = make(11264 if gated else 8208, 2048, scale=2048**-0.5)
+    launches = []
+    name = "gated_linear" if gated else "linear"
+    kernel = getattr(triton_linear, name)
+    monkeypatch.setattr(triton_linear, name, lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    op = ops.add_norm_gated_linear if gated else ops.add_norm_linear
+    with poisoned_allocations():
+        y, summed = op(x, skip, norm, 1e-6, weight)
+    d = lambda t: t.double()
+    expected, _ = ref.add_norm_linear_reference(d(x), d(skip), d(norm), 1e-6, d(weight), gated=gated)
+    assert y.shape == (1, rows, weight.shape[0] // (2 if gated else 1)) and rel_err(y, expected) <= 1e-2
+    assert torch.equal(summed, x + skip)
+    assert len(launches) == (1 if rows <= triton_linear.MAX_ROWS else 0)

@@ -382,6 +382,26 @@ def test_head_gated_linear(rows, n, norm):
 
 
 @interpreted
+@pytest.mark.parametrize("rows", [3, 16, 20, 32])
+@pytest.mark.parametrize("gated", [False, True])
+def test_linear_adds_a_skip_before_its_norm_and_writes_the_sum(rows, gated):
+    """A residual stream's add, the norm after it and the GEMM after that (and ``silu(gate) * up``) in one launch,
+    against fp64 PyTorch: up to 16 rows in one 16-row tile, 17-32 in a 32-row one; the sum, rounded to the rows'
+    dtype, written once (by the first program) into NaN-poisoned memory."""
+    t = _head_linear_inputs(rows, 2 * 40, 300, torch.float32, rows + gated)
+    skip = torch.randn(rows, 300, generator=torch.Generator().manual_seed(rows))
+    summed = torch.full_like(skip, float("nan"))
+    weight = t["w"] if gated else t["w"][:40]
+    with poisoned_allocations():
+        y = (tl_.gated_linear if gated else tl_.linear)(t["x"], weight, norm_weight=t["norm"], eps=1e-5, skip=skip,
+                                                         skip_sum=summed)
+    expected, _ = ref.add_norm_linear_reference(t["x"].double(), skip.double(), t["norm"].double(), 1e-5, weight.double(),
+                                                gated=gated)
+    assert y.shape == (rows, 40) and rel_err(y, expected) <= 1e-5
+    assert torch.equal(summed, t["x"] + skip)
+
+
+@interpreted
 def test_head_linear_ops_take_strided_indices_and_large_activations():
     """Through the ops' CUDA implementations (the kernels under the interpreter), in fp16: token ids that are a
     column of a wider buffer (a drafter's level-0 tokens: a strided view) pick their own table rows, and rows of
@@ -402,8 +422,8 @@ def test_head_linear_ops_take_strided_indices_and_large_activations():
 
 @interpreted
 def test_head_linear_refuses_what_it_cannot_take():
-    x, w = torch.randn(17, 8), torch.randn(4, 8)
-    with pytest.raises(ValueError, match="M <= 16"):
+    x, w = torch.randn(33, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="M <= 32"):
         tl_.linear(x, w)
     with pytest.raises(ValueError, match="contiguous"):
         tl_.linear(x[:4, ::2].contiguous().t(), torch.randn(4, 4))
@@ -415,3 +435,7 @@ def test_head_linear_refuses_what_it_cannot_take():
         tl_.linear(x[:4].half(), w)
     with pytest.raises(ValueError, match="an even count"):
         tl_.gated_linear(x[:4], torch.randn(5, 8))
+    with pytest.raises(ValueError, match="a skip and its sum's output together"):
+        tl_.linear(x[:4], w, skip=x[4:8])
+    with pytest.raises(ValueError, match="float32 or bfloat16 rows only"):
+        tl_.linear(x[:4].half(), w.half(), skip=x[4:8].half(), skip_sum=x[:4].half())

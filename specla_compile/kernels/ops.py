@@ -279,6 +279,8 @@ def _(q, keys, values, mask, scale):
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
 
 
+LINEAR_MAX_ROWS = 32  # rows the linear ops below take to their CUDA kernels (kernels/triton_linear.py); more: the reference
+
 # A draft head's GEMMs with what surrounds them (the norm before, the residual after, the gate): on CUDA one
 # Triton launch each for a few rows (``triton_linear``), where the framework runs two or three kernels.
 
@@ -317,3 +319,35 @@ def norm_gated_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, we
 @norm_gated_linear.register_fake
 def _(x, norm_weight, eps, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
+@torch.library.custom_op("specla::add_norm_linear", mutates_args=())
+def add_norm_linear(x: torch.Tensor, skip: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + skip) @ weight^T, x + skip)`` (``reference.add_norm_linear_reference``)."""
+    return ref.add_norm_linear_reference(x, skip, norm_weight, eps, weight)
+
+
+@add_norm_linear.register_fake
+def _(x, skip, norm_weight, eps, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
+
+
+@torch.library.custom_op("specla::add_norm_gated_linear", mutates_args=())
+def add_norm_gated_linear(x: torch.Tensor, skip: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm_gated_linear(x + skip), x + skip)`` (``reference.add_norm_linear_reference``, gated)."""
+    return ref.add_norm_linear_reference(x, skip, norm_weight, eps, weight, gated=True)
+
+
+@add_norm_gated_linear.register_fake
+def _(x, skip, norm_weight, eps, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2), torch.empty_like(x)
+
+
+# A captured model's RMS norms (fla's, routed by lowering/capture.py): one node each in Dynamo's graph, which
+# a static twin folds into the GEMM after it (lowering/fold_norms.py). Composite: wherever it is not folded,
+# AOTAutograd traces its PyTorch ops, which inductor fuses with what surrounds them as before.
+_NORMS = torch.library.Library("specla", "FRAGMENT")
+_NORMS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_NORMS.impl("rms_norm", ref.rms_norm_reference, "CompositeImplicitAutograd")

@@ -346,3 +346,20 @@ def norm_gated_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps:
     """``silu(gate) * up``, where ``[gate, up]`` are the two halves of ``norm_linear_reference``'s output."""
     gate, up = norm_linear_reference(x, norm_weight, eps, weight).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fla's ``RMSNorm``: ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension in float32 (float64
+    for float64 inputs), rounded once to ``x``'s dtype."""
+    work = compute_dtype(x, weight)
+    wide = x.to(work)
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps) * weight.to(work)).to(x.dtype)
+
+
+def add_norm_linear_reference(x: torch.Tensor, skip: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                              weight: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm_linear_reference(x + skip), x + skip)`` (``norm_gated_linear_reference`` when ``gated``): a
+    residual stream's add, the norm after it and the GEMM after that; the sum rounds to ``x``'s dtype."""
+    summed = x + skip
+    project = norm_gated_linear_reference if gated else norm_linear_reference
+    return project(summed, norm_weight, eps, weight), summed

@@ -1,4 +1,5 @@
-"""Triton kernels: a few rows through one of a draft head's weights, with what surrounds the GEMM fused in.
+"""Triton kernels: a few rows (up to 32) through one weight, with what surrounds the GEMM fused in: a draft
+head's GEMMs, and the target's when its norms are folded into them (``lowering/fold_norms.py``).
 
 An EAGLE draft level runs its head on 1-16 rows. On the H200 each of its GEMMs is one launch that takes
 4-8 us, and cuBLAS picks a 64-column tile for the weights with 1,024 output columns: 16 programs stream the
@@ -6,9 +7,10 @@ weight at 0.27 TB/s, 7.7-8 us for 2 MB (``gemv_gpu_eagle_head.md``). Here one pr
 columns reads its slice of the weight once over the whole depth, 64-128 programs in all (3.8-4.1 us for the
 same weight), and the elementwise work around the GEMM happens in the same launch:
 
-- before it, the head's RMS norm (one kernel fewer). bf16 and fp32 rows enter the GEMM times the norm's weight
-  while the same loop sums their squares, and each output row is scaled by its ``rsqrt(mean(x^2) + eps)`` at the
-  end. fp16 rows, whose ``x * weight`` could overflow fp16, take a first pass for their ``rsqrt`` and enter
+- before it, an RMS norm (one kernel fewer), optionally of the rows plus a skip connection's rows (the sum,
+  rounded to the rows' dtype, is also written out: the model's next residual). bf16 and fp32 rows enter the GEMM
+  times the norm's weight while the same loop sums their squares (the rows loaded a step ahead of the weight), and
+  each output row is scaled by its ``rsqrt(mean(x^2) + eps)`` at the end. fp16 rows, whose ``x * weight`` could overflow fp16, take a first pass for their ``rsqrt`` and enter
   normalized: on the H200 that pass doubled a launch (q/k/v 4.5 -> 10.7 us, gate/up 6.5 -> 13 us in a propose,
   ``eagle_profile.md``: eight dependent reads of the rows before the weight's loop starts);
 - after it, a bias and a residual, the residual's rows optionally gathered from a table by index (the fuse's
@@ -27,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # rows the kernels take: tensor cores need 16, missing rows load as zeros
+from .ops import LINEAR_MAX_ROWS
+
+MAX_ROWS = LINEAR_MAX_ROWS  # rows the kernels take: tensor cores need 16 (32 past 16), missing rows load as zeros
 
 
 @triton.jit
@@ -45,12 +49,19 @@ def _inverse_rms(x_ptr, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr)
 
 
 @triton.jit
-def _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns ``k0 : k0 + BLOCK_K`` of the rows: ``(x, x^2 summed over the block)``. ``x`` comes in its dtype,
+def _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns ``k0 : k0 + BLOCK_K`` of the rows: ``(x, x^2 summed over the block)``. ``x`` comes in its dtype
+    (plus the skip rows when given, summed in fp32 and rounded, which the first program stores to ``sum_ptr``),
     times the norm's weight when there is one (in fp32, rounded once), and also times ``inverse_rms`` when that
     is given (the two-pass form); rows and columns past ``M`` and ``K`` are zeros."""
     offs_m, offs_k = tl.arange(0, BLOCK_M), k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    inside = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=inside, other=0.0)
+    if skip_ptr is not None:
+        x = (x.to(tl.float32) + tl.load(skip_ptr + offs_m[:, None] * K + offs_k[None, :], mask=inside,
+                                        other=0.0).to(tl.float32)).to(x.dtype)
+        if tl.program_id(0) == 0:
+            tl.store(sum_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=inside)
     squares = tl.zeros((BLOCK_M,), tl.float32)  # (summed only where the one-pass norm needs them)
     if norm_ptr is not None:
         wide = x.to(tl.float32)
@@ -63,11 +74,12 @@ def _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """``x @ W[offs_n, k0 : k0 + BLOCK_K]^T`` in fp32 (``W [*, K]`` row-major; IEEE: fp32 products, not TF32)."""
+def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
+    """``x @ W[offs_n, k0 : k0 + BLOCK_K]^T`` in fp32 (``W [*, K]`` row-major; IEEE: fp32 products, not TF32;
+    WIDE: offsets past 2^31 elements, in int64)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], mask=in_n[:, None] & (offs_k[None, :] < K),
-                other=0.0)
+    rows = offs_n[:, None].to(tl.int64) if WIDE else offs_n[:, None]
+    w = tl.load(w_ptr + rows * K + offs_k[None, :], mask=in_n[:, None] & (offs_k[None, :] < K), other=0.0)
     if IEEE:
         product = tl.dot(x, tl.trans(w), input_precision="ieee")
     else:
@@ -76,10 +88,10 @@ def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.conste
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
+def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   TWO_PASS: tl.constexpr):
-    """Grid: (output column blocks,). ``y = norm?(x) @ W^T + bias? + residual?[rows?]``."""
+                   TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr):
+    """Grid: (output column blocks,). ``y = norm?(x + skip?) @ W^T + bias? + residual?[rows?]``."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n, in_m = offs_n < N, offs_m < M
@@ -88,10 +100,15 @@ def _linear_kernel(x_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows
         inverse_rms = _inverse_rms(x_ptr, M, K, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     squares = tl.zeros((BLOCK_M,), tl.float32)
+    x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        x, block_squares = _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+        if PREFETCH:
+            x, block_squares = x_next, squares_next
+            x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0 + BLOCK_K, BLOCK_M, BLOCK_K)
+        else:
+            x, block_squares = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
         squares += block_squares
-        acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE)
+        acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
     if norm_ptr is not None and not TWO_PASS:
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     if bias_ptr is not None:
@@ -106,10 +123,11 @@ def _linear_kernel(x_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows
 
 
 @triton.jit
-def _gated_kernel(x_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TWO_PASS: tl.constexpr):
+def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr,
+                  WIDE: tl.constexpr):
     """Grid: (output column blocks,). ``W = [gate; up]`` of ``2N`` rows; ``y = silu(gate) * up`` of
-    ``norm?(x) @ W^T`` ``[M, N]``: each block of rows read once for both halves."""
+    ``norm?(x + skip?) @ W^T`` ``[M, N]``: each block of rows read once for both halves."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n = offs_n < N
@@ -119,11 +137,16 @@ def _gated_kernel(x_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.const
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     squares = tl.zeros((BLOCK_M,), tl.float32)
+    x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        x, block_squares = _row_block(x_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+        if PREFETCH:
+            x, block_squares = x_next, squares_next
+            x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0 + BLOCK_K, BLOCK_M, BLOCK_K)
+        else:
+            x, block_squares = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
         squares += block_squares
-        gate += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE)
-        up += _times(x, w_ptr, offs_n + N, in_n, K, k0, BLOCK_K, IEEE)
+        gate += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+        up += _times(x, w_ptr, offs_n + N, in_n, K, k0, BLOCK_K, IEEE, WIDE)
     if norm_ptr is not None and not TWO_PASS:
         scale = tl.rsqrt(squares / K + eps)[:, None]
         gate, up = gate * scale, up * scale
@@ -132,34 +155,66 @@ def _gated_kernel(x_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.const
     tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def _tiles(n: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): 16 columns over 256-deep steps up to 2,048 columns (64-128 programs), else 32 over
-    128 (the best of each shape in ``gemv_gpu_eagle_head.md``)."""
-    return (16, 256) if n <= 2048 else (32, 128)
+Tiles = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_stages)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None) -> None:
+def _tiles(n: int, k: int) -> Tiles:
+    """The head's (depth 1,024): 16 columns over 256-deep steps up to 2,048 columns (64-128 programs), else 32
+    over 128, four stages (the best of each shape in ``gemv_gpu_eagle_head.md``); the GDN-1.3B pass's (depth
+    2,048): 32 over 256, three stages (the best at 1 and 16 rows in ``fold_gpu.md``)."""
+    if k >= 2048:
+        return (32, 256, 3)
+    return (16, 256, 4) if n <= 2048 else (32, 128, 4)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, skip: torch.Tensor | None,
+           skip_sum: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > MAX_ROWS:
-        raise ValueError(f"the head's linear kernels take x [M <= {MAX_ROWS}, K] and a weight [N, K], got "
+        raise ValueError(f"the linear kernels take x [M <= {MAX_ROWS}, K] and a weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
     _check_vector(norm_weight, x.shape[1], "norm weight")
     if not (x.is_contiguous() and weight.is_contiguous()) or weight.dtype != x.dtype:
-        raise ValueError(f"the head's linear kernels take contiguous x and weight of one dtype, got {x.dtype} and {weight.dtype}")
+        raise ValueError(f"the linear kernels take contiguous x and weight of one dtype, got {x.dtype} and {weight.dtype}")
+    if (skip is None) != (skip_sum is None) or (skip is not None and any(
+            t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous() for t in (skip, skip_sum))):
+        raise ValueError(f"the linear kernels take a skip and its sum's output together, contiguous, of x's shape "
+                         f"{tuple(x.shape)} and dtype")
+    if skip is not None and x.dtype == torch.float16:  # (the two-pass norm of fp16 reads x before the sum exists)
+        raise ValueError("the linear kernels add a skip to float32 or bfloat16 rows only")
 
 
 def _check_vector(t: torch.Tensor | None, size: int, what: str) -> None:
     """An optional contiguous ``[size]`` input (the kernels read it with unit stride)."""
     if t is not None and (t.shape != (size,) or not t.is_contiguous()):
-        raise ValueError(f"the head's linear kernels take a contiguous {what} [{size}], got {tuple(t.shape)} "
+        raise ValueError(f"the linear kernels take a contiguous {what} [{size}], got {tuple(t.shape)} "
                          f"with strides {t.stride()}")
+
+
+# the rows a step ahead of the weight when the norm works on them: their load, which feeds no tl.dot directly, is
+# not pipelined, and every step waited for it (a norm and skip made the 1.3B q/k/v GEMV 10.6 -> 28.7 us on the
+# H200; prefetched, 15.5: fold_gpu.md's probe, which flips this to A/B it)
+PREFETCH = True
+
+
+def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, columns: int, tiles: Tiles, *args, prefetch: bool,
+            **kwargs) -> None:
+    block_n, block_k, stages = tiles
+    rows = x.shape[0]
+    if rows:
+        kernel[(triton.cdiv(columns, block_n),)](*args, BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                 IEEE=x.dtype == torch.float32, TWO_PASS=x.dtype == torch.float16,
+                                                 num_warps=4, num_stages=stages, PREFETCH=PREFETCH and prefetch,
+                                                 WIDE=weight.numel() >= 2**31, **kwargs)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
-           norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """``x [M, K]`` -> ``rms_norm(x) @ weight^T + bias + residual[residual_rows]`` ``[M, N]``, each term
-    optional (without ``residual_rows``, ``residual`` is ``[M, N]``; with it, a table ``[V, N]``)."""
-    _check(x, weight, norm_weight)
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0, skip: torch.Tensor | None = None,
+           skip_sum: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+    """``x [M, K]`` -> ``rms_norm(x + skip) @ weight^T + bias + residual[residual_rows]`` ``[M, N]``, each term
+    optional (without ``residual_rows``, ``residual`` is ``[M, N]``; with it, a table ``[V, N]``). With ``skip``,
+    ``x + skip`` (rounded to x's dtype) is written to ``skip_sum``."""
+    _check(x, weight, norm_weight, skip, skip_sum)
     rows, n = x.shape[0], weight.shape[0]
     _check_vector(bias, n, "bias")
     _check_vector(residual_rows, rows, "residual_rows")
@@ -167,27 +222,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                  or (residual_rows is None and residual.shape[0] != rows)):
         raise ValueError(f"linear: residual must be contiguous [{rows} or table rows, {n}], got {tuple(residual.shape)}")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k = _tiles(n)
-    if rows:
-        _linear_kernel[(triton.cdiv(n, block_n),)](x, weight, norm_weight, bias, residual, residual_rows, y, rows, n,
-                                                   x.shape[1], eps, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                   IEEE=x.dtype == torch.float32, TWO_PASS=x.dtype == torch.float16,
-                                                   num_warps=4, num_stages=4)
+    _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, bias, residual,
+            residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                 eps: float = 0.0) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                 skip: torch.Tensor | None = None, skip_sum: torch.Tensor | None = None,
+                 tiles: Tiles | None = None) -> torch.Tensor:
     """``x [M, K]``, ``weight [2N, K]`` (gate rows, then up rows) -> ``silu(gate) * up`` ``[M, N]`` of
-    ``rms_norm(x) @ weight^T`` (norm optional)."""
-    _check(x, weight, norm_weight)
+    ``rms_norm(x + skip) @ weight^T`` (norm and skip optional; the sum written to ``skip_sum``, as ``linear``)."""
+    _check(x, weight, norm_weight, skip, skip_sum)
     if weight.shape[0] % 2:
         raise ValueError(f"gated_linear: the weight holds gate and up rows, an even count, got {weight.shape[0]}")
     rows, n = x.shape[0], weight.shape[0] // 2
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k = _tiles(2 * n)
-    if rows:
-        _gated_kernel[(triton.cdiv(n, block_n),)](x, weight, norm_weight, y, rows, n, x.shape[1], eps, BLOCK_M=MAX_ROWS,
-                                                  BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                                                  TWO_PASS=x.dtype == torch.float16, num_warps=4, num_stages=4)
+    _launch(_gated_kernel, x, weight, n, tiles or _tiles(2 * n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, y, rows, n,
+            x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y

@@ -289,18 +289,28 @@ def fla_rms_norm_gated_forward(self, x, g, residual=None, prenorm=False, residua
 
 
 def fla_rms_norm_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
-    """fla ``RMSNorm.forward`` (optionally fused with the residual add) in plain PyTorch."""
-    if residual is not None:
+    """fla ``RMSNorm.forward`` (optionally fused with the residual add) in plain PyTorch, the norm as one
+    ``specla::rms_norm`` node (which a static twin folds into the GEMM after it, with the add before it)."""
+    out_dtype = residual.dtype if residual is not None else x.dtype
+    if residual is not None and (residual_in_fp32 or residual.dtype != x.dtype):
         x = x.float() + residual.float()
         residual_out = x if residual_in_fp32 else x.to(residual.dtype)
+    elif residual is not None:
+        # the sum rounded before the norm reads it (fla's kernel normalizes the float32 sum): the norm sees the
+        # residual stream as the next layer stores it, and the add folds into the GEMM with the norm
+        x = residual_out = x + residual
     else:
         residual_out = x.float() if residual_in_fp32 else x
-    y = _rms(x.float(), self.eps)
-    if self.weight is not None:
-        y = y * self.weight.float()
-    if self.bias is not None:
-        y = y + self.bias.float()
-    y = y.to(residual.dtype if residual is not None else x.dtype)
+    if self.weight is not None and self.bias is None:
+        y = torch.ops.specla.rms_norm(x, self.weight, self.eps)
+        y = y if y.dtype == out_dtype else y.to(out_dtype)  # (no cast node between the norm and its GEMM)
+    else:
+        y = _rms(x.float(), self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        y = y.to(out_dtype)
     return (y, residual_out) if prenorm else y
 
 

@@ -148,3 +148,24 @@ def depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
         seen.add(n)
         frontier.extend(n.all_input_nodes)
     return False
+
+
+def fill_example_values(graph: fx.Graph, fake_mode) -> None:
+    """Give the nodes a pass added (the rewrite, the fold of the norms) the example value Dynamo gives its own (run on their inputs'
+    fake values): AOTAutograd's cache refuses a graph that calls a tensor method on a node without one,
+    and without its cache a warm process re-traces every graph with AOTAutograd."""
+    if fake_mode is None:
+        return
+
+    def value(n: fx.Node):
+        return n.meta["example_value"]
+
+    with fake_mode:
+        for node in graph.nodes:
+            if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+            if node.op == "call_method":
+                node.meta["example_value"] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                node.meta["example_value"] = node.target(*args, **kwargs)

@@ -1,0 +1,152 @@
+"""Fold each RMS norm of a static twin into the GEMM that reads it, with the residual add before it.
+
+At B=1 a GDN layer's pass runs 13 kernels on the H200, and the small ones between its GEMMs cost as much as
+a GEMM: the residual add and norm before the q/k/v/gate projection, the add and norm before the MLP, the
+MLP's ``silu(gate) * up``, each a launch of 1-2.5 us plus its gap. The ``specla::`` linear ops do that work
+inside the GEMM for up to 32 rows (``kernels/triton_linear.py``). :func:`fold_norms` rewrites, in a per-size
+twin's graph (static shapes: the rows are known), each
+
+    h = a + b;  y = specla.rms_norm(h, w, eps);  out = linear(y, W)       [-> silu(out[:N]) * out[N:]]
+
+into one ``specla.add_norm_linear(a, b, w, eps, W)`` (or its gated twin, or ``norm_linear`` without the add)
+whose second output is ``h`` for the rest of the graph. Norms that read no add, or whose output goes
+anywhere but one bias-free GEMM, stay as they are (composite ops that inductor fuses as before).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from ..kernels import ops
+from .fuse_projections import _linear_parts
+from .graph_analysis import fill_example_values
+
+NORMS = (torch.ops.specla.rms_norm.default, torch.ops.specla.rms_norm)
+ADDS = (operator.add, torch.add)
+MULS = (operator.mul, torch.mul)
+SILUS = (torch.nn.functional.silu, torch.ops.aten.silu.default)
+FOLDED_DTYPES = (torch.bfloat16,)  # where the ops have a kernel (kernels/cuda.py); other dtypes keep the norm
+
+
+def _call(node: fx.Node, targets: Sequence) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def _value(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _added(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(a, b)`` of ``node = a + b``, two tensors of one shape and dtype, else None."""
+    if not _call(node, ADDS) or len(node.args) != 2 or node.kwargs:
+        return None
+    values = [_value(a) for a in node.args]
+    if None in values or values[0].shape != values[1].shape or values[0].dtype != values[1].dtype:
+        return None
+    return node.args[0], node.args[1]
+
+
+def _slice(node: fx.Node, source: fx.Node) -> tuple[int, int] | None:
+    """``(start, length)`` of ``node = narrow(source, -1, start, length)``, else None."""
+    if not (_call(node, (torch.narrow,)) and node.args[0] is source and len(node.args) == 4):
+        return None
+    dim = node.args[1]
+    rank = _value(source).dim() if _value(source) is not None else None
+    return (node.args[2], node.args[3]) if dim == -1 or dim == (rank - 1 if rank else None) else None
+
+
+def _silu_times_up(linear: fx.Node) -> fx.Node | None:
+    """The node ``silu(out[..., :N]) * out[..., N:]`` when that is all that reads the GEMM's output ``out``
+    of ``2N`` columns (the MLP's fused gate/up projection), else None."""
+    out = _value(linear)
+    if out is None or len(linear.users) != 2:
+        return None
+    halves = {}
+    for part in linear.users:
+        span = _slice(part, linear)
+        if span is None:
+            return None
+        halves[span] = part
+    columns = out.shape[-1]
+    gate, up = halves.get((0, columns // 2)), halves.get((columns // 2, columns // 2))
+    if gate is None or up is None or columns % 2:
+        return None
+    silu = _only_user(gate)
+    mul = _only_user(silu) if silu is not None and _call(silu, SILUS) and len(silu.args) == 1 else None
+    if mul is None or not _call(mul, MULS) or set(mul.args) != {silu, up} or _only_user(up) is not mul:
+        return None
+    return mul
+
+
+def _whole(node: fx.Node) -> bool:
+    """Whether ``node`` indexes all of its input (``y[:, 0:]``: the LM head's ``logits_to_keep=0``)."""
+    if not (_call(node, (operator.getitem,)) and isinstance(node.args[1], tuple)):
+        return False
+    return all(isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1) for s in node.args[1])
+
+
+def _reader(norm: fx.Node) -> fx.Node | None:
+    """The one node that reads the norm's output, looking through an indexing that keeps all of it."""
+    user = _only_user(norm)
+    return _only_user(user) if user is not None and _whole(user) else user
+
+
+def _order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
+    """Fold, in place, every ``specla.rms_norm`` of a ``dtypes`` input whose only reader is a bias-free
+    ``linear`` into a ``specla::`` linear op with the norm (and the add that made its input, and a following
+    ``silu(gate) * up``; default ``FOLDED_DTYPES``). Returns the number of norms folded."""
+    dtypes = FOLDED_DTYPES if dtypes is None else dtypes
+    graph = gm.graph
+    fake_mode = torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
+    folded = 0
+    for norm in [n for n in graph.nodes if _call(n, NORMS)]:
+        summed, norm_weight, eps = norm.args
+        linear = _reader(norm)
+        parts = _linear_parts(linear) if linear is not None else None
+        value = _value(summed)
+        if parts is None or parts[0] not in (norm, *norm.users) or value is None or value.dtype not in dtypes:
+            continue
+        order = _order(graph)
+        added = _added(summed)
+        if added is not None and any(order[user] < order[linear] for user in summed.users if user is not norm):
+            added = None  # (the sum is read before the GEMM, where the op would write it)
+        gated = _silu_times_up(linear)
+        with graph.inserting_before(linear):
+            if added is None:
+                op = ops.norm_gated_linear if gated is not None else ops.norm_linear
+                out = graph.call_function(op._opoverload, (summed, norm_weight, eps, parts[1]))
+            else:
+                op = ops.add_norm_gated_linear if gated is not None else ops.add_norm_linear
+                pair = graph.call_function(op._opoverload, (*added, norm_weight, eps, parts[1]))
+                out = graph.call_function(operator.getitem, (pair, 0))
+                summed.replace_all_uses_with(graph.call_function(operator.getitem, (pair, 1)))
+        replaced = gated if gated is not None else linear
+        replaced.replace_all_uses_with(out)
+        dead = [replaced]
+        if gated is not None:
+            silu, up = gated.args if _call(gated.args[0], SILUS) else gated.args[::-1]
+            dead += [silu, silu.args[0], up, linear]
+        dead += [user for user in norm.users if user is not linear] + [norm]  # (the indexing looked through)
+        if added is not None:
+            dead.append(summed)
+        for node in dead:
+            graph.erase_node(node)
+        fill_example_values(graph, fake_mode)  # (the next norm may read this one's sum as its add's input)
+        folded += 1
+    if folded:
+        graph.lint()
+        gm.recompile()
+    return folded

@@ -1,0 +1,94 @@
+"""A static twin's RMS norms fold into the GEMMs after them (with the residual add before them and the MLP's
+``silu(gate) * up`` after): same results, fewer nodes, and generation through folded passes stays exact."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from models import VOCAB, tiny_model
+from test_fuse_projections import _packed_fla_graph
+from test_generator import COMPILE, OracleDrafter, plain
+
+from specla_compile import SpecConfig, SpeculativeGenerator
+from specla_compile.lowering import fold_norms as folding
+from specla_compile.lowering.fuse_projections import fuse_projections, gathers_as_slices
+
+SPECLA = torch.ops.specla
+LAYERS = 4  # tiny_model's
+
+
+def _calls(gm: torch.fx.GraphModule, *targets) -> int:
+    return sum(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
+
+
+def _static_twin_graph(seed: int, fused: bool = True) -> tuple[torch.fx.GraphModule, list]:
+    gm, example_inputs = _packed_fla_graph(seed=seed, dynamic=False)
+    if fused:
+        fuse_projections(gm, example_inputs)
+        gathers_as_slices(gm)
+    return gm, example_inputs
+
+
+def test_every_norm_of_a_packed_model_folds_and_the_outputs_stay():
+    """Each layer's attention norm (with the add of the layer before, but the first's) and MLP norm (with the
+    attention's residual add, and silu(gate) * up after its fused gate/up GEMM), and the final norm before the
+    LM head (looked through ``logits_to_keep``'s whole slice), in fp32 on the CPU, where the ops run their
+    PyTorch references."""
+    gm, example_inputs = _static_twin_graph(seed=7)
+    silus = _calls(gm, *folding.SILUS)
+    with torch.no_grad():
+        expected = gm(*example_inputs)
+        assert folding.fold_norms(gm) == 0  # (float32: no kernel to fold into by default)
+        assert folding.fold_norms(gm, dtypes=(torch.float32,)) == 2 * LAYERS + 1
+        got = gm(*example_inputs)
+    assert _calls(gm, *folding.NORMS) == 0 and _calls(gm, *folding.SILUS) == silus - LAYERS  # (the gated o-norms keep theirs)
+    assert _calls(gm, SPECLA.norm_linear.default) == 1  # the first layer's norm reads the embedding: no add
+    assert _calls(gm, SPECLA.add_norm_linear.default) == LAYERS  # three attention norms and the final one
+    assert _calls(gm, SPECLA.add_norm_gated_linear.default) == LAYERS
+    assert all(n.meta.get("example_value") is not None for n in gm.graph.nodes if n.op == "call_function")
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+
+
+def test_a_norm_that_several_gemms_read_stays():
+    """Unpacked projections (fuse_projections off) read each norm in several GEMMs: only the final norm,
+    which the LM head alone reads, folds; the rest stay composite ops."""
+    gm, example_inputs = _static_twin_graph(seed=8, fused=False)
+    with torch.no_grad():
+        expected = gm(*example_inputs)
+        assert folding.fold_norms(gm, dtypes=(torch.float32,)) == 1
+        got = gm(*example_inputs)
+    assert _calls(gm, *folding.NORMS) == 2 * LAYERS
+    assert (got[0] - expected[0]).abs().max() <= 1e-5 * expected[0].abs().max()
+
+
+@pytest.mark.parametrize("config", [SpecConfig(mode="chain", depth=5, bucket=8),
+                                    SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=7, bucket=8)])
+def test_generation_through_folded_passes_equals_plain_decoding(config, monkeypatch, caplog):
+    """With ``fold_norms``, the backend folds the norms of each static twin of up to 32 tokens where the op has a
+    kernel (CUDA, bf16): made to fold here (CPU, fp32), the tokens of drafted and plain decoding equal eager
+    decoding's."""
+    import specla_compile.backend as backend
+
+    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
+    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
+    model = tiny_model("fla", seed=5)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9))
+    expected = plain(model, prompt[0], 12)[0][0, 6:].tolist()
+    gen = SpeculativeGenerator(model, OracleDrafter([expected + [0] * 16], error_rate=0.3, seed=2), config,
+                               compile_options={**COMPILE, "fold_norms": True})
+    with caplog.at_level(logging.INFO, logger="specla_compile"):
+        drafted = gen.generate(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
+        decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
+    assert drafted == expected and decoded == expected
+    assert caplog.text.count(f"{2 * LAYERS + 1} norms folded") >= 2  # the draft bucket's twin and the 1-token loop's
+
+
+def test_the_fold_norms_option_is_a_bool():
+    from specla_compile.backend import specla_backend
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="'fold_norms' must be True or False"):
+        specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "fold_norms": "yes"})
