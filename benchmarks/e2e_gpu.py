@@ -42,6 +42,7 @@ QWEN3_5_SMALL = dict(  # a Qwen3.5 0.8B-class text config: 3 GDN layers to 1 ful
 P_VALUES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CHAIN_LENGTHS = (2, 4, 8, 12)
 TREES = ((2, 16), (4, 16), (2, 32), (4, 32))  # (top_k, nodes)
+BACKEND_OPTIONS: dict = {}  # --backend: the specla backend's options for every compile of this process
 SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile", "fla_passes")
 
 
@@ -339,7 +340,8 @@ def make_generator(model, drafter=None, config=None):
     """A generator over ``model`` (it compiles the model once, however many generators share it)."""
     from specla_compile import SpecConfig, SpeculativeGenerator
 
-    return SpeculativeGenerator(model, drafter or OracleDrafter([[0]], 1.0, 1), config or SpecConfig(bucket=16))
+    return SpeculativeGenerator(model, drafter or OracleDrafter([[0]], 1.0, 1), config or SpecConfig(bucket=16),
+                                compile_options=BACKEND_OPTIONS)
 
 
 def chain_config(depth: int):
@@ -605,7 +607,7 @@ def warm_start(args, results: dict) -> None:
                           "compile_seconds": next(iter(gen._engines.values())).compile_seconds}))
         return
     command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)] + (
-        ["--inductor", *args.inductor] if args.inductor else [])
+        ["--inductor", *args.inductor] if args.inductor else []) + (["--backend", *args.backend] if args.backend else [])
     started = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True, timeout=400)
     line = [l for l in out.stdout.splitlines() if l.startswith("{")]
@@ -865,20 +867,27 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def set_inductor_config(pairs: list[str]) -> None:
-    """Set ``KEY=VALUE`` entries of ``torch._inductor.config`` (values as Python literals) for the process."""
+def literal_pairs(flag: str, pairs: list[str], known) -> dict:
+    """``KEY=VALUE`` entries of ``flag`` (values as Python literals); a key that ``known(key)`` denies is an error."""
     import ast
 
-    import torch._inductor.config as config
-
+    entries = {}
     for pair in pairs:
         key, _, text = pair.partition("=")
-        if not hasattr(config, key):
-            raise ValueError(f"--inductor {pair}: torch._inductor.config has no entry {key!r}")
+        if not known(key):
+            raise ValueError(f"{flag} {pair}: no entry {key!r} there")
         try:
-            value = ast.literal_eval(text)
+            entries[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            raise ValueError(f"--inductor {pair}: the value must be a Python literal (True, 8, 'name')") from None
+            raise ValueError(f"{flag} {pair}: the value must be a Python literal (True, 8, 'name')") from None
+    return entries
+
+
+def set_inductor_config(pairs: list[str]) -> None:
+    """Set ``KEY=VALUE`` entries of ``torch._inductor.config`` (values as Python literals) for the process."""
+    import torch._inductor.config as config
+
+    for key, value in literal_pairs("--inductor", pairs, lambda key: hasattr(config, key)).items():
         setattr(config, key, value)
 
 
@@ -894,11 +903,16 @@ def main() -> None:
     parser.add_argument("--inductor", nargs="+", metavar="KEY=VALUE", default=[],
                         help="set torch._inductor.config entries for this process, e.g. combo_kernels=True (one launch "
                              "for independent pointwise kernels): an A/B of inductor's options against a run without")
+    parser.add_argument("--backend", nargs="+", metavar="KEY=VALUE", default=[],
+                        help="options of the specla backend for every compile, e.g. fold_norms=False: an A/B against a run without")
     parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
         set_inductor_config(args.inductor)
+        from specla_compile.backend import _OPTIONS
+
+        BACKEND_OPTIONS.update(literal_pairs("--backend", args.backend, _OPTIONS.__contains__))
     except ValueError as err:
         parser.error(str(err))
     if args.plot:

@@ -1,0 +1,171 @@
+"""The norms folded into the GEMMs after them, against what inductor and cuBLAS run, at the GDN-1.3B shapes.
+
+A static twin of up to 32 tokens runs each ``h = a + b; y = rms_norm(h); out = y @ W^T`` of the model (and
+the MLP's ``silu(gate) * up`` after its gate/up GEMM) as one ``specla::`` linear op (``lowering/fold_norms.py``,
+``kernels/triton_linear.py``). This times, for each folded site, 24 distinct weights (one per layer, more than
+the L2 holds) back to back in one CUDA graph, median replay:
+
+- ``unfolded``: the add and the norm compiled by inductor (one fused kernel, as in the model's pass), then
+  ``F.linear`` (cuBLAS), then for the MLP inductor's ``silu(gate) * up``;
+- ``folded``: the op, over a sweep of its tiles (BLOCK_N, BLOCK_K, stages); the best, and the default's.
+
+Outputs are checked against the unfolded ones (bf16 rounding apart).
+
+    python benchmarks/fold_gpu.py --out benchmarks/results      # H200, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+from gemv_gpu import graph_ms
+
+from specla_compile.kernels import reference as ref
+from specla_compile.kernels import triton_linear
+
+SITES = {  # weight [N, K] of each folded GEMM, and whether silu(gate) * up follows it
+    "qkvg": ((8208, 2048), False), "gate_up": ((11264, 2048), True), "lm_head": ((32000, 2048), False)}
+LAYERS = 24
+TILES = list(itertools.product((16, 32, 64), (128, 256), (3, 4)))
+EPS = 1e-6
+
+
+def unfolded(x, skip, norm, weight, gated):
+    h = x + skip
+    out = torch.nn.functional.linear(ref.rms_norm_reference(h, norm, EPS), weight)
+    if gated:
+        gate, up = out.chunk(2, dim=-1)
+        out = torch.nn.functional.silu(gate) * up
+    return out, h
+
+
+def sweep_site(name: str, rows: int) -> dict:
+    (n, k), gated = SITES[name]
+    copies = 1 if name == "lm_head" else LAYERS
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device="cuda")).bfloat16()
+    weights = [make(n, k, scale=k**-0.5) for _ in range(copies)]
+    x, skip, norm = make(rows, k), make(rows, k), 1 + make(k, scale=0.2)
+    compiled = torch.compile(unfolded, dynamic=False)
+    want = compiled(x, skip, norm, weights[0], gated)
+    row = {"unfolded_us": 1000 * graph_ms(lambda: [compiled(x, skip, norm, w, gated) for w in weights]) / copies}
+    project = triton_linear.gated_linear if gated else triton_linear.linear
+    summed = torch.empty_like(x)
+    timings = {}
+    for tiles in [None, *TILES]:
+        run = lambda w, tiles=tiles: project(x, w, norm_weight=norm, eps=EPS, skip=skip, skip_sum=summed, tiles=tiles)
+        try:
+            got = run(weights[0])
+        except triton.runtime.errors.OutOfResources:
+            continue
+        error = (got.float() - want[0].float()).abs().max().item() / want[0].float().abs().max().item()
+        if error > 2e-2 or not torch.equal(summed, want[1]):
+            row.setdefault("wrong_tiles", []).append([tiles, error])
+            continue
+        timings[tiles] = 1000 * graph_ms(lambda: [run(w) for w in weights], 10) / copies
+    best = min((t for t in timings if t is not None), key=timings.get)
+    row.update(default_us=timings[None], default_tiles=list(triton_linear._tiles(n, k)), best_us=timings[best], best_tiles=list(best))
+    return row
+
+
+def probe() -> dict:
+    """What slows the folded kernel: q/k/v/gate at 1 and 16 rows, plain GEMV (gemv_gpu's kernel) against the
+    linear kernel without and with the norm and the skip, with and without the rows prefetched a step ahead,
+    over a few tiles."""
+    from gemv_gpu import gemv
+
+    (n, k), _ = SITES["qkvg"]
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device="cuda")).bfloat16()
+    weights = [make(n, k, scale=k**-0.5) for _ in range(LAYERS)]
+    out = {}
+    for rows, tiles in itertools.product((1, 16), ((64, 256, 4), (32, 256, 3), (64, 128, 3), (32, 128, 4))):
+        x, skip, norm, summed = make(rows, k), make(rows, k), 1 + make(k, scale=0.2), make(rows, k)
+        y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        us = lambda fn: 1000 * graph_ms(lambda: [fn(w) for w in weights], 10) / LAYERS
+        row = out[f"M{rows}_{tiles}"] = {"gemv": us(lambda w: gemv(x, w, y, tiles[0], tiles[1], 1, 4, tiles[2])),
+                                         "plain": us(lambda w: triton_linear.linear(x, w, tiles=tiles))}
+        for prefetch in (False, True):
+            triton_linear.PREFETCH = prefetch
+            for name, kwargs in (("norm", {"norm_weight": norm, "eps": EPS}),
+                                 ("norm_skip", {"norm_weight": norm, "eps": EPS, "skip": skip, "skip_sum": summed})):
+                row[f"{name}_prefetch{int(prefetch)}"] = us(lambda w: triton_linear.linear(x, w, tiles=tiles, **kwargs))
+        triton_linear.PREFETCH = True
+        print("probe", rows, tiles, json.dumps(row), flush=True)
+    for (n, k), gated, rows in itertools.product(((3072, 1024), (8192, 1024)), (False, True), (1, 4, 16)):  # the head's
+        if gated != (n == 8192):
+            continue
+        head_weights = [make(n, k, scale=k**-0.5) for _ in range(LAYERS)]
+        x, norm = make(rows, k), 1 + make(k, scale=0.2)
+        project = triton_linear.gated_linear if gated else triton_linear.linear
+        row = out[f"head_{n}x{k}_M{rows}"] = {}
+        for prefetch in (False, True):
+            triton_linear.PREFETCH = prefetch
+            row[f"norm_prefetch{int(prefetch)}"] = 1000 * graph_ms(
+                lambda: [project(x, w, norm_weight=norm, eps=EPS) for w in head_weights], 10) / LAYERS
+        triton_linear.PREFETCH = True
+        print("probe head", n, k, rows, json.dumps(row), flush=True)
+    return out
+
+
+def write_report(results: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "fold_gpu.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = ["# Norms folded into the GEMMs after them, at the GDN-1.3B shapes", "",
+             f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}; bf16; {LAYERS} distinct "
+             "weights per site (the LM head: one) in one CUDA graph, median replay, us per call",
+             f"command: `{results['command']}`", "",
+             "| site [N, K] | rows | unfolded (inductor add+norm, cuBLAS, silu*up) | folded, default tiles | folded, best | best tiles (BLOCK_N, BLOCK_K, stages) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for key, row in results["results"].items():
+        name, rows = key.rsplit("_M", 1)
+        lines.append(f"| {name} {list(SITES[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
+                     f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
+    probe = results.get("probe", {})
+    model = {k: v for k, v in probe.items() if not k.startswith("head_")}
+    if model:
+        lines += ["", "What slows the folded kernel (q/k/v/gate [8208, 2048], us per call; `prefetch`: the rows a step ahead):", "",
+                  "| rows, tiles | gemv_gpu's GEMV | linear kernel | + norm | + norm, prefetch | + norm + skip | + norm + skip, prefetch |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {k} | {r['gemv']:.2f} | {r['plain']:.2f} | {r['norm_prefetch0']:.2f} | {r['norm_prefetch1']:.2f} | "
+                  f"{r['norm_skip_prefetch0']:.2f} | {r['norm_skip_prefetch1']:.2f} |" for k, r in model.items()]
+    head = {k: v for k, v in probe.items() if k.startswith("head_")}
+    if head:
+        lines += ["", "The EAGLE head's norm GEMMs (q/k/v [3072, 1024] with its norm, gate/up [8192, 1024] with its norm and "
+                  "silu(gate) * up; us per call):", "", "| weight, rows | norm | norm, prefetch |", "| --- | --- | --- |"]
+        lines += [f"| {k[5:]} | {r['norm_prefetch0']:.2f} | {r['norm_prefetch1']:.2f} |" for k, r in head.items()]
+    with open(os.path.join(out_dir, "fold_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
+    args = parser.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            write_report(json.load(f), args.out)
+        return
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "command": " ".join(["python", *sys.argv]), "results": {}}
+    started = time.perf_counter()
+    results["probe"] = probe()
+    for name in SITES:
+        for rows in args.rows:
+            row = results["results"][f"{name}_M{rows}"] = sweep_site(name, rows)
+            print(name, rows, json.dumps(row), f"{time.perf_counter() - started:.0f} s", flush=True)
+            write_report(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
