@@ -867,15 +867,16 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def literal_pairs(flag: str, pairs: list[str], known) -> dict:
-    """``KEY=VALUE`` entries of ``flag`` (values as Python literals); a key that ``known(key)`` denies is an error."""
+def literal_pairs(flag: str, pairs: list[str], known, where: str) -> dict:
+    """``KEY=VALUE`` entries of ``flag`` (values as Python literals); a key that ``known(key)`` denies is an error
+    (``where``: what has none)."""
     import ast
 
     entries = {}
     for pair in pairs:
         key, _, text = pair.partition("=")
         if not known(key):
-            raise ValueError(f"{flag} {pair}: no entry {key!r} there")
+            raise ValueError(f"{flag} {pair}: {where} has no entry {key!r}")
         try:
             entries[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
@@ -887,7 +888,7 @@ def set_inductor_config(pairs: list[str]) -> None:
     """Set ``KEY=VALUE`` entries of ``torch._inductor.config`` (values as Python literals) for the process."""
     import torch._inductor.config as config
 
-    for key, value in literal_pairs("--inductor", pairs, lambda key: hasattr(config, key)).items():
+    for key, value in literal_pairs("--inductor", pairs, lambda key: hasattr(config, key), "torch._inductor.config").items():
         setattr(config, key, value)
 
 
@@ -904,15 +905,16 @@ def main() -> None:
                         help="set torch._inductor.config entries for this process, e.g. combo_kernels=True (one launch "
                              "for independent pointwise kernels): an A/B of inductor's options against a run without")
     parser.add_argument("--backend", nargs="+", metavar="KEY=VALUE", default=[],
-                        help="options of the specla backend for every compile, e.g. fold_norms=False: an A/B against a run without")
+                        help="options of the specla backend for every compile, e.g. fold_norms=True: an A/B against a run without")
     parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
         set_inductor_config(args.inductor)
-        from specla_compile.backend import _OPTIONS
+        from specla_compile.backend import OPTIONS
 
-        BACKEND_OPTIONS.update(literal_pairs("--backend", args.backend, _OPTIONS.__contains__))
+        BACKEND_OPTIONS.update(literal_pairs("--backend", args.backend, OPTIONS.__contains__,
+                                              f"the specla backend's options {sorted(OPTIONS)}"))
     except ValueError as err:
         parser.error(str(err))
     if args.plot:

@@ -17,15 +17,15 @@ Outputs are checked against the unfolded ones (bf16 rounding apart).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
-import sys
 import time
 
 import torch
 import triton
-from gemv_gpu import graph_ms
+from gemv_gpu import graph_ms, start_run
 
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels import triton_linear
@@ -74,6 +74,16 @@ def sweep_site(name: str, rows: int) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def prefetching(on: bool):
+    """The linear kernels with (or without) the rows loaded a step ahead, for the probe's A/B."""
+    before, triton_linear.PREFETCH = triton_linear.PREFETCH, on
+    try:
+        yield
+    finally:
+        triton_linear.PREFETCH = before
+
+
 def probe() -> dict:
     """What slows the folded kernel: q/k/v/gate at 1 and 16 rows, plain GEMV (gemv_gpu's kernel) against the
     linear kernel without and with the norm and the skip, with and without the rows prefetched a step ahead,
@@ -91,11 +101,10 @@ def probe() -> dict:
         row = out[f"M{rows}_{tiles}"] = {"gemv": us(lambda w: gemv(x, w, y, tiles[0], tiles[1], 1, 4, tiles[2])),
                                          "plain": us(lambda w: triton_linear.linear(x, w, tiles=tiles))}
         for prefetch in (False, True):
-            triton_linear.PREFETCH = prefetch
-            for name, kwargs in (("norm", {"norm_weight": norm, "eps": EPS}),
-                                 ("norm_skip", {"norm_weight": norm, "eps": EPS, "skip": skip, "skip_sum": summed})):
-                row[f"{name}_prefetch{int(prefetch)}"] = us(lambda w: triton_linear.linear(x, w, tiles=tiles, **kwargs))
-        triton_linear.PREFETCH = True
+            with prefetching(prefetch):
+                for name, kwargs in (("norm", {"norm_weight": norm, "eps": EPS}),
+                                     ("norm_skip", {"norm_weight": norm, "eps": EPS, "skip": skip, "skip_sum": summed})):
+                    row[f"{name}_prefetch{int(prefetch)}"] = us(lambda w: triton_linear.linear(x, w, tiles=tiles, **kwargs))
         print("probe", rows, tiles, json.dumps(row), flush=True)
     for (n, k), gated, rows in itertools.product(((3072, 1024), (8192, 1024)), (False, True), (1, 4, 16)):  # the head's
         if gated != (n == 8192):
@@ -105,10 +114,9 @@ def probe() -> dict:
         project = triton_linear.gated_linear if gated else triton_linear.linear
         row = out[f"head_{n}x{k}_M{rows}"] = {}
         for prefetch in (False, True):
-            triton_linear.PREFETCH = prefetch
-            row[f"norm_prefetch{int(prefetch)}"] = 1000 * graph_ms(
-                lambda: [project(x, w, norm_weight=norm, eps=EPS) for w in head_weights], 10) / LAYERS
-        triton_linear.PREFETCH = True
+            with prefetching(prefetch):
+                row[f"norm_prefetch{int(prefetch)}"] = 1000 * graph_ms(
+                    lambda: [project(x, w, norm_weight=norm, eps=EPS) for w in head_weights], 10) / LAYERS
         print("probe head", n, k, rows, json.dumps(row), flush=True)
     return out
 
@@ -150,14 +158,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     args = parser.parse_args()
-    if args.plot:
-        with open(args.plot) as f:
-            write_report(json.load(f), args.out)
+    results = start_run(parser, args, write_report)
+    if results is None:
         return
-    if not torch.cuda.is_available():
-        parser.error("this benchmark needs a CUDA GPU")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "command": " ".join(["python", *sys.argv]), "results": {}}
     started = time.perf_counter()
     results["probe"] = probe()
     for name in SITES:

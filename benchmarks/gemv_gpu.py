@@ -180,20 +180,28 @@ def write_report(results: dict, out_dir: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def start_run(parser: argparse.ArgumentParser, args: argparse.Namespace, write_report) -> dict | None:
+    """``--plot``: write the markdown from the JSON and return None; else the results' header for a run on this
+    GPU (an error without one)."""
+    if args.plot:
+        with open(args.plot) as f:
+            write_report(json.load(f), args.out)
+        return None
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU")
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "command": " ".join(["python", *sys.argv]), "results": {}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gdn_1.3b", help="which model's GEMM shapes")
     args = parser.parse_args()
-    if args.plot:
-        with open(args.plot) as f:
-            write_report(json.load(f), args.out)
+    results = start_run(parser, args, write_report)
+    if results is None:
         return
-    if not torch.cuda.is_available():
-        parser.error("this benchmark needs a CUDA GPU")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "command": " ".join(["python", *sys.argv]), "results": {}}
     started = time.perf_counter()
     results["preset"] = args.preset
     preset = PRESETS[args.preset]

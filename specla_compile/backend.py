@@ -50,7 +50,7 @@ from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-_OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms"}
+OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
 
@@ -176,7 +176,8 @@ class SpeculativeGraph:
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
             gathers_as_slices(gm)
             if self.fold and rows <= ops.LINEAR_MAX_ROWS and _on_cuda(inputs):
-                log.info("specla: %d norms folded into the GEMMs after them", fold_norms(gm))
+                folded = fold_norms(gm)
+                log.info("specla: %d norms folded into the GEMMs after them", folded)
             # fake inputs of static shapes in a mode with a shape env, as Dynamo hands them over: without
             # one, AOTAutograd's and inductor's caches bypass the graph ("No shape env")
             fake_mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -230,9 +231,9 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     """Dynamo backend: see the module docstring."""
     install()
     options = dict(options or {})
-    unknown = set(options) - _OPTIONS
+    unknown = set(options) - OPTIONS
     if unknown:
-        raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(OPTIONS)}")
     combo_kernels, fold = options.get("combo_kernels", True), options.get("fold_norms", False)
     for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold)):
         if not isinstance(value, bool):

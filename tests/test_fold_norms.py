@@ -92,3 +92,98 @@ def test_the_fold_norms_option_is_a_bool():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="'fold_norms' must be True or False"):
         specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "fold_norms": "yes"})
+
+
+def _dynamo_graph(fn, *inputs) -> tuple[torch.fx.GraphModule, list]:
+    """Dynamo's graph of ``fn(*inputs)`` and its inputs, in the graph's order."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=keep, dynamic=False)(*[x.clone() for x in inputs])
+    return graphs[0]
+
+
+def _norm(h, residual, w):
+    return SPECLA.rms_norm(h, residual, w, 1e-6)
+
+
+def _prenorm(a, b, w, W):  # fla's fused prenorm, the block's sum after it
+    return torch.nn.functional.linear(_norm(a, b, w), W), (a + b) * 2
+
+
+def _after_an_add(a, b, w, W):
+    h = a + b
+    return torch.nn.functional.linear(_norm(h, None, w), W), h * 2
+
+
+def _gated(a, b, w, W):
+    out = torch.nn.functional.linear(_norm(a + b, None, w), W)
+    return torch.nn.functional.silu(torch.narrow(out, -1, 0, 8)) * torch.narrow(out, -1, 8, 8)
+
+
+def _gate_of_the_wrong_half(a, b, w, W):
+    out = torch.nn.functional.linear(_norm(a + b, None, w), W)
+    return torch.nn.functional.silu(torch.narrow(out, -1, 8, 8)) * torch.narrow(out, -1, 0, 8)
+
+
+def _broadcast_add(a, b, w, W):
+    return torch.nn.functional.linear(_norm(a + b[:1], None, w), W)
+
+
+def _sum_read_before_the_gemm(a, b, w, W):
+    h = a + b
+    y = _norm(h, None, w)
+    kept = h * 3
+    return torch.nn.functional.linear(y, W), kept
+
+
+def _written_in_place_before_the_gemm(a, b, w, W):
+    c = a.clone()
+    y = _norm(c + b, None, w)
+    c.mul_(2)
+    return torch.nn.functional.linear(y, W), c
+
+
+def _eps_by_keyword(a, b, w, W):
+    return torch.nn.functional.linear(SPECLA.rms_norm(a + b, None, w, eps=1e-6), W)
+
+
+def _two_gemms(a, b, w, W):
+    y = _norm(a + b, None, w)
+    return torch.nn.functional.linear(y, W), torch.nn.functional.linear(y, W[:4])
+
+
+FOLD_CASES = {  # function: (norms folded, the op it becomes)
+    _prenorm: (1, SPECLA.add_norm_linear.default),
+    _after_an_add: (1, SPECLA.add_norm_linear.default),
+    _gated: (1, SPECLA.add_norm_gated_linear.default),
+    _gate_of_the_wrong_half: (1, SPECLA.add_norm_linear.default),  # (the GEMM folds, the gate stays)
+    _broadcast_add: (1, SPECLA.norm_linear.default),  # (the add stays: the op's sum has the rows' shape)
+    _sum_read_before_the_gemm: (1, SPECLA.norm_linear.default),
+    _written_in_place_before_the_gemm: (0, None),
+    _eps_by_keyword: (0, None),
+    _two_gemms: (0, None),
+}
+
+
+@pytest.mark.parametrize("fn", FOLD_CASES, ids=lambda fn: fn.__name__.strip("_"))
+def test_what_folds_and_what_stays(fn):
+    """Each pattern around a norm, as Dynamo captures it: what the pass folds into which op, and the same outputs
+    (fp32, CPU references) where it folds or not."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(2, 3, 32, generator=gen), torch.randn(2, 3, 32, generator=gen)
+    w, W = 1 + 0.2 * torch.randn(32, generator=gen), torch.randn(16, 32, generator=gen)
+    gm, example_inputs = _dynamo_graph(fn, a, b, w, W)
+    expected = fn(a, b, w, W)
+    count, op = FOLD_CASES[fn]
+    assert folding.fold_norms(gm, dtypes=(torch.float32,)) == count
+    if op is not None:
+        assert _calls(gm, op) == 1
+        assert _calls(gm, *folding.ADDS) == (fn in (_broadcast_add, _sum_read_before_the_gemm))
+    got = gm(*[x.clone() for x in example_inputs])
+    for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()

@@ -213,23 +213,28 @@ def test_factor_records_select():
 
 
 def test_the_rms_norm_op_is_fla_s_norm_and_differentiable():
-    """``specla::rms_norm`` (the node a static twin folds): fla's RMSNorm in fp32 rounded once, ``F.rms_norm`` in
-    fp64, and composite, so that CPU training differentiates through it."""
+    """``specla::rms_norm`` (the node a static twin folds): fla's RMSNorm in fp32 rounded once, with fla's fused
+    prenorm's residual added unrounded, ``F.rms_norm`` in fp64, and composite, so that CPU training
+    differentiates through it."""
     from specla_compile.kernels.reference import add_norm_linear_reference, rms_norm_reference
 
     gen = torch.Generator().manual_seed(4)
     x, weight = torch.randn(3, 5, 64, generator=gen, dtype=torch.float64), 1 + 0.3 * torch.randn(64, generator=gen, dtype=torch.float64)
-    assert (torch.ops.specla.rms_norm(x, weight, 1e-6) - F.rms_norm(x, (64,), weight, 1e-6)).abs().max() <= 1e-14
-    half = x.bfloat16()
-    wide = half.float()
+    skip = torch.randn(3, 5, 64, generator=gen, dtype=torch.float64)
+    assert (torch.ops.specla.rms_norm(x, None, weight, 1e-6) - F.rms_norm(x, (64,), weight, 1e-6)).abs().max() <= 1e-14
+    assert (torch.ops.specla.rms_norm(x, skip, weight, 1e-6) - F.rms_norm(x + skip, (64,), weight, 1e-6)).abs().max() <= 1e-14
+    half, half_skip = x.bfloat16(), skip.bfloat16()
+    wide = half.float() + half_skip.float()  # (fla's fused prenorm: the float32 sum, not the rounded one)
     expected = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.bfloat16().float()).bfloat16()
-    assert torch.equal(rms_norm_reference(half, weight.bfloat16(), 1e-6), expected)
+    assert torch.equal(rms_norm_reference(half, half_skip, weight.bfloat16(), 1e-6), expected)
     leaf = x.clone().requires_grad_()
-    torch.ops.specla.rms_norm(leaf, weight, 1e-6).square().sum().backward()
+    torch.ops.specla.rms_norm(leaf, None, weight, 1e-6).square().sum().backward()
     wanted = x.clone().requires_grad_()
     F.rms_norm(wanted, (64,), weight, 1e-6).square().sum().backward()
     assert (leaf.grad - wanted.grad).abs().max() <= 1e-12
-    skip, w = torch.randn(3, 5, 64, generator=gen, dtype=torch.float64), torch.randn(16, 64, generator=gen, dtype=torch.float64)
+    w = torch.randn(16, 64, generator=gen, dtype=torch.float64)
     y, summed = add_norm_linear_reference(x, skip, weight, 1e-6, w, gated=True)
     gate, up = F.linear(F.rms_norm(x + skip, (64,), weight, 1e-6), w).chunk(2, -1)
     assert torch.equal(summed, x + skip) and (y - F.silu(gate) * up).abs().max() <= 1e-12
+    with pytest.raises(ValueError, match="the skip must have the rows' shape"):
+        add_norm_linear_reference(x, skip[:1], weight, 1e-6, w)  # (no broadcasting: the sum replaces a + b)

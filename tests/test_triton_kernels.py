@@ -437,5 +437,8 @@ def test_head_linear_refuses_what_it_cannot_take():
         tl_.gated_linear(x[:4], torch.randn(5, 8))
     with pytest.raises(ValueError, match="a skip and its sum's output together"):
         tl_.linear(x[:4], w, skip=x[4:8])
+    skip = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="memory of its own"):  # (program 0 would write it while others read it)
+        tl_.linear(x[:4].contiguous(), w, norm_weight=torch.ones(8), skip=skip, skip_sum=skip)
     with pytest.raises(ValueError, match="float32 or bfloat16 rows only"):
         tl_.linear(x[:4].half(), w.half(), skip=x[4:8].half(), skip_sum=x[:4].half())

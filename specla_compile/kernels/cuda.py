@@ -159,6 +159,7 @@ def _add_norm_linear(op: torch.library.CustomOpDef, project: Callable) -> Callab
     also writes the sum, for a few bf16 rows (fp16's two-pass norm would read the rows before the sum)."""
 
     def run(x, skip, norm_weight, eps, weight):
+        reference.check_skip(x, skip)
         if not (_few_half_rows(x, skip, norm_weight, weight) and x.dtype == torch.bfloat16):
             return _reference_of(op)(x, skip, norm_weight, eps, weight)
         rows, summed = _rows(x), torch.empty(x.shape, dtype=x.dtype, device=x.device)

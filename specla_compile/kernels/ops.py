@@ -349,5 +349,5 @@ def _(x, skip, norm_weight, eps, weight):
 # a static twin folds into the GEMM after it (lowering/fold_norms.py). Composite: wherever it is not folded,
 # AOTAutograd traces its PyTorch ops, which inductor fuses with what surrounds them as before.
 _NORMS = torch.library.Library("specla", "FRAGMENT")
-_NORMS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_NORMS.define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor")
 _NORMS.impl("rms_norm", ref.rms_norm_reference, "CompositeImplicitAutograd")

@@ -348,18 +348,27 @@ def norm_gated_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps:
     return torch.nn.functional.silu(gate) * up
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fla's ``RMSNorm``: ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension in float32 (float64
-    for float64 inputs), rounded once to ``x``'s dtype."""
-    work = compute_dtype(x, weight)
-    wide = x.to(work)
+def rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fla's ``RMSNorm`` of ``x`` (plus ``residual``, summed unrounded, as fla's fused prenorm):
+    ``h * rsqrt(mean(h^2) + eps) * weight`` over the last dimension in float32 (float64 for float64 inputs),
+    rounded once to ``x``'s dtype."""
+    work = compute_dtype(x, residual, weight)
+    wide = x.to(work) if residual is None else x.to(work) + residual.to(work)
     return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps) * weight.to(work)).to(x.dtype)
+
+
+def check_skip(x: torch.Tensor, skip: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``skip`` has ``x``'s shape and dtype (the add before a folded norm)."""
+    if skip.shape != x.shape or skip.dtype != x.dtype:
+        raise ValueError(f"add_norm_linear: the skip must have the rows' shape {tuple(x.shape)} and dtype {x.dtype}, "
+                         f"got {tuple(skip.shape)} {skip.dtype}")
 
 
 def add_norm_linear_reference(x: torch.Tensor, skip: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               weight: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm_linear_reference(x + skip), x + skip)`` (``norm_gated_linear_reference`` when ``gated``): a
     residual stream's add, the norm after it and the GEMM after that; the sum rounds to ``x``'s dtype."""
+    check_skip(x, skip)
     summed = x + skip
     project = norm_gated_linear_reference if gated else norm_linear_reference
     return project(summed, norm_weight, eps, weight), summed

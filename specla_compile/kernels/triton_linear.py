@@ -10,8 +10,8 @@ same weight), and the elementwise work around the GEMM happens in the same launc
 - before it, an RMS norm (one kernel fewer), optionally of the rows plus a skip connection's rows (the sum,
   rounded to the rows' dtype, is also written out: the model's next residual). bf16 and fp32 rows enter the GEMM
   times the norm's weight while the same loop sums their squares (the rows loaded a step ahead of the weight), and
-  each output row is scaled by its ``rsqrt(mean(x^2) + eps)`` at the end. fp16 rows, whose ``x * weight`` could overflow fp16, take a first pass for their ``rsqrt`` and enter
-  normalized: on the H200 that pass doubled a launch (q/k/v 4.5 -> 10.7 us, gate/up 6.5 -> 13 us in a propose,
+  each output row is scaled by its ``rsqrt(mean(x^2) + eps)`` at the end. fp16 rows, whose ``x * weight`` could
+  overflow fp16, take a first pass for their ``rsqrt`` and enter normalized: on the H200 that pass doubled a launch (q/k/v 4.5 -> 10.7 us, gate/up 6.5 -> 13 us in a propose,
   ``eagle_profile.md``: eight dependent reads of the rows before the weight's loop starts);
 - after it, a bias and a residual, the residual's rows optionally gathered from a table by index (the fuse's
   token table: one kernel fewer);
@@ -74,6 +74,22 @@ def _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_
 
 
 @triton.jit
+def _rows_ahead(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, x_next, squares_next, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """``(x, squares)`` of the step at ``k0`` (``_row_block``) and, with PREFETCH, the next step's, loaded now: the
+    rows' loads feed no ``tl.dot`` directly and are not pipelined, so the norm's work on them waited for them at every
+    step (the 1.3B q/k/v GEMV with norm and skip 28.5 -> 15.8 us on the H200, ``fold_gpu.md``). Returns
+    ``(x, squares, x_next, squares_next)``; without PREFETCH the last two pass through."""
+    if PREFETCH:
+        x, squares = x_next, squares_next
+        x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0 + BLOCK_K, BLOCK_M,
+                                          BLOCK_K)
+    else:
+        x, squares = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+    return x, squares, x_next, squares_next
+
+
+@triton.jit
 def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
     """``x @ W[offs_n, k0 : k0 + BLOCK_K]^T`` in fp32 (``W [*, K]`` row-major; IEEE: fp32 products, not TF32;
     WIDE: offsets past 2^31 elements, in int64)."""
@@ -100,13 +116,12 @@ def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual
         inverse_rms = _inverse_rms(x_ptr, M, K, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     squares = tl.zeros((BLOCK_M,), tl.float32)
-    x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K)
+    x_next, squares_next = x_ptr, squares  # (placeholders, unless prefetched)
+    if PREFETCH:
+        x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:
-            x, block_squares = x_next, squares_next
-            x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0 + BLOCK_K, BLOCK_M, BLOCK_K)
-        else:
-            x, block_squares = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+        x, block_squares, x_next, squares_next = _rows_ahead(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0,
+                                                             x_next, squares_next, BLOCK_M, BLOCK_K, PREFETCH)
         squares += block_squares
         acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
     if norm_ptr is not None and not TWO_PASS:
@@ -137,13 +152,12 @@ def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     squares = tl.zeros((BLOCK_M,), tl.float32)
-    x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K)
+    x_next, squares_next = x_ptr, squares  # (placeholders, unless prefetched)
+    if PREFETCH:
+        x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:
-            x, block_squares = x_next, squares_next
-            x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0 + BLOCK_K, BLOCK_M, BLOCK_K)
-        else:
-            x, block_squares = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
+        x, block_squares, x_next, squares_next = _rows_ahead(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0,
+                                                             x_next, squares_next, BLOCK_M, BLOCK_K, PREFETCH)
         squares += block_squares
         gate += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
         up += _times(x, w_ptr, offs_n + N, in_n, K, k0, BLOCK_K, IEEE, WIDE)
@@ -179,6 +193,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
             t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous() for t in (skip, skip_sum))):
         raise ValueError(f"the linear kernels take a skip and its sum's output together, contiguous, of x's shape "
                          f"{tuple(x.shape)} and dtype")
+    if skip_sum is not None and skip_sum.untyped_storage().data_ptr() in {
+            t.untyped_storage().data_ptr() for t in (x, skip, weight)}:  # (program 0 writes it while others read)
+        raise ValueError("the linear kernels write the skip's sum to memory of its own, not x's, the skip's or the weight's")
     if skip is not None and x.dtype == torch.float16:  # (the two-pass norm of fp16 reads x before the sum exists)
         raise ValueError("the linear kernels add a skip to float32 or bfloat16 rows only")
 
@@ -190,10 +207,7 @@ def _check_vector(t: torch.Tensor | None, size: int, what: str) -> None:
                          f"with strides {t.stride()}")
 
 
-# the rows a step ahead of the weight when the norm works on them: their load, which feeds no tl.dot directly, is
-# not pipelined, and every step waited for it (a norm and skip made the 1.3B q/k/v GEMV 10.6 -> 28.7 us on the
-# H200; prefetched, 15.5: fold_gpu.md's probe, which flips this to A/B it)
-PREFETCH = True
+PREFETCH = True  # the rows a step ahead where the norm works on them (``_rows_ahead``; fold_gpu.py's probe A/Bs it)
 
 
 def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, columns: int, tiles: Tiles, *args, prefetch: bool,
@@ -222,8 +236,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                  or (residual_rows is None and residual.shape[0] != rows)):
         raise ValueError(f"linear: residual must be contiguous [{rows} or table rows, {n}], got {tuple(residual.shape)}")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, bias, residual,
-            residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
+    _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, bias,
+            residual, residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y
 
 
@@ -237,6 +251,6 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
         raise ValueError(f"gated_linear: the weight holds gate and up rows, an even count, got {weight.shape[0]}")
     rows, n = x.shape[0], weight.shape[0] // 2
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _launch(_gated_kernel, x, weight, n, tiles or _tiles(2 * n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, y, rows, n,
-            x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
+    _launch(_gated_kernel, x, weight, n, tiles or _tiles(2 * n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, y,
+            rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y

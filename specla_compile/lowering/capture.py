@@ -289,28 +289,23 @@ def fla_rms_norm_gated_forward(self, x, g, residual=None, prenorm=False, residua
 
 
 def fla_rms_norm_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
-    """fla ``RMSNorm.forward`` (optionally fused with the residual add) in plain PyTorch, the norm as one
-    ``specla::rms_norm`` node (which a static twin folds into the GEMM after it, with the add before it)."""
-    out_dtype = residual.dtype if residual is not None else x.dtype
-    if residual is not None and (residual_in_fp32 or residual.dtype != x.dtype):
+    """fla ``RMSNorm.forward`` (optionally fused with the residual add) in plain PyTorch. The common case is one
+    ``specla::rms_norm`` node (which a static twin can fold into the GEMM after it, ``lowering/fold_norms.py``)."""
+    if (self.weight is not None and self.bias is None and not residual_in_fp32
+            and (residual is None or residual.dtype == x.dtype)):
+        y = torch.ops.specla.rms_norm(x, residual, self.weight, self.eps)
+        return (y, x if residual is None else x + residual) if prenorm else y  # (the sum rounded, as fla's)
+    if residual is not None:
         x = x.float() + residual.float()
         residual_out = x if residual_in_fp32 else x.to(residual.dtype)
-    elif residual is not None:
-        # the sum rounded before the norm reads it (fla's kernel normalizes the float32 sum): the norm sees the
-        # residual stream as the next layer stores it, and the add folds into the GEMM with the norm
-        x = residual_out = x + residual
     else:
         residual_out = x.float() if residual_in_fp32 else x
-    if self.weight is not None and self.bias is None:
-        y = torch.ops.specla.rms_norm(x, self.weight, self.eps)
-        y = y if y.dtype == out_dtype else y.to(out_dtype)  # (no cast node between the norm and its GEMM)
-    else:
-        y = _rms(x.float(), self.eps)
-        if self.weight is not None:
-            y = y * self.weight.float()
-        if self.bias is not None:
-            y = y + self.bias.float()
-        y = y.to(out_dtype)
+    y = _rms(x.float(), self.eps)
+    if self.weight is not None:
+        y = y * self.weight.float()
+    if self.bias is not None:
+        y = y + self.bias.float()
+    y = y.to(residual.dtype if residual is not None else x.dtype)
     return (y, residual_out) if prenorm else y
 
 

@@ -6,11 +6,15 @@ MLP's ``silu(gate) * up``, each a launch of 1-2.5 us plus its gap. The ``specla:
 inside the GEMM for up to 32 rows (``kernels/triton_linear.py``). :func:`fold_norms` rewrites, in a per-size
 twin's graph (static shapes: the rows are known), each
 
-    h = a + b;  y = specla.rms_norm(h, w, eps);  out = linear(y, W)       [-> silu(out[:N]) * out[N:]]
+    y = specla.rms_norm(a, b, w, eps); out = linear(y, W)     (fla's fused prenorm; the block's a + b after it)
+    h = a + b;  y = specla.rms_norm(h, None, w, eps);  out = linear(y, W)
+                                                             [-> silu(out[..., :N]) * out[..., N:]]
 
-into one ``specla.add_norm_linear(a, b, w, eps, W)`` (or its gated twin, or ``norm_linear`` without the add)
-whose second output is ``h`` for the rest of the graph. Norms that read no add, or whose output goes
-anywhere but one bias-free GEMM, stay as they are (composite ops that inductor fuses as before).
+into one ``specla.add_norm_linear(a, b, w, eps, W)`` (or its gated twin, or ``norm_linear`` when no add comes
+with the norm) whose second output, the rounded sum, replaces ``a + b`` in the rest of the graph. The folded
+op normalizes the rounded sum, where fla's fused prenorm normalizes the float32 one: results move by bf16
+rounding (plain and speculative passes fold alike). Norms read by anything but one bias-free GEMM, and norms
+with an in-place op between their inputs and the GEMM, stay as they are (composite ops, which inductor fuses).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..kernels import ops
-from .fuse_projections import _linear_parts
+from .fuse_projections import linear_parts
 from .graph_analysis import fill_example_values
 
 NORMS = (torch.ops.specla.rms_norm.default, torch.ops.specla.rms_norm)
@@ -91,7 +95,8 @@ def _whole(node: fx.Node) -> bool:
     """Whether ``node`` indexes all of its input (``y[:, 0:]``: the LM head's ``logits_to_keep=0``)."""
     if not (_call(node, (operator.getitem,)) and isinstance(node.args[1], tuple)):
         return False
-    return all(isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1) for s in node.args[1])
+    return all(isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1)
+               for s in node.args[1])
 
 
 def _reader(norm: fx.Node) -> fx.Node | None:
@@ -104,6 +109,25 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` may write a tensor in place (an in-place method or op, or a mutating custom op)."""
+    if node.op == "call_method":
+        return node.target.endswith("_")
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    return getattr(node.target, "__name__", "").endswith("_")
+
+
+def _dtype(node) -> torch.dtype | None:
+    """The dtype of a tensor node (of an ``as_strided`` weight: its base's)."""
+    if isinstance(node, fx.Node) and _call(node, (torch.as_strided,)):
+        node = node.args[0]
+    value = _value(node)
+    return value.dtype if value is not None else None
+
+
 def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
     """Fold, in place, every ``specla.rms_norm`` of a ``dtypes`` input whose only reader is a bias-free
     ``linear`` into a ``specla::`` linear op with the norm (and the add that made its input, and a following
@@ -113,26 +137,40 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
     fake_mode = torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
     folded = 0
     for norm in [n for n in graph.nodes if _call(n, NORMS)]:
-        summed, norm_weight, eps = norm.args
-        linear = _reader(norm)
-        parts = _linear_parts(linear) if linear is not None else None
-        value = _value(summed)
-        if parts is None or parts[0] not in (norm, *norm.users) or value is None or value.dtype not in dtypes:
+        if norm.kwargs or len(norm.args) != 4:
             continue
+        rows, residual, norm_weight, eps = norm.args
+        linear = _reader(norm)
+        parts = linear_parts(linear) if linear is not None else None
+        inputs = [rows, norm_weight, parts[1]] + ([residual] if residual is not None else []) if parts else []
+        if parts is None or parts[0] not in (norm, *norm.users) or _dtype(rows) not in dtypes or any(
+                _dtype(t) != _dtype(rows) for t in inputs):
+            continue  # (one dtype for all: the op's kernel takes nothing else)
         order = _order(graph)
-        added = _added(summed)
-        if added is not None and any(order[user] < order[linear] for user in summed.users if user is not norm):
-            added = None  # (the sum is read before the GEMM, where the op would write it)
+        # (a, b) to add before the norm, the nodes holding a + b elsewhere in the graph, and the first node from
+        # which the op, placed at the GEMM, reads its inputs later than the graph did
+        if residual is not None:
+            sums = [u for u in rows.users if _added(u) and set(u.args) == {rows, residual}]
+            added, start = (rows, residual), norm
+        else:
+            added, sums, start = _added(rows), [rows], rows
+            if added is None or any(order[u] < order[linear] for u in rows.users if u is not norm):
+                added, sums, start = None, [], norm  # (the sum is read before the GEMM, where the op would write it)
+        sums = [s for s in sums if all(order[u] > order[linear] for u in s.users if u is not norm)]
+        if any(_mutates(n) for n in graph.nodes if order[start] < order[n] < order[linear]):
+            continue
         gated = _silu_times_up(linear)
         with graph.inserting_before(linear):
             if added is None:
                 op = ops.norm_gated_linear if gated is not None else ops.norm_linear
-                out = graph.call_function(op._opoverload, (summed, norm_weight, eps, parts[1]))
+                out = graph.call_function(op._opoverload, (rows, norm_weight, eps, parts[1]))
             else:
                 op = ops.add_norm_gated_linear if gated is not None else ops.add_norm_linear
                 pair = graph.call_function(op._opoverload, (*added, norm_weight, eps, parts[1]))
                 out = graph.call_function(operator.getitem, (pair, 0))
-                summed.replace_all_uses_with(graph.call_function(operator.getitem, (pair, 1)))
+                total = graph.call_function(operator.getitem, (pair, 1))
+                for summed in sums:
+                    summed.replace_all_uses_with(total)
         replaced = gated if gated is not None else linear
         replaced.replace_all_uses_with(out)
         dead = [replaced]
@@ -140,8 +178,7 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
             silu, up = gated.args if _call(gated.args[0], SILUS) else gated.args[::-1]
             dead += [silu, silu.args[0], up, linear]
         dead += [user for user in norm.users if user is not linear] + [norm]  # (the indexing looked through)
-        if added is not None:
-            dead.append(summed)
+        dead += [summed for summed in sums if added is not None and not summed.users]
         for node in dead:
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)  # (the next norm may read this one's sum as its add's input)

@@ -69,7 +69,7 @@ def _back_to_back(weights: Sequence[torch.Tensor]) -> bool:
     return True
 
 
-def _linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+def linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(input, weight)`` of a bias-free ``linear`` call, else None."""
     if node.op != "call_function" or node.target not in LINEAR or len(node.args) < 2:
         return None
@@ -96,7 +96,7 @@ def fuse_projections(gm: fx.GraphModule, example_inputs: Sequence) -> int:
     value = dict(zip(placeholders, example_inputs))
     groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
-        parts = _linear_parts(node)
+        parts = linear_parts(node)
         if parts is not None and isinstance(value.get(parts[1]), torch.Tensor):
             groups[parts[0]].append(node)
     fused = 0
