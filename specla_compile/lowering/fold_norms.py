@@ -27,17 +27,13 @@ import torch.fx as fx
 
 from ..kernels import ops
 from .fuse_projections import linear_parts
-from .graph_analysis import fill_example_values
+from .graph_analysis import fill_example_values, is_call
 
 NORMS = (torch.ops.specla.rms_norm.default, torch.ops.specla.rms_norm)
 ADDS = (operator.add, torch.add)
 MULS = (operator.mul, torch.mul)
 SILUS = (torch.nn.functional.silu, torch.ops.aten.silu.default)
 FOLDED_DTYPES = (torch.bfloat16,)  # where the ops have a kernel (kernels/cuda.py); other dtypes keep the norm
-
-
-def _call(node: fx.Node, targets: Sequence) -> bool:
-    return node.op == "call_function" and node.target in targets
 
 
 def _value(node) -> torch.Tensor | None:
@@ -51,7 +47,7 @@ def _only_user(node: fx.Node) -> fx.Node | None:
 
 def _added(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(a, b)`` of ``node = a + b``, two tensors of one shape and dtype, else None."""
-    if not _call(node, ADDS) or len(node.args) != 2 or node.kwargs:
+    if not is_call(node, ADDS) or len(node.args) != 2 or node.kwargs:
         return None
     values = [_value(a) for a in node.args]
     if None in values or values[0].shape != values[1].shape or values[0].dtype != values[1].dtype:
@@ -61,7 +57,7 @@ def _added(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 def _slice(node: fx.Node, source: fx.Node) -> tuple[int, int] | None:
     """``(start, length)`` of ``node = narrow(source, -1, start, length)``, else None."""
-    if not (_call(node, (torch.narrow,)) and node.args[0] is source and len(node.args) == 4):
+    if not (is_call(node, (torch.narrow,)) and node.args[0] is source and len(node.args) == 4):
         return None
     dim = node.args[1]
     rank = _value(source).dim() if _value(source) is not None else None
@@ -85,15 +81,15 @@ def _silu_times_up(linear: fx.Node) -> fx.Node | None:
     if gate is None or up is None or columns % 2:
         return None
     silu = _only_user(gate)
-    mul = _only_user(silu) if silu is not None and _call(silu, SILUS) and len(silu.args) == 1 else None
-    if mul is None or not _call(mul, MULS) or set(mul.args) != {silu, up} or _only_user(up) is not mul:
+    mul = _only_user(silu) if silu is not None and is_call(silu, SILUS) and len(silu.args) == 1 else None
+    if mul is None or not is_call(mul, MULS) or set(mul.args) != {silu, up} or _only_user(up) is not mul:
         return None
     return mul
 
 
 def _whole(node: fx.Node) -> bool:
     """Whether ``node`` indexes all of its input (``y[:, 0:]``: the LM head's ``logits_to_keep=0``)."""
-    if not (_call(node, (operator.getitem,)) and isinstance(node.args[1], tuple)):
+    if not (is_call(node, (operator.getitem,)) and isinstance(node.args[1], tuple)):
         return False
     return all(isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1)
                for s in node.args[1])
@@ -122,7 +118,7 @@ def _mutates(node: fx.Node) -> bool:
 
 def _dtype(node) -> torch.dtype | None:
     """The dtype of a tensor node (of an ``as_strided`` weight: its base's)."""
-    if isinstance(node, fx.Node) and _call(node, (torch.as_strided,)):
+    if isinstance(node, fx.Node) and is_call(node, (torch.as_strided,)):
         node = node.args[0]
     value = _value(node)
     return value.dtype if value is not None else None
@@ -136,7 +132,7 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
     graph = gm.graph
     fake_mode = torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
     folded = 0
-    for norm in [n for n in graph.nodes if _call(n, NORMS)]:
+    for norm in [n for n in graph.nodes if is_call(n, NORMS)]:
         if norm.kwargs or len(norm.args) != 4:
             continue
         rows, residual, norm_weight, eps = norm.args
@@ -175,7 +171,7 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
         replaced.replace_all_uses_with(out)
         dead = [replaced]
         if gated is not None:
-            silu, up = gated.args if _call(gated.args[0], SILUS) else gated.args[::-1]
+            silu, up = gated.args if is_call(gated.args[0], SILUS) else gated.args[::-1]
             dead += [silu, silu.args[0], up, linear]
         dead += [user for user in norm.users if user is not linear] + [norm]  # (the indexing looked through)
         dead += [summed for summed in sums if added is not None and not summed.users]

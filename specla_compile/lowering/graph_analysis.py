@@ -151,9 +151,9 @@ def depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
 
 
 def fill_example_values(graph: fx.Graph, fake_mode) -> None:
-    """Give the nodes a pass added (the rewrite, the fold of the norms) the example value Dynamo gives its own (run on their inputs'
-    fake values): AOTAutograd's cache refuses a graph that calls a tensor method on a node without one,
-    and without its cache a warm process re-traces every graph with AOTAutograd."""
+    """Give the nodes a pass added (the rewrite, the fold of the norms) the example value Dynamo gives its own
+    (run on their inputs' fake values): AOTAutograd's cache refuses a graph that calls a tensor method on a node
+    without one, and without its cache a warm process re-traces every graph with AOTAutograd."""
     if fake_mode is None:
         return
 
