@@ -364,10 +364,12 @@ def bench_fused(states: list[torch.Tensor], topologies: dict[str, tuple[list[int
 def bench_sweep(states: list[torch.Tensor]) -> list[dict]:
     from specla_compile.kernels.dispatch import KernelConfig
 
-    shapes = {"chain8": chain_parents(8), "tree_2_4_16": beam_tree(2, 4, 16), "tree_2_24_32": beam_tree(2, 24, 32),
+    shapes = {"node1": chain_parents(1), "chain8": chain_parents(8), "tree_2_4_16": beam_tree(2, 4, 16), "tree_2_24_32": beam_tree(2, 24, 32),
               "tree_4_4_32": beam_tree(4, 4, 32)}
     configs = {
-        "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(16, 4)],
+        "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(16, 4), KernelConfig(4, 1),
+                   KernelConfig(16, 1), KernelConfig(32, 1), KernelConfig(32, 2), KernelConfig(64, 4)],
+        "serial+pending": [KernelConfig(8, 1), KernelConfig(4, 1), KernelConfig(16, 1), KernelConfig(16, 2), KernelConfig(32, 2)],
         "hybrid": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 4)],
         "parallel": [KernelConfig(64, 4, 32), KernelConfig(32, 4, 64), KernelConfig(64, 8, 32), KernelConfig(128, 4, 32),
                      KernelConfig(128, 8, 32)],
@@ -377,7 +379,7 @@ def bench_sweep(states: list[torch.Tensor]) -> list[dict]:
     for shape, plist in shapes.items():
         parents = torch.tensor([plist], device="cuda")
         sets = make_sets(len(plist), states, seed=3)
-        pend = records_for(sets, 4)
+        pend = records_for(sets, min(4, len(plist)))
         for route, cfgs in configs.items():
             for cfg in cfgs:
                 run = ours(route.split("+")[0], parents, config=cfg)

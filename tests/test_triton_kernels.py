@@ -23,6 +23,7 @@ from kernel_cases import (
     rel_err,
 )
 
+from specla_compile.kernels import dispatch
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig
 
@@ -55,6 +56,7 @@ CASES = {
     "forest_no_l2": ("forest", 1, 16, 0, 32, 32, 1, 2, False, KernelConfig(block_v=32)),
     "star_padded": ("star", 2, 7, 2, 16, 16, 2, 4, True, KernelConfig()),
     "single_node": ("tree", 3, 1, 0, 16, 16, 1, 2, True, KernelConfig()),
+    "single_node_wide": ("tree", 2, 1, 0, 16, 32, 1, 2, True, dispatch.kernel_config("serial", 1, pending=True)),
     "tree_16": ("tree", 1, 16, 0, 16, 32, 2, 4, True, KernelConfig(block_v=16, block_k=16)),
 }
 SCALE = 0.3
@@ -88,6 +90,7 @@ def in_layout(state: torch.Tensor, layout: str) -> torch.Tensor:
 
 FUSED_CASES = [(case, route, "kv") for case in ("chain", "tree_padded", "star_padded", "tree_16") for route in ROUTES]
 FUSED_CASES += [("tree_padded", route, "vk") for route in ROUTES]  # fla's V-major state, updated where it lies
+FUSED_CASES += [("single_node_wide", "serial", "vk")]  # plain decoding's step: one node, a pending record, fla's layout
 
 
 @interpreted

@@ -128,7 +128,11 @@ def kernel_config(route: str, num_nodes: int, pending: bool = False) -> KernelCo
     """Launch shape per route on an H200 at K = V = 256, from the benchmark's sweep. The recurrent
     routes are latency-bound, so narrow tiles and few warps keep the K-reductions in-warp; the parallel
     route amortizes its per-program node-matrix work over wide V tiles, narrower when the fused commit
-    also holds a full K x BV tile in registers."""
+    also holds a full K x BV tile in registers. A one-node pass (plain decoding's step) has no chain to walk:
+    two warps per program there (``bench_kernels.md``'s sweep, node1: 4.38 -> 3.81 us, with a pending record
+    6.05 -> 5.49 us at 16 columns), where they cost a longer chain 25-40%."""
     if route == "parallel":
         return KernelConfig(block_v=16, num_warps=4, block_k=64) if pending else KernelConfig(64, 4, 32)
+    if num_nodes == 1 and route == "serial":
+        return KernelConfig(block_v=16 if pending else 8, num_warps=2)
     return KernelConfig(block_v=8, num_warps=1)
