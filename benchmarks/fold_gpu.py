@@ -11,6 +11,9 @@ the L2 holds) back to back in one CUDA graph, median replay:
 
 Outputs are checked against the unfolded ones (bf16 rounding apart).
 
+``bare``: the same kernels without a norm, against cuBLAS (and inductor's ``silu(gate) * up``), at every GEMM
+of a layer: whether the Triton kernel alone pays where the norm's fold did not.
+
     python benchmarks/fold_gpu.py --out benchmarks/results      # H200, about a minute
 """
 
@@ -32,6 +35,8 @@ from specla_compile.kernels import triton_linear
 
 SITES = {  # weight [N, K] of each folded GEMM, and whether silu(gate) * up follows it
     "qkvg": ((8208, 2048), False), "gate_up": ((11264, 2048), True), "lm_head": ((32000, 2048), False)}
+BARE_SITES = {"qkvg": ((8208, 2048), False), "o_proj": ((2048, 2048), False), "gate_up": ((11264, 2048), True),
+              "down": ((2048, 5632), False)}
 LAYERS = 24
 TILES = list(itertools.product((16, 32, 64), (128, 256), (3, 4)))
 EPS = 1e-6
@@ -71,6 +76,40 @@ def sweep_site(name: str, rows: int) -> dict:
         timings[tiles] = 1000 * graph_ms(lambda: [run(w) for w in weights], 10) / copies
     best = min((t for t in timings if t is not None), key=timings.get)
     row.update(default_us=timings[None], default_tiles=list(triton_linear._tiles(n, k)), best_us=timings[best], best_tiles=list(best))
+    return row
+
+
+def bare_site(name: str, rows: int) -> dict:
+    """cuBLAS (then inductor's silu(gate) * up where gated) against the linear kernels without a norm."""
+    (n, k), gated = BARE_SITES[name]
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device="cuda")).bfloat16()
+    weights = [make(n, k, scale=k**-0.5) for _ in range(LAYERS)]
+    x = make(rows, k)
+
+    def cublas(w):
+        out = torch.nn.functional.linear(x, w)
+        if gated:
+            gate, up = out.chunk(2, dim=-1)
+            out = torch.nn.functional.silu(gate) * up
+        return out
+
+    compiled = torch.compile(cublas, dynamic=False)
+    want = compiled(weights[0]).float()
+    row = {"cublas_us": 1000 * graph_ms(lambda: [compiled(w) for w in weights]) / LAYERS}
+    project = triton_linear.gated_linear if gated else triton_linear.linear
+    timings = {}
+    for tiles in [None, *TILES]:
+        try:
+            got = project(x, weights[0], tiles=tiles).float()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if (got - want).abs().max().item() > 2e-2 * want.abs().max().item():
+            row.setdefault("wrong_tiles", []).append(tiles)
+            continue
+        timings[tiles] = 1000 * graph_ms(lambda tiles=tiles: [project(x, w, tiles=tiles) for w in weights], 10) / LAYERS
+    best = min((t for t in timings if t is not None), key=timings.get)
+    row.update(default_us=timings[None], default_tiles=list(triton_linear._tiles(n, k)),
+               best_us=timings[best], best_tiles=list(best))
     return row
 
 
@@ -133,8 +172,20 @@ def write_report(results: dict, out_dir: str) -> None:
              "| --- | --- | --- | --- | --- | --- |"]
     for key, row in results["results"].items():
         name, rows = key.rsplit("_M", 1)
+        if name.startswith("bare_"):
+            continue
         lines.append(f"| {name} {list(SITES[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
                      f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
+    bare = {k[5:]: v for k, v in results["results"].items() if k.startswith("bare_")}
+    if bare:
+        lines += ["", "The same kernels without a norm (`bare`), against cuBLAS and inductor's silu(gate) * up, us per call"
+                  + (f" (`{results['command_bare']}`)" if "command_bare" in results else "") + ":", "",
+                  "| site [N, K] | rows | cuBLAS (+ silu*up) | Triton, default tiles | Triton, best | best tiles |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for key, row in bare.items():
+            name, rows = key.rsplit("_M", 1)
+            lines.append(f"| {name} {list(BARE_SITES[name][0])} | {rows} | {row['cublas_us']:.2f} | {row['default_us']:.2f} "
+                         f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
     probe = results.get("probe", {})
     model = {k: v for k, v in probe.items() if not k.startswith("head_")}
     if model:
@@ -156,18 +207,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--sections", nargs="+", choices=("probe", "folded", "bare"), default=["probe", "folded", "bare"])
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     args = parser.parse_args()
     results = start_run(parser, args, write_report)
     if results is None:
         return
     started = time.perf_counter()
-    results["probe"] = probe()
-    for name in SITES:
-        for rows in args.rows:
-            row = results["results"][f"{name}_M{rows}"] = sweep_site(name, rows)
-            print(name, rows, json.dumps(row), f"{time.perf_counter() - started:.0f} s", flush=True)
-            write_report(results, args.out)
+    if "probe" in args.sections:
+        results["probe"] = probe()
+    sweeps = [("", SITES, sweep_site)] if "folded" in args.sections else []
+    sweeps += [("bare_", BARE_SITES, bare_site)] if "bare" in args.sections else []
+    for prefix, sites, sweep in sweeps:
+        for name in sites:
+            for rows in args.rows:
+                row = results["results"][f"{prefix}{name}_M{rows}"] = sweep(name, rows)
+                print(prefix + name, rows, json.dumps(row), f"{time.perf_counter() - started:.0f} s", flush=True)
+                write_report(results, args.out)
 
 
 if __name__ == "__main__":
