@@ -117,12 +117,13 @@ class Layers:
                   for _ in range(LAYERS)]
         self.x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
         self.middle = middle
+        self.side = torch.cuda.Stream()  # (the prefetches' stream, forked from and joined to the caller's)
 
     def run(self, schedule: dict, programs: int) -> torch.Tensor:
         """``schedule``: after which GEMM (name) to prefetch which bytes of which later weights: a list of
         (layer offset, weight name, fraction)."""
         main = torch.cuda.current_stream()
-        side = self.side = getattr(self, "side", None) or torch.cuda.Stream()
+        side = self.side
         forked = []
 
         def fork(layer: int, after: str) -> None:
