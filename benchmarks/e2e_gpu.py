@@ -478,14 +478,19 @@ def fla_quick(args, results: dict) -> None:
 
 
 def fla_passes(args, results: dict) -> None:
-    """Only the captured passes, in about a minute and a half of a cold process: replay times of the 1- and
-    16-node chain passes and the 16- and 32-node tree passes, the 16-node tree pass's kernels and the 1-node
-    pass's (one layer in launch order)."""
+    """Only the captured passes, in about a minute and a half of a cold process: plain decoding's time per
+    token, replay times of the 1- and 16-node chain passes and the 16- and 32-node tree passes, the 16-node
+    tree pass's kernels and the 1-node pass's (one layer in launch order)."""
+    from specla_compile.kernels import pdl
+
     model = build("fla", torch.bfloat16, args.layers)
-    prompt = prompts_for(model, 1, 1)[0]
-    section = results.setdefault("fla_passes", {})
+    prompts = prompts_for(model, 1, args.prompts)
+    prompt = prompts[0]
+    section = results.setdefault("fla_passes", {"pdl": pdl.enabled(torch.device("cuda"))})
     gen = make_generator(model)
     gen.decode(prompt, 2)
+    section["plain_ms_per_token"] = run_route(gen, prompts, args.new_tokens, plain=True)["ms_per_token"]
+    print(f"plain graphed: {section['plain_ms_per_token']:.3f} ms/token", flush=True)
     gen.drafter, gen.config = OracleDrafter([[0]], 1.0, 15), chain_config(15)
     gen.generate(prompt, 2)
     section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16)}

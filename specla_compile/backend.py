@@ -71,8 +71,14 @@ def _inner_compiler(inner: str, mode: str | None, combo_kernels: bool = True) ->
 
     def compile_inner(gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         # on CUDA, one launch for independent pointwise kernels (a GDN layer's gate and beta): at B=1 a
-        # pass is bound by launches, and the 1.3B shape's 1-node pass went 1.704 -> 1.662 ms on an H200
-        return compile_fx(gm, example_inputs, config_patches=on_gpu if _on_cuda(example_inputs) else patches)
+        # pass is bound by launches, and the 1.3B shape's 1-node pass went 1.704 -> 1.662 ms on an H200;
+        # and inductor's kernels launch with PDL where specla's do (kernels/pdl.py)
+        device = _cuda_device(example_inputs)
+        if device is None:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        from .kernels import pdl  # (imports Triton, which CUDA implies)
+
+        return compile_fx(gm, example_inputs, config_patches={**on_gpu, "triton.enable_pdl": pdl.enabled(device)})
 
     return compile_inner
 
@@ -259,8 +265,12 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold)
 
 
+def _cuda_device(example_inputs: Sequence) -> torch.device | None:
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.is_cuda), None)
+
+
 def _on_cuda(example_inputs: Sequence) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    return _cuda_device(example_inputs) is not None
 
 
 def _tunes_gemms_on_cuda(inner: str, mode: str | None, example_inputs: Sequence) -> bool:

@@ -326,3 +326,32 @@ def test_folded_norm_ops_at_the_target_shapes(rows, gated, monkeypatch):
     assert y.shape == (1, rows, weight.shape[0] // (2 if gated else 1)) and rel_err(y, expected) <= 1e-2
     assert torch.equal(summed, x + skip)
     assert len(launches) == (1 if rows <= triton_linear.MAX_ROWS else 0)
+
+
+def test_kernels_launch_with_pdl_on_hopper_and_keep_stream_order_in_a_graph():
+    """With PDL a kernel starts before the one it reads has finished and must wait for it: a chain of linear
+    launches, each reading the output of the one before, replayed in a CUDA graph, gives the eager chain's
+    values bit for bit (a kernel that read too early would not)."""
+    from specla_compile.kernels import pdl
+
+    device = torch.device("cuda")
+    assert pdl.launch_args(device).get("launch_pdl", False) == (torch.cuda.get_device_capability()[0] >= 9)
+    torch.manual_seed(0)
+    weights = [torch.randn(2048, 2048, device=device, dtype=torch.bfloat16) / 45 for _ in range(8)]
+    x = torch.randn(1, 2048, device=device, dtype=torch.bfloat16)
+
+    def chain():
+        y = x * 1  # (an eager kernel before the first linear: it launches without PDL)
+        for w in weights:
+            y = triton_linear.linear(y, w)  # (PDL after PDL: each waits for the one before)
+        return y
+
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        expected = chain()
+        graph.replay()
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, wait_upstream
+
 from .reference import check_draft_attention
 
 MAX_QUERIES = 16  # queries per (row, head) that the kernels take in one block
@@ -22,9 +24,10 @@ MAX_QUERIES = 16  # queries per (row, head) that the kernels take in one block
 @triton.jit
 def _block_kernel(q, keys, values, mask, part_m, part_l, part_acc, scale, H, S, T, D,
                   sq_r, sq_h, sq_s, sk_r, sk_h, sk_t, sv_r, sv_h, sv_t, sm_r, sm_s, sm_t,
-                  S_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
+                  S_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (R * H, key blocks). Partial softmax of every query of (row, head) over one block of keys:
     its max ``m``, its sum ``l`` of exp(score - m) and the sum of exp(score - m) * value (fp32)."""
+    wait_upstream(USE_PDL)
     rh, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     blocks = tl.num_programs(1)
     r, h = (rh // H).to(tl.int64), (rh % H).to(tl.int64)
@@ -60,9 +63,10 @@ def _block_kernel(q, keys, values, mask, part_m, part_l, part_acc, scale, H, S, 
 
 @triton.jit
 def _merge_kernel(part_m, part_l, part_acc, out, H, S, D, BLOCKS,
-                  S_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+                  S_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (R * H, S). One query's output from its key blocks' partials (zeros if it saw no key), stored
     at ``out[r, s, h]`` of an ``[R, S, H, d]`` buffer."""
+    wait_upstream(USE_PDL)
     rh, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
     b = tl.arange(0, BLOCKS_PAD)
     d = tl.arange(0, D_PAD)
@@ -111,8 +115,9 @@ def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     _block_kernel[(rows * heads, blocks)](
         q, keys, values, mask, part_m, part_l, part_acc, scale, heads, queries, columns, dim,
         *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], mask_row, *mask.stride()[1:],
-        S_PAD=s_pad, D_PAD=d_pad, BLOCK_T=block_t, IEEE=q.dtype == torch.float32,
+        S_PAD=s_pad, D_PAD=d_pad, BLOCK_T=block_t, IEEE=q.dtype == torch.float32, **launch_args(q.device),
     )
     _merge_kernel[(rows * heads, queries)](part_m, part_l, part_acc, out, heads, queries, dim, blocks,
-                                           S_PAD=s_pad, D_PAD=d_pad, BLOCKS_PAD=max(2, triton.next_power_of_2(blocks)))
+                                           S_PAD=s_pad, D_PAD=d_pad, BLOCKS_PAD=max(2, triton.next_power_of_2(blocks)),
+                                           **launch_args(q.device))
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, wait_upstream
+
 
 @triton.jit
 def _shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr):
@@ -74,9 +76,10 @@ def _tree_conv_block(
 def _tree_conv_kernel(
     x, sxb, sxn, sxd, conv_state, weight, bias, parents, y, x_rows, N, D, S, pending_x, num_pending, A,
     W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    COMMIT: tl.constexpr, BS: tl.constexpr,
+    COMMIT: tl.constexpr, BS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Grid: (B, channel blocks)."""
+    wait_upstream(USE_PDL)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     _tree_conv_block(x, sxb, sxn, sxd, conv_state, weight, bias, parents, y, x_rows, tl.program_id(0), rd, N, D, S,
                      pending_x, num_pending, A, W, BN, BD, HAS_BIAS, SILU, COMMIT, BS)
@@ -86,10 +89,11 @@ def _tree_conv_kernel(
 def _three_tree_convs_kernel(
     x0, x1, x2, sb0, sn0, sd0, sb1, sn1, sd1, sb2, sn2, sd2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, r0, r1, r2, D0, D1, D2,
     parents, num_pending, N, S, A,
-    W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, BS: tl.constexpr,
+    W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, BS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Grid: (B, channel blocks of the widest conv, 3): the commit and tree conv of three bias-free convs
     (fla's q, k and v) in one launch; axis 2 picks the conv."""
+    wait_upstream(USE_PDL)
     c = tl.program_id(2)  # (each weight also stands in as its bias pointer: HAS_BIAS is False, never read)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(0)
@@ -102,8 +106,9 @@ def _three_tree_convs_kernel(
 
 
 @triton.jit
-def _conv_commit_kernel(conv_state, x, num_accepted, A, D, S, BS: tl.constexpr, BD: tl.constexpr):
+def _conv_commit_kernel(conv_state, x, num_accepted, A, D, S, BS: tl.constexpr, BD: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (B, channel blocks)."""
+    wait_upstream(USE_PDL)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     _shift_in(conv_state, x, num_accepted, tl.program_id(0), rd, rd < D, A, D, S, BS)
 
@@ -134,7 +139,7 @@ def tree_conv(
         x, *x.stride(), conv_state, weight, bias if bias is not None else weight, parents, y, x_rows, n, d,
         conv_state.shape[2], pending_x, num, pending_x.shape[1],
         W=weight.shape[1], BN=block_n, BD=block_d, HAS_BIAS=bias is not None, SILU=silu,
-        COMMIT=pending is not None, BS=triton.next_power_of_2(conv_state.shape[2]),
+        COMMIT=pending is not None, BS=triton.next_power_of_2(conv_state.shape[2]), **launch_args(x.device),
     )
     return y, x_rows
 
@@ -178,7 +183,7 @@ def three_tree_convs(
         *xs, *(stride for x in xs for stride in x.stride()), *conv_states, *weights, *pending_xs, *ys, *rows,
         *(x.shape[2] for x in xs), parents, num_pending, n, width,
         pending_xs[0].shape[1], W=weights[0].shape[1], BN=max(16, triton.next_power_of_2(n)), BD=block_d, SILU=silu,
-        BS=triton.next_power_of_2(width),
+        BS=triton.next_power_of_2(width), **launch_args(parents.device),
     )
     return (*ys, *rows)
 
@@ -191,4 +196,5 @@ def conv_state_commit_(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: 
     x = x.contiguous()
     _conv_commit_kernel[(batch, triton.cdiv(d, block_d))](
         conv_state, x, num_accepted, x.shape[1], d, width, BS=triton.next_power_of_2(width), BD=block_d,
+        **launch_args(x.device),
     )

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, wait_upstream
+
 from ..tree import gather_nodes
 
 GROUP = 16  # tensors per launch (each one more branch in the kernel)
@@ -22,9 +24,10 @@ BLOCK = 1024  # words a program moves per step
 
 @triton.jit
 def _gather_paths_kernel(index, srcs, dsts, words, src_row, src_node, dst_row, dst_node, A,
-                         GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                         GROUP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (B * A, GROUP). Program (b * A + a, i) copies row ``index[b, a]`` of batch row ``b`` of
     ``srcs[i]`` to row ``a`` of ``dsts[i]`` (``words[i]`` words; strides in words)."""
+    wait_upstream(USE_PDL)
     row, which = tl.program_id(0), tl.program_id(1)
     b = (row // A).to(tl.int64)
     a = (row % A).to(tl.int64)
@@ -96,5 +99,5 @@ def gather_paths_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], index: tor
                 index, tuple(s), tuple(d), tuple(t.shape[2] for t in d),
                 tuple(t.stride(0) for t in s), tuple(t.stride(1) for t in s),
                 tuple(t.stride(0) for t in d), tuple(t.stride(1) for t in d),
-                length, GROUP=len(part), BLOCK=BLOCK,
+                length, GROUP=len(part), BLOCK=BLOCK, **launch_args(index.device),
             )

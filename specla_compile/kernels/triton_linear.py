@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, wait_upstream
+
 from .ops import LINEAR_MAX_ROWS
 
 MAX_ROWS = LINEAR_MAX_ROWS  # rows the kernels take: tensor cores need 16 (32 past 16), missing rows load as zeros
@@ -106,8 +108,9 @@ def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.conste
 @triton.jit
 def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr):
+                   TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (output column blocks,). ``y = norm?(x + skip?) @ W^T + bias? + residual?[rows?]``."""
+    wait_upstream(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n, in_m = offs_n < N, offs_m < M
@@ -140,9 +143,10 @@ def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual
 @triton.jit
 def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr,
-                  WIDE: tl.constexpr):
+                  WIDE: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (output column blocks,). ``W = [gate; up]`` of ``2N`` rows; ``y = silu(gate) * up`` of
     ``norm?(x + skip?) @ W^T`` ``[M, N]``: each block of rows read once for both halves."""
+    wait_upstream(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n = offs_n < N
@@ -218,7 +222,7 @@ def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, columns: int, tiles: 
         kernel[(triton.cdiv(columns, block_n),)](*args, BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
                                                  IEEE=x.dtype == torch.float32, TWO_PASS=x.dtype == torch.float16,
                                                  num_warps=4, num_stages=stages, PREFETCH=PREFETCH and prefetch,
-                                                 WIDE=weight.numel() >= 2**31, **kwargs)
+                                                 WIDE=weight.numel() >= 2**31, **launch_args(x.device), **kwargs)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

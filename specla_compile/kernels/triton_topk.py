@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, wait_upstream
+
 
 @triton.jit
 def _pick_k(values, ids, alive, out_v, out_i, K: tl.constexpr):
@@ -28,9 +30,10 @@ def _pick_k(values, ids, alive, out_v, out_i, K: tl.constexpr):
 
 
 @triton.jit
-def _chunk_top_k_kernel(scores, part_m, part_s, part_v, part_i, V, K: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_top_k_kernel(scores, part_m, part_s, part_v, part_i, V, K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (rows, chunks). One chunk of a row: its max, its sum of exp(x - max) and its K best tokens.
     Lanes past the vocabulary are -inf at ids >= V, which sort after every real token."""
+    wait_upstream(USE_PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     chunks = tl.num_programs(1)
     idx = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -46,8 +49,9 @@ def _chunk_top_k_kernel(scores, part_m, part_s, part_v, part_i, V, K: tl.constex
 
 @triton.jit
 def _merge_top_k_kernel(part_m, part_s, part_v, part_i, out_lp, out_ids, CHUNKS: tl.constexpr,
-                        CHUNKS_BLOCK: tl.constexpr, K: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr):
+                        CHUNKS_BLOCK: tl.constexpr, K: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (rows,). A row's log-sum-exp from its chunks' (max, sum), then the K best of its chunks' picks."""
+    wait_upstream(USE_PDL)
     row = tl.program_id(0)
     c = tl.arange(0, CHUNKS_BLOCK)
     m = tl.load(part_m + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
@@ -79,8 +83,9 @@ def vocab_top_k(scores: torch.Tensor, k: int, *, block: int = 2048) -> tuple[tor
         part_v = torch.empty(rows, chunks, k, **f32)
         part_i = torch.empty(rows, chunks, k, dtype=torch.int32, device=scores.device)
         _chunk_top_k_kernel[(rows, chunks)](scores, part_m, part_s, part_v, part_i, vocab, K=k, BLOCK=block,
-                                            num_warps=4)
+                                            num_warps=4, **launch_args(scores.device))
         _merge_top_k_kernel[(rows,)](part_m, part_s, part_v, part_i, log_probs, ids, CHUNKS=chunks,
                                      CHUNKS_BLOCK=triton.next_power_of_2(chunks), K=k,
-                                     CANDIDATES_BLOCK=triton.next_power_of_2(chunks * k), num_warps=4)
+                                     CANDIDATES_BLOCK=triton.next_power_of_2(chunks * k), num_warps=4,
+                                     **launch_args(scores.device))
     return log_probs, ids

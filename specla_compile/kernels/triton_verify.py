@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_args, wait_upstream
+
 from ..tree import PAD
 from .dispatch import ROUTES, KernelConfig
 from .reference import L2NORM_EPS
@@ -149,10 +151,11 @@ def _recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKF: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr,
     USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, VERIFY: tl.constexpr, HYBRID: tl.constexpr,
-    SNAPSHOT: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+    SNAPSHOT: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Serial route (grid z = 1), hybrid route (grid z = N, one program per chain) and the standalone
     commit (VERIFY = False). Grid: (V tiles, B * HV, z)."""
+    wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     c = tl.program_id(2)
@@ -244,11 +247,12 @@ def _parallel_kernel(
     scale, N, A,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2BT: tl.constexpr,
-    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING).
     Grid: (V tiles, B * HV). The K dimension streams in chunks of BK; raw dot products are
     rescaled by the row norms afterwards, so normalization costs no extra pass."""
+    wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // HV
@@ -402,7 +406,7 @@ def tree_verify(
             q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num, scale, n, n_pending,
             BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1,
             # tf32 keeps the error under a bf16 output's rounding; fp32 inputs get fp32-grade products
-            PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape,
+            PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape, **launch_args(q.device),
         )
         return o, k_hat
     hybrid = route == "hybrid"
@@ -415,6 +419,7 @@ def tree_verify(
     _recurrent_kernel[(grid_v, batch * hv, n if hybrid else 1)](
         q, k, v, g, beta, parents, state, o, k_hat, parked, counter, pk, pv, pg, pb, num, scale, n, n_pending,
         BN=bn, LOG2BN=bn.bit_length() - 1, VERIFY=True, HYBRID=hybrid, SNAPSHOT=snapshot is not None, **shape,
+        **launch_args(q.device),
     )
     return o, k_hat
 
@@ -446,4 +451,5 @@ def commit_(
         pk, pv, pg, pb, num, 1.0, 0, n_pending,
         H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, BN=16, LOG2BN=4, USE_L2=False,
         HAS_PENDING=True, VERIFY=False, HYBRID=False, SNAPSHOT=False, SK=sk, SV=sv, num_warps=config.num_warps,
+        **launch_args(state.device),
     )

@@ -1,0 +1,49 @@
+"""Programmatic dependent launch (PDL) on Hopper and newer GPUs.
+
+A GDN pass at B=1 is hundreds of short kernels in one CUDA graph; between two dependent kernels the GPU
+idles while the second one launches and ramps up. Launched with PDL, a kernel may start while the kernel
+before it in the stream still runs: it waits (``griddepcontrol.wait``) for that kernel to finish, and its
+memory to be visible, before it reads or writes anything, then lets the kernel after it launch in turn
+(``griddepcontrol.launch_dependents``). Since every PDL kernel waits before it touches memory, a kernel that
+waits also waits, transitively, for every kernel before it: the order of the stream's writes holds.
+
+Every specla Triton kernel takes ``USE_PDL`` and calls :func:`wait_upstream` before its first load;
+:func:`launch_args` sets both for a launch. Inductor's own kernels do the same when its
+``triton.enable_pdl`` is on, which the backend sets where :func:`enabled` (``backend.py``).
+``SPECLA_PDL=0`` turns it off for an A/B (read once per process).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _cuda_device_enabled(index: int) -> bool:
+    return os.environ.get("SPECLA_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: a CUDA GPU of compute capability 9.0 or newer, unless
+    ``SPECLA_PDL=0``."""
+    if device.type != "cuda":
+        return False
+    return _cuda_device_enabled(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def launch_args(device: torch.device) -> dict:
+    """Keyword arguments of a Triton launch on ``device``: the kernel's ``USE_PDL`` and the launch attribute."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled(device) else {"USE_PDL": False}
+
+
+@triton.jit
+def wait_upstream(USE_PDL: tl.constexpr):
+    """With PDL: wait for the kernel before this one (and so for all before it), then let the next one launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
