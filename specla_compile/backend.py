@@ -20,7 +20,9 @@ fuse_projections.pack_projections`, which the generator runs) become one GEMM ea
 True (default): on CUDA, inductor launches independent pointwise kernels as one (its ``combo_kernels``);
 ``fold_norms`` — False (default): True runs, on CUDA, each bf16 RMS norm of a static twin of up to 32 tokens inside
 the GEMM after it, with the residual add before it (:mod:`.lowering.fold_norms`; slower than inductor's norm and
-cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``). A
+cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``); ``triton_linears`` — False (default): True runs, on
+CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
+which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`). A
 max-autotune ``mode`` on CUDA needs ``fuse_projections=False`` (inductor's GEMM autotuner cannot read a fused weight). ``mode`` is passed to inductor, except for its CUDA graphs: the
 :class:`~specla_compile.runtime.engine.StaticEngine` captures whole passes itself (on CUDA by default,
 ``mode="reduce-overhead"`` included; ``SpecConfig(cuda_graphs=False)`` turns them off).
@@ -41,7 +43,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .kernels import dispatch, ops
 from .lowering.capture import install
-from .lowering.fold_norms import fold_norms
+from .lowering.fold_norms import fold_norms, route_linears
 from .lowering.fuse_projections import fuse_projections, gathers_as_slices
 from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sdpa
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
@@ -50,7 +52,7 @@ from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms"}
+OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms", "triton_linears"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
 
@@ -134,9 +136,9 @@ class SpeculativeGraph:
     attention length every pass) keep one dynamic twin."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
-                 plain: str = "compiled", fold: bool = False):
+                 plain: str = "compiled", fold: bool = False, route: bool = False):
         self.verify_kernel = verify_kernel
-        self.fold = fold
+        self.fold, self.route = fold, route
         started = time.perf_counter()
         self.plain = compile_inner(gm, example_inputs) if plain == "compiled" else gm.forward
         self.compile_seconds = {"plain": time.perf_counter() - started}
@@ -181,9 +183,11 @@ class SpeculativeGraph:
             program = self.program.graph_module  # (a copy per size: inductor's passes edit the graph they get)
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
             gathers_as_slices(gm)
-            if self.fold and rows <= ops.LINEAR_MAX_ROWS and _on_cuda(inputs):
-                folded = fold_norms(gm)
-                log.info("specla: %d norms folded into the GEMMs after them", folded)
+            if rows <= ops.LINEAR_MAX_ROWS and _on_cuda(inputs):
+                if self.fold:
+                    log.info("specla: %d norms folded into the GEMMs after them", fold_norms(gm))
+                if self.route:
+                    log.info("specla: %d GEMMs routed to specla's linear kernels", route_linears(gm))
             # fake inputs of static shapes in a mode with a shape env, as Dynamo hands them over: without
             # one, AOTAutograd's and inductor's caches bypass the graph ("No shape env")
             fake_mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -240,8 +244,8 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     unknown = set(options) - OPTIONS
     if unknown:
         raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(OPTIONS)}")
-    combo_kernels, fold = options.get("combo_kernels", True), options.get("fold_norms", False)
-    for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold)):
+    combo_kernels, fold, route = (options.get(name, name == "combo_kernels") for name in ("combo_kernels", "fold_norms", "triton_linears"))
+    for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold), ("triton_linears", route)):
         if not isinstance(value, bool):
             raise ValueError(f"specla option {name!r} must be True or False, got {value!r}")
     compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, combo_kernels)
@@ -262,7 +266,7 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
             # over its first part's graph input, at that part's size, and fails minutes into the compile)
             raise ValueError(f"specla: mode={mode!r} cannot autotune the fused projection GEMMs on CUDA; pass "
                              "options={'fuse_projections': False} to tune the unfused ones, or another mode")
-    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold)
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold, route)
 
 
 def _cuda_device(example_inputs: Sequence) -> torch.device | None:

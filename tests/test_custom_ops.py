@@ -209,3 +209,7 @@ def test_head_linear_ops():
         torch.library.opcheck(ops.norm_gated_linear, (x, norm.weight, 1e-5, gate_up))
         hidden = ops.norm_gated_linear(x, norm.weight, 1e-5, gate_up)
         torch.testing.assert_close(hidden, torch.nn.functional.silu(norm(x) @ gate_up[:6].T) * (norm(x) @ gate_up[6:].T))
+        torch.library.opcheck(ops.linear, (x, fc.weight))
+        torch.testing.assert_close(ops.linear(x, fc.weight), x @ fc.weight.T)
+        torch.library.opcheck(ops.gated_linear, (x, gate_up))
+        torch.testing.assert_close(ops.gated_linear(x, gate_up), torch.nn.functional.silu(x @ gate_up[:6].T) * (x @ gate_up[6:].T))

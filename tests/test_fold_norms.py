@@ -52,6 +52,23 @@ def test_every_norm_of_a_packed_model_folds_and_the_outputs_stay():
         assert (g - e).abs().max() <= 1e-5 * e.abs().max()
 
 
+def test_every_gemm_of_a_packed_model_routes_and_the_outputs_stay():
+    """Without folding, each layer's four GEMMs (the fused q/k/v/gates, o_proj, the fused gate/up with silu(gate) *
+    up, down) and the LM head become specla's linear ops, in fp32 on the CPU (their PyTorch references)."""
+    gm, example_inputs = _static_twin_graph(seed=7)
+    linears = sum(folding.linear_parts(n) is not None for n in gm.graph.nodes)
+    with torch.no_grad():
+        expected = gm(*example_inputs)
+        assert folding.route_linears(gm) == 0  # (float32: no kernel to route to by default)
+        assert folding.route_linears(gm, dtypes=(torch.float32,)) == linears == 4 * LAYERS + 1
+        got = gm(*example_inputs)
+    assert _calls(gm, SPECLA.linear.default) == 3 * LAYERS + 1 and _calls(gm, SPECLA.gated_linear.default) == LAYERS
+    assert sum(folding.linear_parts(n) is not None for n in gm.graph.nodes) == 0
+    assert all(n.meta.get("example_value") is not None for n in gm.graph.nodes if n.op == "call_function")
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+
+
 def test_a_norm_that_several_gemms_read_stays():
     """Unpacked projections (fuse_projections off) read each norm in several GEMMs: only the final norm,
     which the LM head alone reads, folds; the rest stay composite ops."""
@@ -84,6 +101,25 @@ def test_generation_through_folded_passes_equals_plain_decoding(config, monkeypa
         decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
     assert drafted == expected and decoded == expected
     assert caplog.text.count(f"{2 * LAYERS + 1} norms folded") >= 2  # the draft bucket's twin and the 1-token loop's
+
+
+def test_generation_through_routed_passes_equals_plain_decoding(monkeypatch, caplog):
+    """With ``triton_linears`` (made to route here: CPU, fp32), the tokens of drafted and plain decoding equal
+    eager decoding's."""
+    import specla_compile.backend as backend
+
+    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
+    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
+    model = tiny_model("fla", seed=6)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(10))
+    expected = plain(model, prompt[0], 12)[0][0, 6:].tolist()
+    gen = SpeculativeGenerator(model, OracleDrafter([expected + [0] * 16], error_rate=0.3, seed=3),
+                               SpecConfig(mode="chain", depth=5, bucket=8), compile_options={**COMPILE, "triton_linears": True})
+    with caplog.at_level(logging.INFO, logger="specla_compile"):
+        drafted = gen.generate(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
+        decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
+    assert drafted == expected and decoded == expected
+    assert caplog.text.count(f"{4 * LAYERS + 1} GEMMs routed") >= 2  # the draft bucket's twin and the 1-token loop's
 
 
 def test_the_fold_norms_option_is_a_bool():

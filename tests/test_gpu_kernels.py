@@ -328,6 +328,23 @@ def test_folded_norm_ops_at_the_target_shapes(rows, gated, monkeypatch):
     assert len(launches) == (1 if rows <= triton_linear.MAX_ROWS else 0)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 32, 33])
+@pytest.mark.parametrize("site", ["qkvg", "o_proj", "gate_up", "down", "lm_head"])
+def test_routed_gemms_at_the_target_shapes(rows, site):
+    """Every GEMM of a GDN-1.3B pass as ``route_linears`` leaves it (``specla.linear``, or ``specla.gated_linear``
+    for the MLP's gate/up), bf16 over [1, R, K] rows, against fp64 PyTorch; 33 rows take the reference route."""
+    n, k = {"qkvg": (8208, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
+            "lm_head": (32000, 2048)}[site]
+    gen = torch.Generator().manual_seed(rows + n)
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
+    x, weight = make(1, rows, k), make(n, k, scale=k**-0.5)
+    d = lambda t: t.double()
+    with poisoned_allocations():
+        y = ops.gated_linear(x, weight) if site == "gate_up" else ops.linear(x, weight)
+    expected = ref.gated_linear_reference(d(x), d(weight)) if site == "gate_up" else d(x) @ d(weight).T
+    assert y.shape == expected.shape and rel_err(y, expected) <= 1e-2
+
+
 def test_kernels_launch_with_pdl_on_hopper_and_keep_stream_order_in_a_graph():
     """With PDL a kernel starts before the one it reads has finished and must wait for it: a chain of linear
     launches, each reading the output of the one before, replayed in a CUDA graph, gives the eager chain's

@@ -140,6 +140,20 @@ def _linear_add(x, weight, bias, residual, residual_rows):
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+@ops.linear.register_kernel("cuda")
+def _linear(x, weight):
+    if not _few_half_rows(x, weight):
+        return _reference_of(ops.linear)(x, weight)
+    return triton_linear.linear(_rows(x), weight.contiguous()).view(*x.shape[:-1], weight.shape[0])
+
+
+@ops.gated_linear.register_kernel("cuda")
+def _gated_linear(x, weight):
+    if not _few_half_rows(x, weight):
+        return _reference_of(ops.gated_linear)(x, weight)
+    return triton_linear.gated_linear(_rows(x), weight.contiguous()).view(*x.shape[:-1], weight.shape[0] // 2)
+
+
 @ops.norm_linear.register_kernel("cuda")
 def _norm_linear(x, norm_weight, eps, weight):
     if not _few_half_rows(x, norm_weight, weight):

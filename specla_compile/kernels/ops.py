@@ -298,6 +298,30 @@ def _(x, weight, bias, residual, residual_rows):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("specla::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T`` -> ``[..., N]``: a target's GEMM routed to specla's kernel
+    (``lowering/fold_norms.route_linears``), which launches with PDL on Hopper."""
+    return torch.nn.functional.linear(x, weight)
+
+
+@linear.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("specla::gated_linear", mutates_args=())
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x @ weight^T``, ``weight = [gate; up]`` of ``2N`` rows -> ``[..., N]``
+    (``reference.gated_linear_reference``)."""
+    return ref.gated_linear_reference(x, weight)
+
+
+@gated_linear.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
 @torch.library.custom_op("specla::norm_linear", mutates_args=())
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """``rms_norm(x) @ weight^T`` -> ``[..., N]`` (``reference.norm_linear_reference``)."""

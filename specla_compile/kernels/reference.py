@@ -342,10 +342,15 @@ def norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float
     return torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight)
 
 
-def norm_gated_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, where ``[gate, up]`` are the two halves of ``norm_linear_reference``'s output."""
-    gate, up = norm_linear_reference(x, norm_weight, eps, weight).chunk(2, dim=-1)
+def gated_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, where ``[gate, up]`` are the two halves of ``x @ weight^T`` (an MLP's packed gate/up)."""
+    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def norm_gated_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """``gated_linear_reference`` of ``rms_norm(x)`` (as ``norm_linear_reference``)."""
+    return gated_linear_reference(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight)
 
 
 def rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Fold each RMS norm of a static twin into the GEMM that reads it, with the residual add before it.
+"""Route a static twin's GEMMs to specla's linear kernels: each RMS norm folded into the GEMM that reads it, with
+the residual add before it (:func:`fold_norms`), or the GEMMs alone (:func:`route_linears`).
 
 At B=1 a GDN layer's pass runs 13 kernels on the H200, and the small ones between its GEMMs cost as much as
 a GEMM: the residual add and norm before the q/k/v/gate projection, the add and norm before the MLP, the
@@ -15,6 +16,10 @@ with the norm) whose second output, the rounded sum, replaces ``a + b`` in the r
 op normalizes the rounded sum, where fla's fused prenorm normalizes the float32 one: results move by bf16
 rounding (plain and speculative passes fold alike). Norms read by anything but one bias-free GEMM, and norms
 with an in-place op between their inputs and the GEMM, stay as they are (composite ops, which inductor fuses).
+
+:func:`route_linears` rewrites each bias-free ``linear(x, W)`` (and the MLP's ``silu(gate) * up`` after it) into
+``specla.linear`` (``specla.gated_linear``), one Triton launch each that, on Hopper, launches with PDL
+(``kernels/pdl.py``): cuBLAS's kernels do not, so every GEMM kept the launch gap before it.
 """
 
 from __future__ import annotations
@@ -124,6 +129,44 @@ def _dtype(node) -> torch.dtype | None:
     return value.dtype if value is not None else None
 
 
+def _replace(linear: fx.Node, gated: fx.Node | None, out: fx.Node) -> list[fx.Node]:
+    """Make ``out`` stand for the GEMM (or for the ``silu(gate) * up`` after it, when ``gated``); returns the nodes
+    left dead, the GEMM's own last."""
+    replaced = gated if gated is not None else linear
+    replaced.replace_all_uses_with(out)
+    dead = [replaced]
+    if gated is not None:
+        silu, up = gated.args if is_call(gated.args[0], SILUS) else gated.args[::-1]
+        dead += [silu, silu.args[0], up, linear]
+    return dead
+
+
+def route_linears(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
+    """Rewrite, in place, every bias-free ``linear`` of a ``dtypes`` input and weight into ``specla.linear``, or
+    with the ``silu(gate) * up`` after it into ``specla.gated_linear`` (default ``FOLDED_DTYPES``). Returns the
+    number of GEMMs routed."""
+    dtypes = FOLDED_DTYPES if dtypes is None else dtypes
+    graph = gm.graph
+    fake_mode = torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
+    routed = 0
+    for linear in [n for n in graph.nodes if linear_parts(n) is not None]:
+        rows, weight = linear_parts(linear)
+        if _dtype(rows) not in dtypes or _dtype(weight) != _dtype(rows):
+            continue
+        gated = _silu_times_up(linear)
+        with graph.inserting_before(linear):
+            op = ops.gated_linear if gated is not None else ops.linear
+            out = graph.call_function(op._opoverload, (rows, weight))
+        for node in _replace(linear, gated, out):
+            graph.erase_node(node)
+        fill_example_values(graph, fake_mode)  # (the next GEMM may read this one's output: down reads gate/up's)
+        routed += 1
+    if routed:
+        graph.lint()
+        gm.recompile()
+    return routed
+
+
 def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
     """Fold, in place, every ``specla.rms_norm`` of a ``dtypes`` input whose only reader is a bias-free
     ``linear`` into a ``specla::`` linear op with the norm (and the add that made its input, and a following
@@ -167,12 +210,7 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
                 total = graph.call_function(operator.getitem, (pair, 1))
                 for summed in sums:
                     summed.replace_all_uses_with(total)
-        replaced = gated if gated is not None else linear
-        replaced.replace_all_uses_with(out)
-        dead = [replaced]
-        if gated is not None:
-            silu, up = gated.args if is_call(gated.args[0], SILUS) else gated.args[::-1]
-            dead += [silu, silu.args[0], up, linear]
+        dead = _replace(linear, gated, out)
         dead += [user for user in norm.users if user is not linear] + [norm]  # (the indexing looked through)
         dead += [summed for summed in sums if added is not None and not summed.users]
         for node in dead:
