@@ -40,17 +40,23 @@ THREADS = 128  # (4 warps: one lane of the prefetch per thread)
 
 
 @triton.jit
+def bulk_prefetch_l2(pointers, sizes):
+    """One ``cp.async.bulk.prefetch.L2`` per lane: ``sizes`` bytes (a multiple of 16; none where <= 0) from
+    16-byte aligned ``pointers`` start streaming into L2 (nothing is read back)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [pointers, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
-    """Bulk-prefetch bytes [0, nbytes) of ``ptr`` (a uint8 view) into L2: each thread issues one
-    ``cp.async.bulk.prefetch.L2`` of CHUNK bytes per step; programs stride over the range."""
+    """Bulk-prefetch bytes [0, nbytes) of ``ptr`` (a uint8 view) into L2: each thread issues one prefetch of
+    CHUNK bytes per step; programs stride over the range."""
     lanes = tl.arange(0, THREADS)
     stride = tl.num_programs(0) * THREADS * CHUNK
     for base in range(tl.program_id(0) * THREADS * CHUNK, nbytes, stride):
         offs = base + lanes * CHUNK
-        size = tl.minimum(nbytes - offs, CHUNK)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1)
+        bulk_prefetch_l2(ptr + offs, tl.minimum(nbytes - offs, CHUNK))
 
 
 def prefetch(t: torch.Tensor, nbytes: int, programs: int, chunk: int = 4096) -> None:
