@@ -244,7 +244,8 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     unknown = set(options) - OPTIONS
     if unknown:
         raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(OPTIONS)}")
-    combo_kernels, fold, route = (options.get(name, name == "combo_kernels") for name in ("combo_kernels", "fold_norms", "triton_linears"))
+    combo_kernels = options.get("combo_kernels", True)
+    fold, route = options.get("fold_norms", False), options.get("triton_linears", False)
     for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold), ("triton_linears", route)):
         if not isinstance(value, bool):
             raise ValueError(f"specla option {name!r} must be True or False, got {value!r}")

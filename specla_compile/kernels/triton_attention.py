@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_args, wait_upstream
-
 from .reference import check_draft_attention
 
 MAX_QUERIES = 16  # queries per (row, head) that the kernels take in one block

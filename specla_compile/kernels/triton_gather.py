@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_args, wait_upstream
-
 from ..tree import gather_nodes
+from .pdl import launch_args, wait_upstream
 
 GROUP = 16  # tensors per launch (each one more branch in the kernel)
 BLOCK = 1024  # words a program moves per step

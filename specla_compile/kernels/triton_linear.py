@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_args, wait_upstream
-
 from .ops import LINEAR_MAX_ROWS
+from .pdl import launch_args, wait_upstream
 
 MAX_ROWS = LINEAR_MAX_ROWS  # rows the kernels take: tensor cores need 16 (32 past 16), missing rows load as zeros
 

@@ -24,10 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_args, wait_upstream
-
 from ..tree import PAD
 from .dispatch import ROUTES, KernelConfig
+from .pdl import launch_args, wait_upstream
 from .reference import L2NORM_EPS
 
 _EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)

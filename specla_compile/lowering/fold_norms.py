@@ -19,7 +19,8 @@ with an in-place op between their inputs and the GEMM, stay as they are (composi
 
 :func:`route_linears` rewrites each bias-free ``linear(x, W)`` (and the MLP's ``silu(gate) * up`` after it) into
 ``specla.linear`` (``specla.gated_linear``), one Triton launch each that, on Hopper, launches with PDL
-(``kernels/pdl.py``): cuBLAS's kernels do not, so every GEMM kept the launch gap before it.
+(``kernels/pdl.py``): cuBLAS's kernels do not, so every GEMM kept the launch gap before it. Measured on an H200
+at the GDN-1.3B shape, the passes were no faster for it (``docs/speed.md``): the backend's ``triton_linears``.
 """
 
 from __future__ import annotations
