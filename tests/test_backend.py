@@ -298,14 +298,18 @@ def test_options_are_checked():
 @pytest.mark.parametrize("combo_kernels", [True, False])
 def test_combo_kernels_are_asked_of_inductor_for_cuda_graphs_only(combo_kernels, monkeypatch):
     """inductor's combo kernels (one launch for independent pointwise kernels) where the graph's inputs
-    are on CUDA, unless the option turns them off; CPU graphs compile with inductor's defaults."""
+    are on CUDA, unless the option turns them off, and its PDL where specla's kernels launch with it; CPU graphs
+    compile with inductor's defaults."""
     import torch._inductor.compile_fx as inductor
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from specla_compile import backend
+    from specla_compile.kernels import pdl
 
     patches_seen = []
     monkeypatch.setattr(inductor, "compile_fx", lambda gm, inputs, config_patches: patches_seen.append(config_patches))
+    # (no GPU to ask here: PDL on in one run, off in the other)
+    monkeypatch.setattr(pdl, "enabled", lambda device: device.type == "cuda" and combo_kernels)
     compile_inner = backend._inner_compiler("inductor", None, combo_kernels)
     with FakeTensorMode():
         on_gpu = torch.empty(2, device="cuda")
@@ -314,6 +318,7 @@ def test_combo_kernels_are_asked_of_inductor_for_cuda_graphs_only(combo_kernels,
     cpu, gpu = patches_seen
     assert "combo_kernels" not in cpu and gpu["combo_kernels"] is combo_kernels
     assert cpu["triton.cudagraphs"] is False and gpu["triton.cudagraphs"] is False
+    assert "triton.enable_pdl" not in cpu and gpu["triton.enable_pdl"] is combo_kernels
 
 
 def test_plain_eager_compiles_only_the_verification_twin(monkeypatch):
