@@ -28,7 +28,7 @@ import time
 
 import torch
 import triton
-from gemv_gpu import graph_ms, start_run
+from gemv_gpu import graph_ms, save_results, start_run
 
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels import triton_linear
@@ -130,13 +130,8 @@ def probe() -> dict:
 
 
 def write_report(results: dict, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "fold_gpu.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    lines = ["# Norms folded into the GEMMs after them, at the GDN-1.3B shapes", "",
-             f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}; bf16; {LAYERS} distinct "
-             "weights per site (the LM head: one) in one CUDA graph, median replay, us per call",
-             f"command: `{results['command']}`", "",
+    lines = save_results(results, out_dir, "fold_gpu", "Norms folded into the GEMMs after them, at the GDN-1.3B shapes",
+                         f"; bf16; {LAYERS} distinct weights per site (the LM head: one) in one CUDA graph, median replay, us per call") + [
              "| site [N, K] | rows | unfolded (inductor add+norm, cuBLAS, silu*up) | folded, default tiles | folded, best | best tiles (BLOCK_N, BLOCK_K, stages) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for key, row in results["results"].items():

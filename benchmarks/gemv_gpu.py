@@ -148,16 +148,10 @@ def report_name(preset: str) -> str:
 
 
 def write_report(results: dict, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
     preset = PRESETS[results.get("preset", "gdn_1.3b")]
     stem = report_name(results.get("preset", "gdn_1.3b"))
-    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    lines = [
-        f"# A Triton GEMV against cuBLAS at {preset['title']}", "",
-        (f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}; bf16 weights, "
-         f"{LAYERS} distinct weights per shape (the LM head: one) in one CUDA graph, median replay"),
-        f"command: `{results['command']}`", "",
+    lines = save_results(results, out_dir, stem, f"A Triton GEMV against cuBLAS at {preset['title']}",
+                         f"; bf16 weights, {LAYERS} distinct weights per shape (the LM head: one) in one CUDA graph, median replay") + [
         "| weight [N, K] | rows | cuBLAS us | cuBLAS TB/s | Triton best us | Triton TB/s | Triton / cuBLAS | best config (BLOCK_N, BLOCK_K, SPLIT, warps, stages) | best without split-K, us |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -191,6 +185,16 @@ def start_run(parser: argparse.ArgumentParser, args: argparse.Namespace, write_r
         parser.error("this benchmark needs a CUDA GPU")
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "command": " ".join(["python", *sys.argv]), "results": {}}
+
+
+def save_results(results: dict, out_dir: str, stem: str, title: str, setup: str = "") -> list[str]:
+    """Write ``results`` (a :func:`start_run` header with its figures) to ``out_dir/stem.json``; returns the first
+    lines of its markdown: the title, the machine with ``setup`` after it, and the command."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return [f"# {title}", "", f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}{setup}",
+            f"command: `{results['command']}`", ""]
 
 
 def main() -> None:

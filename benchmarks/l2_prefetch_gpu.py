@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemv_gpu import graph_ms, start_run
+from gemv_gpu import graph_ms, save_results, start_run
 
 SHAPES = {"qkvg": (8208, 2048), "o_proj": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 LAYERS = 24
@@ -193,13 +193,9 @@ def layers_section(middle: int) -> dict:
 
 
 def write_report(results: dict, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "l2_prefetch_gpu.json"), "w") as f:
-        json.dump(results, f, indent=1)
     r = results["results"]
-    lines = ["# The next GEMM's weight prefetched into L2 on a side stream (GDN-1.3B shapes)", "",
-             f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}; bf16, 1 row",
-             f"command: `{results['command']}`", ""]
+    lines = save_results(results, out_dir, "l2_prefetch_gpu",
+                         "The next GEMM's weight prefetched into L2 on a side stream (GDN-1.3B shapes)", "; bf16, 1 row")
     if "l2" in r:
         lines += ["One cuBLAS GEMM (CUDA events around it, median of 20), us:", "",
                   "| weight | MB | from HBM (L2 flushed) | after the prefetch of its weight | from L2 |", "| --- | --- | --- | --- | --- |"]

@@ -18,7 +18,6 @@ GEMM standing for the layer's small kernels, as:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemv_gpu import start_run
+from gemv_gpu import save_results, start_run
 from l2_prefetch_gpu import LAYERS, SHAPES, bulk_prefetch_l2
 
 from specla_compile.runtime.graph_capture import capture
@@ -127,14 +126,11 @@ def back_to_back_ms(fn, replays: int = 20, repeats: int = 5) -> float:
 
 
 def write_report(results: dict, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "pdl_gpu.json"), "w") as f:
-        json.dump(results, f, indent=1)
     r = results["results"]
     smalls = sorted({int(key.rsplit("small", 1)[1]) for key in r})
-    lines = ["# What PDL can give a GEMM: 24 synthetic layers of the GDN-1.3B pass's four GEMMs (bf16, 1 row)", "",
-             f"device: {results['device']}, torch {results['torch']}, triton {results['triton']}",
-             f"command: `{results['command']}`", "", "ms per pass (one CUDA graph, fastest of 5 means of 20 back-to-back replays):", "",
+    lines = save_results(results, out_dir, "pdl_gpu",
+                         "What PDL can give a GEMM: 24 synthetic layers of the GDN-1.3B pass's four GEMMs (bf16, 1 row)") + [
+             "ms per pass (one CUDA graph, fastest of 5 means of 20 back-to-back replays):", "",
              "| variant | " + " | ".join(f"{s} tiny kernels before each GEMM" for s in smalls) + " |",
              "| --- | " + " | ".join("---" for _ in smalls) + " |"]
     for variant in VARIANTS:
