@@ -478,10 +478,12 @@ def fla_quick(args, results: dict) -> None:
 
 
 def fla_passes(args, results: dict) -> None:
-    """Only the captured passes, in about a minute and a half of a cold process: plain decoding's time per
-    token, replay times of the 1- and 16-node chain passes and the 16- and 32-node tree passes, the 16-node
-    tree pass's kernels and the 1-node pass's (one layer in launch order)."""
+    """Only the captured passes, in about two minutes of a cold process: plain decoding's time per token (also
+    with 0, 2 and 8 passes queued behind each block the host reads), replay times of the 1- and 16-node chain
+    passes and the 16- and 32-node tree passes, the 16-node tree pass's kernels and the 1-node pass's (one layer
+    in launch order)."""
     from specla_compile.kernels import pdl
+    from specla_compile.runtime import generator as generator_module
 
     model = build("fla", torch.bfloat16, args.layers)
     prompts = prompts_for(model, 1, args.prompts)
@@ -491,6 +493,12 @@ def fla_passes(args, results: dict) -> None:
     gen.decode(prompt, 2)
     section["plain_ms_per_token"] = run_route(gen, prompts, args.new_tokens, plain=True)["ms_per_token"]
     print(f"plain graphed: {section['plain_ms_per_token']:.3f} ms/token", flush=True)
+    default = generator_module.PLAIN_LOOKAHEAD
+    for ahead in (0, 2, default, 8):  # passes queued behind a block while the host reads it (0: the GPU waits)
+        generator_module.PLAIN_LOOKAHEAD = ahead
+        section.setdefault("plain_ms_per_token_by_lookahead", {})[str(ahead)] = run_route(gen, prompts, args.new_tokens, plain=True)["ms_per_token"]
+    generator_module.PLAIN_LOOKAHEAD = default
+    print("plain ms/token by lookahead", section["plain_ms_per_token_by_lookahead"], flush=True)
     gen.drafter, gen.config = OracleDrafter([[0]], 1.0, 15), chain_config(15)
     gen.generate(prompt, 2)
     section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16)}

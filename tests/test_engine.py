@@ -62,19 +62,20 @@ def test_plain_decoding_through_the_engine_equals_eager_decoding(family, caplog)
 
 @pytest.mark.parametrize("family", ["fla", "qwen3_5"])  # (Qwen3-Next decodes one token through the same routed conv update)
 def test_plain_decoding_loops_on_the_device_and_stops_rows_at_eos(family, monkeypatch):
-    """Greedy plain decoding replays PLAIN_STEPS passes per synchronisation; a row that emits EOS inside
-    a block, or as the prefill's token, commits nothing more, so tokens and final cache equal the host
-    loop's (dynamic engine) and the stopped rows' own plain decoding."""
-    from specla_compile.runtime.engine import PLAIN_STEPS, StaticEngine
+    """Greedy plain decoding reads PLAIN_STEPS passes per synchronisation, with PLAIN_LOOKAHEAD more queued
+    behind them; a row that emits EOS inside a block, or as the prefill's token, commits nothing more, so
+    tokens and final cache equal the host loop's (dynamic engine) and the stopped rows' own plain decoding."""
+    from specla_compile.runtime.engine import PLAIN_LOOKAHEAD, PLAIN_STEPS, StaticEngine
 
     model = tiny_model(family)
     prompts, input_ids, mask = left_padded_batch((5, 2, 7), seed=21)
     new = PLAIN_STEPS + 6  # two blocks
     refs = [plain(model, p, new)[0][0, p.numel() :].tolist() for p in prompts]
     eos = [refs[1][3], refs[2][0]]  # row 1 stops inside the first block, row 2 at the prefill's token
-    blocks = []
-    real = StaticEngine.decode_steps
-    monkeypatch.setattr(StaticEngine, "decode_steps", lambda self, *a: blocks.append(a[1]) or real(self, *a))
+    blocks, queued = [], []
+    read, queue = StaticEngine.read_steps, StaticEngine.queue_steps
+    monkeypatch.setattr(StaticEngine, "read_steps", lambda self, steps: blocks.append(steps) or read(self, steps))
+    monkeypatch.setattr(StaticEngine, "queue_steps", lambda self, steps: queued.append(steps) or queue(self, steps))
     runs = {}
     for engine in ("static", "dynamic"):
         gen = SpeculativeGenerator(model, OracleDrafter([[0] * 40]), SpecConfig(engine=engine), compile_options=COMPILE)
@@ -90,7 +91,60 @@ def test_plain_decoding_loops_on_the_device_and_stops_rows_at_eos(family, monkey
         if b in (1, 2):  # the rows that stopped early: the passes after their EOS left their states alone
             assert max((a[b] - e[0]).abs().max().item() for a, e in zip(_states(static.past_key_values), _states(expected_cache))) <= 1e-5
     still_running = not all(set(eos) & set(r[: new - 1]) for r in refs)
-    assert blocks == ([PLAIN_STEPS, new - 1 - PLAIN_STEPS] if still_running else [PLAIN_STEPS])  # the prefill gave token 1
+    rest = new - 1 - PLAIN_STEPS  # (the prefill gave token 1)
+    assert blocks == ([PLAIN_STEPS, rest] if still_running else [PLAIN_STEPS])
+    assert queued[:3] == [PLAIN_STEPS, PLAIN_LOOKAHEAD, rest - PLAIN_LOOKAHEAD]  # (never past the token budget)
+    assert sum(queued) == new - 1
+
+
+def test_plain_decoding_whose_rows_all_end_leaves_the_passes_queued_behind_them_harmless():
+    """Every row emits EOS in the first block: the lookahead passes queued behind it run with no active row.
+    They change no state and no later call: the cache equals plain decoding's and the next call decodes from
+    its own prompt."""
+    model = tiny_model("fla")
+    prompts, input_ids, mask = left_padded_batch((3, 5), seed=4)
+    new = 12
+    refs = [plain(model, p, new)[0][0, p.numel() :].tolist() for p in prompts]
+    eos = [refs[0][2], refs[1][4]]
+    gen = SpeculativeGenerator(model, OracleDrafter([[0] * 40]), SpecConfig(), compile_options=COMPILE)
+    out = gen.decode(input_ids, max_new_tokens=new, eos_token_id=eos, attention_mask=mask, pad_token_id=VOCAB + 1)
+    width = input_ids.shape[1]
+    for b, p in enumerate(prompts):
+        expected, expected_cache = plain(model, p, new, eos)
+        expected = expected[0, p.numel() :].tolist()
+        assert len(expected) < new  # (each row stopped at EOS)
+        assert out.sequences[b, width : width + len(expected)].tolist() == expected
+        assert max((a[b] - e[0]).abs().max().item() for a, e in zip(_states(out.past_key_values), _states(expected_cache))) <= 1e-5
+    again = gen.decode(input_ids[1:], max_new_tokens=new, attention_mask=mask[1:], pad_token_id=VOCAB + 1)
+    assert again.sequences[0, width:].tolist() == refs[1]
+
+
+def test_the_device_loop_refuses_misuse_in_one_line():
+    from specla_compile.runtime.engine import LOG_SLOTS, PLAIN_STEPS
+
+    model = tiny_model("fla")
+    gen = SpeculativeGenerator(model, OracleDrafter([[0] * 40]), SpecConfig(), compile_options=COMPILE)
+    prompt = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(2))
+    cache = gen.decode(prompt, max_new_tokens=3).past_key_values
+    engine = gen.engine(prompt.device, features=False)
+    with torch.no_grad():  # (as generate() runs the engine)
+        engine.start(cache, torch.tensor([6]), None)
+        with pytest.raises(RuntimeError, match="begin_decoding"):
+            engine.queue_steps(2)
+        engine.begin_decoding(torch.tensor([1]), [])
+        with pytest.raises(ValueError, match=r"steps must be in \[1, 16\]"):
+            engine.queue_steps(PLAIN_STEPS + 1)
+        engine.queue_steps(3)
+        engine.queue_steps(2)
+        with pytest.raises(ValueError, match="does not end where a queued block ends"):
+            engine.read_steps(4)
+        engine.begin_decoding(torch.tensor([1]), [])
+        for _ in range(LOG_SLOTS // PLAIN_STEPS):
+            engine.queue_steps(PLAIN_STEPS)
+        with pytest.raises(RuntimeError, match="read_steps"):
+            engine.queue_steps(1)
+        tokens, counts = engine.read_steps(PLAIN_STEPS)
+    assert tokens.shape == counts.shape == (1, PLAIN_STEPS) and counts.tolist() == [[1] * PLAIN_STEPS]
 
 
 def test_chain_and_tree_drafts_of_one_size_use_separate_buckets_and_stay_exact():
@@ -364,3 +418,48 @@ def test_engine_prefill_leaves_hybrids_and_continued_caches_to_the_eager_model(m
     more = gen.decode(first.sequences[:, -1:], max_new_tokens=4, past_key_values=first.past_key_values)
     assert prefills == [1]  # the first call's, not the continuation's
     assert torch.cat([first.sequences, more.sequences[:, 1:]], 1).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("shape", ["loop", "chain", "tree"])
+def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
+    """Graphed engines run a pass's acceptance and bookkeeping as one inductor program: on random drafts that
+    match the target in part, with a row not active, an EOS and the log's ring wrapping, it returns and writes
+    what the eager ops do."""
+    from specla_compile.runtime.engine import LOG_SLOTS, accept_pass_
+    from specla_compile.tree import PAD
+
+    gen = torch.Generator().manual_seed(17)
+    batch, n, vocab = 3, 1 if shape == "loop" else 8, 40
+    logits = torch.randn(batch, n, vocab, generator=gen)
+    best = logits.argmax(-1)
+    parents = torch.arange(-1, n - 1).repeat(batch, 1)
+    if shape == "tree":
+        for j in range(2, n):
+            parents[:, j] = torch.randint(0, j, (batch,), generator=gen)
+        parents[2, 6:] = PAD  # a smaller tree in its bucket
+    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+    take = torch.rand(batch, n, generator=gen) < 0.7
+    tokens = torch.where(take & (parents >= 0), best.gather(1, parents.clamp(min=0)), tokens)
+    draft = torch.stack([tokens, parents])
+    active = torch.tensor([True, False, True])
+    committed = torch.randint(0, 50, (batch,), generator=gen)
+    summary = torch.zeros(batch, n + 2, dtype=torch.long)
+    loop = None
+    if shape == "loop":
+        eos = torch.full((8,), -1)
+        eos[0] = best[0, 0]
+        loop = (torch.randint(0, vocab, (2, batch, LOG_SLOTS), generator=gen), torch.tensor([LOG_SLOTS - 1]), eos)
+
+    def run(fn):
+        state = [t.clone() for t in (draft, active, committed, summary)]
+        ring = None if loop is None else tuple(t.clone() for t in loop)
+        path, counts = fn(state[0], logits, None, state[1], state[2], state[3], ring)
+        return [path, counts, *state, *(ring or ())]
+
+    eager = run(accept_pass_)
+    compiled = run(torch.compile(accept_pass_, backend="inductor", dynamic=False, fullgraph=True))
+    assert len(eager) == len(compiled) and all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    counts = eager[1]
+    assert counts[1] == 0 and counts[[0, 2]].min() >= 1 and (n == 1 or counts.max() > 1)  # (the draft was accepted in part)
+    if shape == "loop":
+        assert eager[-2].item() == 0 and not eager[3][0]  # the ring wrapped; row 0 emitted EOS and stopped

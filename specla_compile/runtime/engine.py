@@ -9,8 +9,11 @@ at its first use and replayed afterwards; a smaller tree replays its bucket's gr
 The host synchronises once per pass, to read the accepted path, and waits for that pass alone
 (:meth:`StaticEngine.launch`, :meth:`StaticEngine.collect`): a drafter can queue the next draft behind it
 first, from the pass's device outputs, and draft while the host reads. Plain greedy decoding runs the loop on
-the device (:meth:`StaticEngine.decode_steps`): each replay of the 1-node graph feeds its token to the
-next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per synchronisation.
+the device (:meth:`StaticEngine.queue_steps`, :meth:`StaticEngine.read_steps`): each replay of the 1-node graph feeds its token to the
+next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per synchronisation while the device
+runs the ``PLAIN_LOOKAHEAD`` passes queued behind them. Where graphs are captured, the step's greedy acceptance
+and bookkeeping after the model run as one inductor-compiled function (:func:`accept_pass_`): a few kernels
+instead of about sixty small eager ones.
 
 A pass with no active row commits nothing (count 0), which makes the warm-up and capture runs of a new
 bucket side-effect free once the pending records are flushed.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -52,9 +56,14 @@ log = logging.getLogger("specla_compile")
 # pass, then again at the second size, where it makes the node dimension dynamic.
 ONE_GRAPH = True
 
-# Plain greedy decoding: passes replayed between two host synchronisations (gpt-fast reads its tokens
-# once per call; this keeps streaming and EOS within a few tokens), and EOS ids the device checks.
+# Plain greedy decoding: passes read per host synchronisation (gpt-fast reads its tokens once per call;
+# this keeps streaming and EOS within a few tokens), and EOS ids the device checks. While the host reads a
+# block, the device runs PLAIN_LOOKAHEAD passes queued behind it: the host's time between two blocks (on the
+# H200 0.2-0.25 ms per token of a 16-pass block without them) hides behind them, and a call whose rows all end
+# at EOS pays at most that many passes of no work. The device logs its tokens in a ring of LOG_SLOTS passes.
 PLAIN_STEPS = 16
+PLAIN_LOOKAHEAD = 4
+LOG_SLOTS = 2 * PLAIN_STEPS
 EOS_SLOTS = 8
 
 # Prompts run through the engine (StaticEngine.prefill): first, tokens that every row has, as chunks of these
@@ -79,6 +88,40 @@ def prefill_chunks(shortest: int) -> list[int]:
     return chunks
 
 
+# Programs of the compiled acceptance (:func:`accept_pass_`), one per bucket shape (batch, node count, loop or
+# not) in a process: past Dynamo's default of 8, a new bucket would run it eagerly.
+ACCEPT_PROGRAMS = 64
+
+
+def accept_pass_(draft: torch.Tensor, logits: torch.Tensor, ancestors: torch.Tensor | None, active: torch.Tensor,
+                 committed: torch.Tensor, summary: torch.Tensor,
+                 loop: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end of a greedy pass on the device, in place: accept the draft ``draft [2, B, N]`` (tokens, parents)
+    against ``logits [B, N, V]``, advance ``committed`` by the rows' counts (0 for rows not ``active``) and write
+    path, count and next token into ``summary [B, N + 2]``. ``ancestors``: the inclusive ancestor mask, or None
+    (built here, by a walk up the parents that inductor fuses). ``loop``: plain decoding's ``(log, step, eos)``:
+    log the token and the count at ``step`` of the ring ``log [2, B, S]``, feed the token to the next pass and
+    stop the rows that emitted EOS. Returns ``(path [B, N], counts [B])`` for the commit of the records."""
+    tokens, parents = draft[0], draft[1]
+    if ancestors is None:
+        ancestors = ancestor_mask_device(parents, height=parents.shape[1])
+    acceptance = greedy_accept_device(tokens, parents, logits, ancestors)
+    token = acceptance.next_token
+    counts = torch.where(active, acceptance.num_accepted, 0)
+    committed += counts
+    n = parents.shape[1]
+    summary[:, :n] = acceptance.path
+    summary[:, n] = counts
+    summary[:, n + 1] = token
+    if loop is not None:
+        log, step, eos = loop
+        log.index_copy_(2, step, torch.stack([token, counts])[..., None])
+        step.copy_((step + 1) % log.shape[2])
+        draft[0, :, 0] = token
+        active &= ~(token[:, None] == eos).any(-1)
+    return acceptance.path, counts
+
+
 def size_oblivious(on: bool):
     """While on, Dynamo traces size-1 dimensions marked dynamic as general sizes (no 0/1 specialisation)."""
     return fx_config.patch(backed_size_oblivious=on)
@@ -99,8 +142,11 @@ class _Bucket:
         self.nodes = nodes
         self.chain = chain  # every draft of this bucket is a chain: accepted paths are prefixes
         self.loop = loop  # plain decoding on the device: the pass feeds its token to the next pass
-        self.log = torch.zeros(2, batch, PLAIN_STEPS, dtype=torch.long, device=device)  # tokens, counts per step
-        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.log = torch.zeros(2, batch, LOG_SLOTS, dtype=torch.long, device=device)  # tokens, counts per step (a ring)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)  # the log slot of the next pass
+        self.slot = 0  # the same, as the host counts the passes it queued
+        self.queued: deque[_Queued] = deque()  # blocks of loop passes not read yet, oldest first
+        self.snapshots: list[torch.Tensor] = []  # free host buffers for the log's copies
         self.session = VerifySession(static=True)
         self.draft = torch.zeros(2, batch, nodes, dtype=torch.long, device=device)  # tokens, parents
         self.draft[1] = PAD
@@ -119,6 +165,17 @@ class _Bucket:
         self.result: StepResult | None = None
         self.hint: TopologyHint | None = None
         self.prepared = False
+
+
+@dataclass
+class _Queued:
+    """A block of plain-decoding passes queued on the device: how many, the log slot of the first, and the
+    host copy of the log taken after its last pass (on CUDA page-locked, ready once ``copied`` is)."""
+
+    steps: int
+    first: int
+    snapshot: torch.Tensor
+    copied: torch.cuda.Event | None
 
 
 @dataclass
@@ -157,6 +214,9 @@ class StaticEngine:
         self.chunk_error = ""  # why a chunk's capture failed: prefills then run passes only
         self.prefill_passes = 0  # chunks and passes of the last prefill
         self.compile_seconds: dict[str, float] = {}
+        # where graphs replay, the acceptance after the model is one inductor program per bucket (compiled at the
+        # bucket's first warm-up run), not about sixty small eager kernels (about 0.1 ms of a 1.6 ms pass on the H200)
+        self.accept_pass = torch.compile(accept_pass_, dynamic=False, fullgraph=True) if graphs else accept_pass_
 
     # --- the cache ---------------------------------------------------------------------------------
 
@@ -271,17 +331,12 @@ class StaticEngine:
         bucket.draft.copy_(bucket.host_draft, non_blocking=True)
         bucket.staged.record()
 
-    def decode_steps(self, pending: torch.Tensor, steps: int, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plain greedy decoding of ``steps`` (<= ``PLAIN_STEPS``) passes with one synchronisation: each pass
-        verifies the token the pass before emitted (the first, ``pending [B]``); a row that emits one of
-        ``eos`` commits nothing more. Returns host ``(tokens, counts) [B, steps]``: the token each pass
-        emitted and the tokens it committed (0 once a row stopped)."""
-        if not 1 <= steps <= PLAIN_STEPS:
-            raise ValueError(f"steps must be in [1, {PLAIN_STEPS}], got {steps}")
+    def begin_decoding(self, pending: torch.Tensor, eos: list[int]) -> None:
+        """Start plain greedy decoding on the device from the tokens ``pending [B]``: each pass that
+        :meth:`queue_steps` queues verifies the token the pass before it emitted, and a row that emits one of
+        ``eos`` commits nothing more."""
         if len(eos) > EOS_SLOTS:
             raise ValueError(f"at most {EOS_SLOTS} EOS ids are checked on the device, got {len(eos)}")
-        if self.kv_valid is not None and self.columns + steps > self.capacity:
-            raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
         batch = self.committed.shape[0]
         bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop", chain=True)
         if not bucket.prepared:
@@ -290,9 +345,49 @@ class StaticEngine:
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
         bucket.draft[0, :, 0].copy_(pending, non_blocking=True)
         bucket.step.zero_()
+        bucket.snapshots += [block.snapshot for block in bucket.queued]  # (a call whose rows all ended left passes unread)
+        bucket.queued.clear()
+        bucket.slot = 0
+
+    def queue_steps(self, steps: int) -> None:
+        """Queue ``steps`` (<= ``PLAIN_STEPS``) passes of plain decoding after :meth:`begin_decoding`, and a copy
+        of their tokens to the host behind them; returns without waiting for any of it."""
+        bucket = self.last
+        if bucket is None or not bucket.loop:
+            raise RuntimeError("StaticEngine.queue_steps() needs begin_decoding() first")
+        if not 1 <= steps <= PLAIN_STEPS:
+            raise ValueError(f"steps must be in [1, {PLAIN_STEPS}], got {steps}")
+        unread = sum(block.steps for block in bucket.queued)
+        if unread + steps > LOG_SLOTS:  # (the ring would overwrite tokens not read yet)
+            raise RuntimeError(f"{unread} passes queued and not read: read_steps() first")
+        if self.kv_valid is not None and self.columns + unread + steps > self.capacity:
+            raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
         for _ in range(steps):
             self._run(bucket, accept=True)
-        tokens, counts = bucket.log[:, :, :steps].cpu()  # the one synchronisation
+        snapshot = bucket.snapshots.pop() if bucket.snapshots else torch.empty_like(bucket.log, device="cpu", pin_memory=bucket.staged is not None)
+        copied = None
+        snapshot.copy_(bucket.log, non_blocking=bucket.staged is not None)
+        if bucket.staged is not None:
+            copied = torch.cuda.Event()
+            copied.record()
+        bucket.queued.append(_Queued(steps, bucket.slot, snapshot, copied))
+        bucket.slot = (bucket.slot + steps) % LOG_SLOTS
+
+    def read_steps(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the oldest ``steps`` queued passes (whole blocks of :meth:`queue_steps`), not for those queued
+        after them, and return host ``(tokens, counts) [B, steps]``: the token each pass emitted and the tokens
+        it committed (0 once a row stopped)."""
+        bucket, taken, blocks = self.last, 0, []
+        while taken < steps and bucket is not None and bucket.queued:
+            blocks.append(bucket.queued.popleft())
+            taken += blocks[-1].steps
+        if taken != steps:
+            raise ValueError(f"read_steps({steps}) does not end where a queued block ends ({taken} passes)")
+        if blocks[-1].copied is not None:
+            blocks[-1].copied.synchronize()  # the one synchronisation
+        slots = (blocks[0].first + torch.arange(steps)) % LOG_SLOTS
+        tokens, counts = blocks[-1].snapshot[:, :, slots]
+        bucket.snapshots += [block.snapshot for block in blocks]
         self.columns += int(counts.max(0).values.sum())
         return tokens, counts
 
@@ -431,10 +526,10 @@ class StaticEngine:
 
     def _forward(self, bucket: _Bucket) -> StepResult:
         tokens, parents = bucket.draft[0], bucket.draft[1]
-        ancestors = ancestor_mask_device(parents)
         kwargs = {"use_cache": True, "output_hidden_states": self.features}
-        tree_mask = None
+        tree_mask = bucket.ancestors = None  # (without attention, the acceptance builds them itself)
         if self.kv_valid is not None:
+            ancestors = bucket.ancestors = ancestor_mask_device(parents)
             depth = ancestors.sum(-1) - 1
             kwargs["position_ids"] = self.committed[:, None] + depth
             tree_mask = self._tree_mask(ancestors)
@@ -454,31 +549,19 @@ class StaticEngine:
                 "the verification pass went through no GDN layer: the model has none, was compiled with another "
                 "backend than 'specla', or Dynamo hit its recompile limit and ran the model eagerly"
             )
-        bucket.ancestors = ancestors
         return StepResult(out.logits, out.hidden_states[-1] if self.features else None)
 
     def _step(self, bucket: _Bucket, accept: bool) -> StepResult:
         result = self._forward(bucket)
         if accept:
-            tokens, parents = bucket.draft[0], bucket.draft[1]
-            acceptance = greedy_accept_device(tokens, parents, result.logits, bucket.ancestors)
-            counts = torch.where(self.active, acceptance.num_accepted, 0)
-            self._commit(bucket, acceptance.path, counts)
-            n = bucket.nodes
-            bucket.summary[:, :n].copy_(acceptance.path)
-            bucket.summary[:, n].copy_(counts)
-            bucket.summary[:, n + 1].copy_(acceptance.next_token)
-            if bucket.loop:
-                self._feed_back(bucket, acceptance.next_token, counts)
+            loop = (bucket.log, bucket.step, self.eos) if bucket.loop else None
+            with torch._dynamo.config.patch(recompile_limit=ACCEPT_PROGRAMS):
+                path, counts = self.accept_pass(bucket.draft, result.logits, bucket.ancestors, self.active,
+                                                self.committed, bucket.summary, loop)
+            bucket.session.accept(path, counts, prefix=bucket.chain)
+            if self.kv_valid is not None:
+                self._compact_attention(bucket.nodes, path, counts)
         return result
-
-    def _feed_back(self, bucket: _Bucket, token: torch.Tensor, counts: torch.Tensor) -> None:
-        """Plain decoding on the device: log the pass's token, make it the next pass's input, and stop
-        the rows that emitted EOS (their later passes commit nothing, as the host loop would trim them)."""
-        bucket.log.index_copy_(2, bucket.step, torch.stack([token, counts])[..., None])
-        bucket.step += 1
-        bucket.draft[0, :, 0].copy_(token)
-        self.active &= ~(token[:, None] == self.eos).any(-1)
 
     def _commit(self, bucket: _Bucket, path: torch.Tensor, counts: torch.Tensor) -> None:
         bucket.session.accept(path, counts, prefix=bucket.chain)

@@ -39,7 +39,7 @@ from .cache_layout import (
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
-from .engine import EOS_SLOTS, PLAIN_STEPS, StaticEngine
+from .engine import EOS_SLOTS, PLAIN_LOOKAHEAD, PLAIN_STEPS, StaticEngine
 from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .graph_capture import capturable_experts
@@ -699,21 +699,33 @@ class _StaticRun(_Run):
 
 
 class _PlainDeviceRun(_StaticRun):
-    """Plain greedy decoding through the engine with the loop on the device: up to ``PLAIN_STEPS``
-    passes per host synchronisation (:meth:`~.engine.StaticEngine.decode_steps`), never past the token
-    budget; a row stops at EOS on the device. The strongest plain baseline the engine offers."""
+    """Plain greedy decoding through the engine with the loop on the device: the host reads ``PLAIN_STEPS``
+    passes per synchronisation while the device runs the ``PLAIN_LOOKAHEAD`` passes queued behind them
+    (:meth:`~.engine.StaticEngine.queue_steps`, :meth:`~.engine.StaticEngine.read_steps`), never past the
+    token budget; a row stops at EOS on the device. The strongest plain baseline the engine offers."""
 
     def _start(self) -> None:
         super()._start()
         # a row whose first token (the prefill's) was EOS enters no pass; later EOS stop rows on the device
         self.engine.active.copy_(~torch.tensor(self.finished, device=self.engine.active.device))
+        self.unread: int | None = None  # passes queued and not read yet (None: decoding has not begun)
 
     def _iteration(self) -> None:
-        """Up to ``PLAIN_STEPS`` passes on the device, then the host reads what they emitted."""
-        left = self.max_new_tokens - max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
-        steps = min(PLAIN_STEPS, left)
+        """Queue passes up to a block of ``PLAIN_STEPS`` and ``PLAIN_LOOKAHEAD`` more behind it, then read the
+        block: the device runs the lookahead while the host reads."""
+        if self.unread is None:
+            self.engine.begin_decoding(self.pending, self.eos)
+            self.unread = 0
+        emitted_so_far = max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
+        left = self.max_new_tokens - emitted_so_far - self.unread  # passes not queued yet
+        block = min(PLAIN_STEPS, self.unread + left)
+        ahead = min(PLAIN_LOOKAHEAD, left - (block - self.unread))
         with self._timed("verify_seconds"):
-            tokens, _ = self.engine.decode_steps(self.pending, steps, self.eos)  # (the commit counts: the engine advances its columns by them)
+            for steps in (block - self.unread, ahead):
+                if steps:
+                    self.engine.queue_steps(steps)
+            tokens, _ = self.engine.read_steps(block)  # (the commit counts: the engine advances its columns by them)
+        self.unread = ahead
         with self._timed("commit_seconds"):
             emitted = [[] if done else self._cut_at_eos(row) for row, done in zip(tokens.tolist(), self.finished)]
             for b, row in enumerate(emitted):
@@ -722,7 +734,7 @@ class _PlainDeviceRun(_StaticRun):
                     self.stats.accepted_drafts += [0] * len(row)
                     self.stats.tree_sizes += [1] * len(row)
             self._record(emitted)
-        self.stats.iterations += steps
+        self.stats.iterations += block
 
 
 class _PlainDrafter(Drafter):
