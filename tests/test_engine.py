@@ -420,20 +420,20 @@ def test_engine_prefill_leaves_hybrids_and_continued_caches_to_the_eager_model(m
     assert torch.cat([first.sequences, more.sequences[:, 1:]], 1).tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("shape", ["loop", "chain", "tree"])
+@pytest.mark.parametrize("shape", ["loop", "chain", "tree", "tree_with_ancestors"])  # (hybrids pass the mask they built)
 def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
     """Graphed engines run a pass's acceptance and bookkeeping as one inductor program: on random drafts that
     match the target in part, with a row not active, an EOS and the log's ring wrapping, it returns and writes
     what the eager ops do."""
     from specla_compile.runtime.engine import LOG_SLOTS, accept_pass_
-    from specla_compile.tree import PAD
+    from specla_compile.tree import PAD, ancestor_mask_device
 
     gen = torch.Generator().manual_seed(17)
     batch, n, vocab = 3, 1 if shape == "loop" else 8, 40
     logits = torch.randn(batch, n, vocab, generator=gen)
     best = logits.argmax(-1)
     parents = torch.arange(-1, n - 1).repeat(batch, 1)
-    if shape == "tree":
+    if shape.startswith("tree"):
         for j in range(2, n):
             parents[:, j] = torch.randint(0, j, (batch,), generator=gen)
         parents[2, 6:] = PAD  # a smaller tree in its bucket
@@ -453,7 +453,8 @@ def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
     def run(fn):
         state = [t.clone() for t in (draft, active, committed, summary)]
         ring = None if loop is None else tuple(t.clone() for t in loop)
-        path, counts = fn(state[0], logits, None, state[1], state[2], state[3], ring)
+        ancestors = ancestor_mask_device(parents) if shape == "tree_with_ancestors" else None
+        path, counts = fn(state[0], logits, ancestors, state[1], state[2], state[3], ring)
         return [path, counts, *state, *(ring or ())]
 
     eager = run(accept_pass_)
