@@ -58,6 +58,29 @@ def test_cold_start_is_reported_only_from_a_process_that_compiled_from_nothing(c
     assert results["fla_b1"]["compile_cache_hits"] == cache_hits
 
 
+@pytest.mark.parametrize("cold_hits", [0, 2])
+def test_warm_start_times_a_child_on_empty_caches_then_one_on_the_caches_it_filled(cold_hits, monkeypatch):
+    """Both children get the same inductor and Triton cache folders, new to this call; the first one's time is
+    the cold start only when it hit no cache."""
+    envs, outputs = [], iter([(80.0, cold_hits), (12.0, 3)])
+
+    def child(command, env, **_):
+        envs.append(env)
+        seconds, hits = next(outputs)
+        line = json.dumps({"warm_start_s": seconds, "compile_caches": {"fxgraph_cache_hit": hits}})
+        return argparse.Namespace(stdout=f"compiling...\n{line}\n", stderr="")
+
+    monkeypatch.setattr(e2e_gpu.subprocess, "run", child)
+    results = {}
+    e2e_gpu.warm_start(argparse.Namespace(child=False, layers=None, inductor=[], backend=[]), results)
+    folders = [(env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]) for env in envs]
+    assert len(folders) == 2 and folders[0] == folders[1] and not Path(folders[0][0]).parent.exists()  # (removed after)
+    targets = {t["name"]: t for t in e2e_gpu.targets(results)}
+    assert targets["second process, warm cache, AR step + 2 buckets, s"]["measured"] == 12.0
+    assert results["warm_start"]["cold_child"]["warm_start_s"] == 80.0
+    assert targets["cold start, AR step + 2 buckets, s"]["measured"] == (None if cold_hits else 80.0)
+
+
 def test_plain_target_is_the_b1_run_else_the_profile_run_and_operators_reach_the_report(tmp_path):
     """The headline plain figure is ``fla_b1``'s (warmed up in its own process), ``fla_profile``'s when
     there is none; ``fla_profile``'s operator table (``aten::`` and ``specla::`` rows only) is written
