@@ -9,11 +9,11 @@ at its first use and replayed afterwards; a smaller tree replays its bucket's gr
 The host synchronises once per pass, to read the accepted path, and waits for that pass alone
 (:meth:`StaticEngine.launch`, :meth:`StaticEngine.collect`): a drafter can queue the next draft behind it
 first, from the pass's device outputs, and draft while the host reads. Plain greedy decoding runs the loop on
-the device (:meth:`StaticEngine.queue_steps`, :meth:`StaticEngine.read_steps`): each replay of the 1-node graph feeds its token to the
-next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per synchronisation while the device
-runs the ``PLAIN_LOOKAHEAD`` passes queued behind them. Where graphs are captured, the step's greedy acceptance
-and bookkeeping after the model run as one inductor-compiled function (:func:`accept_pass_`): a few kernels
-instead of about sixty small eager ones.
+the device (:meth:`StaticEngine.queue_steps`, :meth:`StaticEngine.read_steps`): each replay of the 1-node
+graph feeds its token to the next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per
+synchronisation while the device runs the ``PLAIN_LOOKAHEAD`` passes queued behind them. Where graphs are
+captured, the step's greedy acceptance and bookkeeping after the model run as one inductor-compiled function
+(:func:`accept_pass_`): a few kernels instead of about sixty small eager ones.
 
 A pass with no active row commits nothing (count 0), which makes the warm-up and capture runs of a new
 bucket side-effect free once the pending records are flushed.
@@ -163,6 +163,7 @@ class _Bucket:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.flush_graph: torch.cuda.CUDAGraph | None = None  # commits the pending records (end of a call)
         self.result: StepResult | None = None
+        self.ancestors: torch.Tensor | None = None  # the pass's ancestor mask where attention needs it before the model
         self.hint: TopologyHint | None = None
         self.prepared = False
 
@@ -364,11 +365,11 @@ class StaticEngine:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
         for _ in range(steps):
             self._run(bucket, accept=True)
-        snapshot = bucket.snapshots.pop() if bucket.snapshots else torch.empty_like(bucket.log, device="cpu", pin_memory=bucket.staged is not None)
-        copied = None
-        snapshot.copy_(bucket.log, non_blocking=bucket.staged is not None)
-        if bucket.staged is not None:
-            copied = torch.cuda.Event()
+        on_cuda = bucket.staged is not None
+        snapshot = bucket.snapshots.pop() if bucket.snapshots else torch.empty_like(bucket.log, device="cpu", pin_memory=on_cuda)
+        snapshot.copy_(bucket.log, non_blocking=on_cuda)
+        copied = torch.cuda.Event() if on_cuda else None
+        if copied is not None:
             copied.record()
         bucket.queued.append(_Queued(steps, bucket.slot, snapshot, copied))
         bucket.slot = (bucket.slot + steps) % LOG_SLOTS
@@ -558,14 +559,16 @@ class StaticEngine:
             with torch._dynamo.config.patch(recompile_limit=ACCEPT_PROGRAMS):
                 path, counts = self.accept_pass(bucket.draft, result.logits, bucket.ancestors, self.active,
                                                 self.committed, bucket.summary, loop)
-            bucket.session.accept(path, counts, prefix=bucket.chain)
-            if self.kv_valid is not None:
-                self._compact_attention(bucket.nodes, path, counts)
+            self._keep(bucket, path, counts)
         return result
 
     def _commit(self, bucket: _Bucket, path: torch.Tensor, counts: torch.Tensor) -> None:
-        bucket.session.accept(path, counts, prefix=bucket.chain)
         self.committed += counts
+        self._keep(bucket, path, counts)
+
+    def _keep(self, bucket: _Bucket, path: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep each row's first ``counts[b]`` nodes of ``path``: their records pending, their K/V compacted."""
+        bucket.session.accept(path, counts, prefix=bucket.chain)
         if self.kv_valid is not None:
             self._compact_attention(bucket.nodes, path, counts)
 
