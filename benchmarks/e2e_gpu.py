@@ -378,14 +378,11 @@ def first_compile_of_process() -> bool:
     return not torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def record_cold_start(results: dict, name: str) -> None:
-    """The cold-start target's figure (``results["cold_start"]``) from section ``name``'s compile times, if
-    its process compiled them from nothing: no graph before them and no inductor or AOTAutograd cache hit
-    (a process after another on the same machine reloads what that one compiled: a warm start)."""
-    section = results[name]
+def note_compile_caches(section: dict) -> None:
+    """How many inductor and AOTAutograd cache hits the section's compiles had: its ``cold_plain_s`` and
+    ``cold_buckets_s`` are compile times from nothing only without any (the cold-start target is
+    ``warm_start``'s: a child process on empty caches, the AR step and three buckets)."""
     section["compile_cache_hits"] = sum(v for k, v in compile_cache_counters().items() if "hit" in k)
-    if section["cold_process"] and not section["compile_cache_hits"]:
-        results["cold_start"] = {"s": section["cold_plain_s"] + section["cold_buckets_s"], "section": name}
 
 
 def fla_b1(args, results: dict) -> None:
@@ -408,7 +405,7 @@ def fla_b1(args, results: dict) -> None:
         gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, bucket - 1), chain_config(bucket - 1)
         gen.generate(prompts[0], 2)
     section["cold_buckets_s"] = time.perf_counter() - started
-    record_cold_start(results, "fla_b1")
+    note_compile_caches(section)
     section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16, 32)}
     print("pass ms", section["pass_ms"], flush=True)
     heat = section.setdefault("chain", {})
@@ -448,7 +445,7 @@ def fla_quick(args, results: dict) -> None:
     gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, 12), chain_config(12)
     gen.generate(prompts[0], 2)
     section["cold_buckets_s"] = time.perf_counter() - started
-    record_cold_start(results, "fla_b1")
+    note_compile_caches(section)
     section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16)}
     section["pass_ms_by_pending"] = {str(a): pass_ms(gen, 16, a) for a in (0, 4, 8, 13, 16)}
     print("pass ms", section["pass_ms"], "16 nodes by pending records", section["pass_ms_by_pending"], flush=True)
@@ -608,15 +605,19 @@ def compile_cache_counters() -> dict:
 def warm_start(args, results: dict) -> None:
     """Cold and warm start, whatever the machine compiled before: a child process on empty inductor and Triton
     caches of its own, then a second child on the caches the first filled, each timed to the first generated
-    token through the 1-node pass and two draft buckets (``cold_start`` and ``warm_start`` in the JSON)."""
+    token through the 1-node pass and three draft buckets: the 16- and 32-node chains and the 16-node tree
+    (``cold_start`` and ``warm_start`` in the JSON)."""
     if args.child:
         model = build("fla", torch.bfloat16, args.layers)
         prompt = prompts_for(model, 1, 1)[0]
         gen = make_generator(model)
         started = time.perf_counter()
         gen.decode(prompt, 2)
-        for bucket in (16, 32):
-            gen.drafter, gen.config = OracleDrafter([[0] * 64], 1.0, bucket - 1), chain_config(bucket - 1)
+        tree, depth = tree_config(4, 16)
+        for drafter, config in ((OracleDrafter([[0] * 64], 1.0, 15), chain_config(15)),
+                                (OracleDrafter([[0] * 64], 1.0, 31), chain_config(31)),
+                                (OracleDrafter([[0] * 64], 1.0, depth, 4), tree)):  # the three buckets
+            gen.drafter, gen.config = drafter, config
             gen.generate(prompt, 2)
         print(json.dumps({"warm_start_s": time.perf_counter() - started, "compile_caches": compile_cache_counters(),
                           "compile_seconds": next(iter(gen._engines.values())).compile_seconds}))
@@ -690,10 +691,10 @@ def targets(results: dict) -> list[dict]:
         add("fp32 greedy identical to graphed plain decoding (4-layer models)", exact, "100%", ok)
     if "cold_start" in results:
         cold = results["cold_start"]["s"]
-        add("cold start, AR step + 2 buckets, s", round(cold, 1), "<= 90", cold <= 90)
+        add("cold start, AR step + 3 buckets, s", round(cold, 1), "<= 90", cold <= 90)
     warm = results.get("warm_start", {})
     if "warm_start_s" in warm:
-        add("second process, warm cache, AR step + 2 buckets, s", round(warm["warm_start_s"], 1), "<= 20", warm["warm_start_s"] <= 20)
+        add("second process, warm cache, AR step + 3 buckets, s", round(warm["warm_start_s"], 1), "<= 20", warm["warm_start_s"] <= 20)
     measured = {t["name"] for t in out}
     out += [{"name": name, "measured": None, "goal": goal, "met": False} for name, goal in ALL_TARGETS if name not in measured]
     return out
@@ -711,8 +712,8 @@ ALL_TARGETS = (  # every target of the benchmark, so that the ones a run did not
     ("Qwen3.5 oracle L=8 speedup", ">= 4"),
     ("Qwen3.5 p=0.8 L=8 speedup", ">= 2"),
     ("fp32 greedy identical to graphed plain decoding (4-layer models)", "100%"),
-    ("cold start, AR step + 2 buckets, s", "<= 90"),
-    ("second process, warm cache, AR step + 2 buckets, s", "<= 20"),
+    ("cold start, AR step + 3 buckets, s", "<= 90"),
+    ("second process, warm cache, AR step + 3 buckets, s", "<= 20"),
 )
 
 
