@@ -10,7 +10,8 @@ several percent is normal between machines, so figures from different calls do n
 Routes on the fla GDN-1.3B shape (bf16, B=1, 4 prompts x 128 tokens, controlled acceptance as in
 ``e2e_gpu.py``): plain, chain L=12 p=1, chain L=8 p=0.8, tree top-4 16 nodes p=0.8; per route the time
 per iteration and its phases, and a call's fixed cost (``generate`` of one token minus its prefill:
-the engine's start and finish). Writes ``$OUT/ab_<label>.json``.
+the engine's start and finish); replays of the 1- and 16-node chain passes and the 16-node tree pass, and
+the 1-node pass's kernels (one layer in launch order). Writes ``$OUT/ab_<label>.json``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ def main() -> None:
     import torch
     from e2e_gpu import (
         OracleDrafter,
+        bucket_key,
         build,
         chain_config,
         controlled_route,
+        kernel_profile,
         make_generator,
+        pass_ms,
         prompts_for,
         run_route,
         tree_config,
@@ -72,6 +76,11 @@ def main() -> None:
         torch.cuda.synchronize()
         fixed.append(time.perf_counter() - started - out.stats.prefill_seconds)
     result["per_call_ms"] = 1000 * sorted(fixed)[len(fixed) // 2]
+    result["pass_ms"] = {"1": pass_ms(gen, 1), "16": pass_ms(gen, 16), "16_tree": pass_ms(gen, 16, chain=False)}
+    plain_bucket = next(iter(gen._engines.values())).buckets[bucket_key(1)]
+    plain_bucket.step.zero_()  # (the plain loop's graph logs its token at this step: keep it in range)
+    result["profile_1"] = kernel_profile(plain_bucket.graph)
+    plain_bucket.step.zero_()
     print(json.dumps(result, indent=1))
     with open(os.path.join(os.environ.get("OUT", "/tmp"), f"ab_{label}.json"), "w") as f:
         json.dump(result, f, indent=1)
