@@ -97,59 +97,6 @@ def test_commit_three_tree_convs_():
         assert torch.equal(fused_state, single) and not torch.equal(fused_state, state)
 
 
-@pytest.mark.parametrize("dt_bias, allow_neg_eigval", [(True, False), (False, True)])
-def test_commit_three_convs_and_gates_(dt_bias, allow_neg_eigval):
-    """The three convs and fla's gate and beta in one op: the three-conv op's outputs and state updates, then
-    the gates of :func:`gdn_gates_reference`, the math of fla's in-kernel gate (written out here)."""
-    gen = torch.Generator().manual_seed(4)
-    widths, heads = (5, 3, 7), 3
-    states = [torch.randn(2, d, 4, generator=gen) for d in widths]
-    pendings = [torch.randn(2, 6, d, generator=gen) for d in widths]
-    xs = [torch.randn(2, 6, d, generator=gen) for d in widths]
-    weights = [torch.randn(d, 4, generator=gen) for d in widths]
-    num = torch.tensor([2, 4])
-    a, b = torch.randn(2, 6, heads, generator=gen) * 4, torch.randn(2, 6, heads, generator=gen)
-    gates = (a, b, torch.randn(heads, generator=gen), torch.randn(heads, generator=gen) if dt_bias else None, allow_neg_eigval)
-    torch.library.opcheck(ops.commit_three_convs_and_gates_, ([s.clone() for s in states] + [*pendings, num, *xs, *weights, PARENTS, True, *gates]))
-    fused_states, three_states = [s.clone() for s in states], [s.clone() for s in states]
-    outputs = ops.commit_three_convs_and_gates_(*fused_states, *pendings, num, *xs, *weights, PARENTS, True, *gates)
-    expected = ops.commit_three_tree_convs_(*three_states, *pendings, num, *xs, *weights, PARENTS, True)
-    assert len(outputs) == 8 and all(torch.equal(o, e) for o, e in zip(outputs[:6], expected))
-    assert all(torch.equal(f, t) for f, t in zip(fused_states, three_states))
-    x = a + (gates[3] if dt_bias else 0)
-    expected_g = -gates[2].exp() * torch.log1p(x.exp())
-    expected_beta = torch.sigmoid(b) * (2 if allow_neg_eigval else 1)
-    torch.testing.assert_close(outputs[6], expected_g)
-    torch.testing.assert_close(outputs[7], expected_beta)
-    assert outputs[6].dtype == outputs[7].dtype == torch.float32
-
-
-def test_gdn_gates_is_one_node_for_dynamo_and_pointwise_ops_for_inductor():
-    """The marker op: Dynamo's graph holds it whole (what the verification rewrite folds), and a compile that
-    keeps it gets its pointwise math, equal to eager and differentiable."""
-    gen = torch.Generator().manual_seed(6)
-    a, b, A_log, dt_bias = (torch.randn(2, 5, 4, generator=gen), torch.randn(2, 5, 4, generator=gen),
-                            torch.randn(4, generator=gen), torch.randn(4, generator=gen))
-
-    def gates(a, b, A_log, dt_bias):
-        g, beta = torch.ops.specla.gdn_gates(a, b, A_log, dt_bias, True)
-        return g * beta
-
-    targets = []
-
-    def record(gm, example_inputs):
-        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(gates, backend=record, fullgraph=True)(a, b, A_log, dt_bias)
-    assert torch.ops.specla.gdn_gates in targets or torch.ops.specla.gdn_gates.default in targets
-    torch.testing.assert_close(torch.compile(gates, fullgraph=True)(a, b, A_log, dt_bias), gates(a, b, A_log, dt_bias))
-    a.requires_grad_()
-    gates(a, b, A_log, dt_bias).sum().backward()
-    assert a.grad is not None and a.grad.abs().sum() > 0
-
-
 def test_conv_state_commit_():
     gen = torch.Generator().manual_seed(1)
     conv_state = torch.randn(2, 5, 4, generator=gen)
@@ -180,14 +127,12 @@ def test_ops_compile_without_graph_breaks(x):
     torch.testing.assert_close(state, gdn_commit_reference(x["initial_state"], FactorRecords(*rec), torch.tensor([1, 2])))
 
 
-@pytest.mark.parametrize("gates", [False, True], ids=["three_convs", "three_convs_and_gates"])
 @pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
-def test_inductor_passes_column_slices_to_the_three_convs_as_they_lie(device, gates):
+def test_inductor_passes_column_slices_to_the_three_convs_as_they_lie(device):
     """Compiled after a GEMM of 8208 output columns (the 1.3B model's fused q/k/v/g/a/b: rows that are not
     a multiple of 128 bytes, which inductor pads on GPUs), the three-conv op gets views of the GEMM's
     output, not copies (the op takes any input layout), and computes what it computes eagerly. On the
-    CPU inductor pads nothing: the copies can only show on a GPU (they did on the H200, 3 per layer).
-    ``gates``: the op that also computes the gates, from the GEMM's last 16 columns (8 heads' a and b)."""
+    CPU inductor pads nothing: the copies can only show on a GPU (they did on the H200, 3 per layer)."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(5)
@@ -200,24 +145,18 @@ def test_inductor_passes_column_slices_to_the_three_convs_as_they_lie(device, ga
     args = [rand(1, n, 64), rand(width, 64) / 8, *(rand(1, d, 3) for _ in range(3)), *(rand(1, n, d) for _ in range(3)),
             torch.tensor([5], device=device), *(rand(d, 4) for _ in range(3)), torch.arange(-1, n - 1, device=device)[None]]
 
-    A_log, dt_bias = rand(8), rand(8)
-
     def convs(h, w, s0, s1, s2, p0, p1, p2, num, c0, c1, c2, parents):
         y = h @ w.t()
-        three = (s0, s1, s2, p0, p1, p2, num, y[..., :d], y[..., d : 2 * d], y[..., 2 * d : 3 * d], c0, c1, c2, parents, True)
-        if gates:
-            out = ops.commit_three_convs_and_gates_(*three, y[..., 4 * d : 4 * d + 8], y[..., 4 * d + 8 :], A_log, dt_bias, False)
-            return out[0] + y[..., 3 * d : 4 * d], out[5], out[6], out[7]
-        out = ops.commit_three_tree_convs_(*three)
+        out = ops.commit_three_tree_convs_(s0, s1, s2, p0, p1, p2, num, y[..., :d], y[..., d : 2 * d], y[..., 2 * d : 3 * d],
+                                           c0, c1, c2, parents, True)
         return out[0] + y[..., 3 * d : 4 * d], out[5]
 
     eager_states = [s.clone() for s in args[2:5]]
     expected = convs(*args[:2], *eager_states, *args[5:])
     compiled_states = [s.clone() for s in args[2:5]]
     got, (code,) = run_and_get_code(torch.compile(convs, dynamic=False), *args[:2], *compiled_states, *args[5:])
-    op = "commit_three_convs_and_gates_" if gates else "commit_three_tree_convs_"
-    call = next(line for line in code.splitlines() if f"{op}.default(" in line)
-    assert call.count("reinterpret_tensor(buf") == (5 if gates else 3), call
+    call = next(line for line in code.splitlines() if "commit_three_tree_convs_.default(" in line)
+    assert call.count("reinterpret_tensor(buf") == 3, call
     for a, b in zip((*got, *compiled_states), (*expected, *eager_states)):
         torch.testing.assert_close(a, b)
 

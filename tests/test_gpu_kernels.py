@@ -163,39 +163,27 @@ def test_float64_state_runs_the_reference():
 
 @pytest.mark.parametrize("case", ["chain16", "tree64_padded", "forest33"])
 @pytest.mark.parametrize("sliced", [False, True])
-@pytest.mark.parametrize("gates", [False, True])
-def test_three_convs_in_one_launch_on_the_gpu(case, sliced, gates):
+def test_three_convs_in_one_launch_on_the_gpu(case, sliced):
     """fla's q, k, v convs (value width twice the key width, as in GDN) through the one-launch op, each
     against its own commit and fp64 tree conv; ``sliced``: the inputs are column slices of one fused
-    projection's output, as the compiled twins pass them (read in place). ``gates``: the op that also
-    computes the layer's gate and beta, from the projection's last 16 columns (8 heads' a and b), against
-    the fp64 reference."""
+    projection's output, as the compiled twins pass them (read in place)."""
     parents, _ = inputs(case, seed=14)
     gen = torch.Generator().manual_seed(3)
     batch, n = parents.shape
     widths = (HEADS * DIM, HEADS * DIM, 2 * HEADS * DIM)
-    projection = torch.randn(batch, n, sum(widths) + 16, generator=gen).bfloat16().cuda()
     if sliced:
-        xs = projection.split([*widths, 16], dim=-1)[:3]
+        xs = torch.randn(batch, n, sum(widths) + 16, generator=gen).bfloat16().cuda().split([*widths, 16], dim=-1)[:3]
     else:
         xs = [torch.randn(batch, n, d, generator=gen).bfloat16().cuda() for d in widths]
-    a, b = projection[..., -16:-8] * 8, projection[..., -8:]
-    A_log, dt_bias = torch.randn(8, generator=gen).cuda(), torch.randn(8, generator=gen).cuda()
     states = [torch.randn(batch, d, 3, generator=gen).bfloat16().cuda() for d in widths]
     weights = [torch.randn(d, 4, generator=gen).bfloat16().cuda() for d in widths]
     pendings = [torch.randn(batch, n, d, generator=gen).bfloat16().cuda() for d in widths]
     num = torch.tensor([min(n, 5), 0][:batch], device="cuda")
     updated = [s.clone() for s in states]
     with poisoned_allocations():
-        if gates:
-            outputs = ops.commit_three_convs_and_gates_(*updated, *pendings, num, *xs, *weights, parents, True, a, b, A_log, dt_bias, True)
-        else:
-            outputs = ops.commit_three_tree_convs_(*updated, *pendings, num, *xs, *weights, parents, True)
+        outputs = ops.commit_three_tree_convs_(*updated, *pendings, num, *xs, *weights, parents, True)
     ys = outputs[:3]
-    assert all(torch.equal(r, x) and r.is_contiguous() for r, x in zip(outputs[3:6], xs))
-    if gates:
-        expected = ref.gdn_gates_reference(a.double(), b.double(), A_log.double(), dt_bias.double(), True)
-        assert all(rel_err(out, e) <= 1e-6 and out.dtype == torch.float32 for out, e in zip(outputs[6:], expected))
+    assert all(torch.equal(r, x) and r.is_contiguous() for r, x in zip(outputs[3:], xs))
     for x, y, state, new, weight, pending in zip(xs, ys, states, updated, weights, pendings):
         committed = ref.conv_state_commit_reference(state, pending, num)
         assert torch.equal(new, committed)

@@ -93,18 +93,6 @@ def _commit_three_tree_convs_(state0, state1, state2, pending0, pending1, pendin
     return triton_conv.three_tree_convs(xs, states, weights, pendings, num_pending, parents, silu)
 
 
-@ops.commit_three_convs_and_gates_.register_kernel("cuda")
-def _commit_three_convs_and_gates_(state0, state1, state2, pending0, pending1, pending2, num_pending, x0, x1, x2,
-                                   weight0, weight1, weight2, parents, silu, a, b, A_log, dt_bias, allow_neg_eigval):
-    states, pendings, xs, weights = (state0, state1, state2), (pending0, pending1, pending2), (x0, x1, x2), (weight0, weight1, weight2)
-    gates = (a, b, A_log, dt_bias)
-    if (torch.float64 in {t.dtype for t in (*states, *xs, *weights, *gates) if t is not None}
-            or not triton_conv.fits_three_tree_convs(xs, states, weights, pendings)):
-        return (*_commit_three_tree_convs_(*states, *pendings, num_pending, *xs, *weights, parents, silu),
-                *(t.contiguous() for t in reference.gdn_gates_reference(*gates, allow_neg_eigval)))
-    return triton_conv.three_tree_convs(xs, states, weights, pendings, num_pending, parents, silu, gates=(*gates, allow_neg_eigval))
-
-
 @ops.conv_state_commit_.register_kernel("cuda")
 def _conv_state_commit_(conv_state, x, num_accepted):
     _in_place(conv_state, lambda s: triton_conv.conv_state_commit_(s, x, num_accepted), torch.Tensor.is_contiguous)

@@ -222,44 +222,6 @@ def _(state0, state1, state2, pending0, pending1, pending2, num_pending, x0, x1,
     return tuple(x.new_empty(x.shape) for x in (x0, x1, x2, x0, x1, x2))
 
 
-# fla's gate and beta (its kernels' ``use_gate_in_kernel`` and ``use_beta_sigmoid_in_kernel``): a composite op, so
-# that Dynamo's graph holds one node the verification rewrite can fold into the conv launch of its layer
-# (``commit_three_convs_and_gates_``: one launch less per layer and pass) while every other compile
-# decomposes it into the pointwise ops inductor fuses.
-_LIB = torch.library.Library("specla", "FRAGMENT")
-_LIB.define("gdn_gates(Tensor a, Tensor b, Tensor A_log, Tensor? dt_bias, bool allow_neg_eigval) -> (Tensor, Tensor)")
-_LIB.impl("gdn_gates", ref.gdn_gates_reference, "CompositeImplicitAutograd")
-
-
-@torch.library.custom_op("specla::commit_three_convs_and_gates_", mutates_args=("state0", "state1", "state2"),
-                         tags=_ANY_INPUT_STRIDES)
-def commit_three_convs_and_gates_(
-    state0: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
-    pending0: torch.Tensor, pending1: torch.Tensor, pending2: torch.Tensor,
-    num_pending: torch.Tensor,
-    x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor,
-    weight0: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
-    parents: torch.Tensor,
-    silu: bool,
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, allow_neg_eigval: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`commit_three_tree_convs_` and the layer's :func:`~.reference.gdn_gates_reference` in one launch on
-    GPUs: the six outputs of the convs, then ``g`` and ``beta`` (float32, contiguous: the pass's records)."""
-    convs = commit_three_tree_convs_(state0, state1, state2, pending0, pending1, pending2, num_pending, x0, x1, x2,
-                                     weight0, weight1, weight2, parents, silu)
-    g, beta = ref.gdn_gates_reference(a, b, A_log, dt_bias, allow_neg_eigval)
-    return (*convs, g.contiguous(), beta.contiguous())
-
-
-@commit_three_convs_and_gates_.register_fake
-def _(state0, state1, state2, pending0, pending1, pending2, num_pending, x0, x1, x2, weight0, weight1, weight2, parents,
-      silu, a, b, A_log, dt_bias, allow_neg_eigval):
-    convs = commit_three_tree_convs_(state0, state1, state2, pending0, pending1, pending2, num_pending, x0, x1, x2,
-                                     weight0, weight1, weight2, parents, silu)
-    dtype = ref.compute_dtype(a, b, A_log, dt_bias)
-    return (*convs, a.new_empty(a.shape, dtype=dtype), b.new_empty(b.shape, dtype=dtype))
-
-
 @torch.library.custom_op("specla::conv_state_commit_", mutates_args=("conv_state",))
 def conv_state_commit_(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor) -> None:
     """Shift each row's first ``num_accepted[b]`` inputs of ``x [B, A, D]`` into ``conv_state`` in place."""

@@ -220,18 +220,6 @@ def gdn_commit_verify_reference(
     return o, records, new_state
 
 
-def gdn_gates_reference(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
-                        allow_neg_eigval: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's in-kernel gate and beta from the projections ``a, b [B, N, HV]``: ``g = -exp(A_log) *
-    softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` (doubled with ``allow_neg_eigval``), in float32 (float64
-    for float64 inputs)."""
-    dtype = compute_dtype(a, b, A_log, dt_bias)
-    x = a.to(dtype) + (dt_bias.to(dtype) if dt_bias is not None else 0.0)
-    g = -A_log.to(dtype).exp() * torch.nn.functional.softplus(x)
-    beta = b.to(dtype).sigmoid()
-    return g, (beta * 2 if allow_neg_eigval else beta)
-
-
 def check_conv_shapes(x, conv_state, weight, parents=None) -> None:
     if x.dim() != 3:
         raise ValueError(f"x must be [B, N, D], got {tuple(x.shape)}")

@@ -86,40 +86,13 @@ def _tree_conv_kernel(
 
 
 @triton.jit
-def _gates_block(a, sab, san, sah, braw, sbb, sbn, sbh, A_log, dt_bias, g, beta, b, N, HV,
-                 BN: tl.constexpr, BH: tl.constexpr, HAS_DT_BIAS: tl.constexpr, NEG: tl.constexpr):
-    """Row b's gate and beta of every node and value head (``reference.gdn_gates_reference``), from the
-    projections ``a`` and ``braw`` where they lie, into contiguous float32 ``g`` and ``beta``."""
-    rn = tl.arange(0, BN)
-    rh = tl.arange(0, BH)
-    mh = rh < HV
-    m2 = (rn < N)[:, None] & mh[None, :]
-    x = tl.load(a + b * sab + rn[:, None] * san + rh[None, :] * sah, mask=m2, other=0.0).to(tl.float32)
-    if HAS_DT_BIAS:
-        x += tl.load(dt_bias + rh, mask=mh, other=0.0).to(tl.float32)[None, :]
-    # softplus as torch's (x past 20: x itself); log1p(e) as log(1 + e) * e / ((1 + e) - 1), exact to a few ulps
-    e = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + e
-    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
-    softplus = tl.where(x > 20.0, x, log1p)
-    decay = tl.exp(tl.load(A_log + rh, mask=mh, other=0.0).to(tl.float32))
-    out = (b * N + rn[:, None]) * HV + rh[None, :]
-    tl.store(g + out, -decay[None, :] * softplus, mask=m2)
-    y = tl.sigmoid(tl.load(braw + b * sbb + rn[:, None] * sbn + rh[None, :] * sbh, mask=m2, other=0.0).to(tl.float32))
-    tl.store(beta + out, y * 2.0 if NEG else y, mask=m2)
-
-
-@triton.jit
 def _three_tree_convs_kernel(
     x0, x1, x2, sb0, sn0, sd0, sb1, sn1, sd1, sb2, sn2, sd2, s0, s1, s2, w0, w1, w2, p0, p1, p2, y0, y1, y2, r0, r1, r2, D0, D1, D2,
     parents, num_pending, N, S, A,
-    a, sab, san, sah, braw, sbb, sbn, sbh, A_log, dt_bias, g, beta, HV,
-    W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, BS: tl.constexpr,
-    GATES: tl.constexpr, BH: tl.constexpr, HAS_DT_BIAS: tl.constexpr, NEG: tl.constexpr, USE_PDL: tl.constexpr,
+    W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr, BS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Grid: (B, channel blocks of the widest conv, 3, plus 1 with GATES): the commit and tree conv of three
-    bias-free convs (fla's q, k and v) in one launch, axis 2 picking the conv; with GATES the fourth slice's
-    first program computes the row's gates (:func:`_gates_block`)."""
+    """Grid: (B, channel blocks of the widest conv, 3): the commit and tree conv of three bias-free convs
+    (fla's q, k and v) in one launch; axis 2 picks the conv."""
     wait_upstream(USE_PDL)
     c = tl.program_id(2)  # (each weight also stands in as its bias pointer: HAS_BIAS is False, never read)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -128,11 +101,8 @@ def _three_tree_convs_kernel(
         _tree_conv_block(x0, sb0, sn0, sd0, s0, w0, w0, parents, y0, r0, b, rd, N, D0, S, p0, num_pending, A, W, BN, BD, False, SILU, True, BS)
     elif c == 1:
         _tree_conv_block(x1, sb1, sn1, sd1, s1, w1, w1, parents, y1, r1, b, rd, N, D1, S, p1, num_pending, A, W, BN, BD, False, SILU, True, BS)
-    elif c == 2:
+    else:
         _tree_conv_block(x2, sb2, sn2, sd2, s2, w2, w2, parents, y2, r2, b, rd, N, D2, S, p2, num_pending, A, W, BN, BD, False, SILU, True, BS)
-    elif GATES:
-        if tl.program_id(1) == 0:
-            _gates_block(a, sab, san, sah, braw, sbb, sbn, sbh, A_log, dt_bias, g, beta, b, N, HV, BN, BH, HAS_DT_BIAS, NEG)
 
 
 @triton.jit
@@ -193,14 +163,11 @@ def three_tree_convs(
     parents: torch.Tensor,
     silu: bool = True,
     *,
-    gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool] | None = None,
     block_d: int = 128,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`tree_conv` with ``pending`` of three bias-free convs (fla's q, k, v), in one launch: each
     commits its ``pending_xs`` into its contiguous ``conv_states`` in place, then convolves its ``xs``.
-    Returns the three outputs, then the three contiguous copies of ``xs``. With ``gates = (a, b, A_log,
-    dt_bias, allow_neg_eigval)`` (``a, b [B, N, HV]`` at any strides) the same launch also computes the layer's
-    gate and beta (``reference.gdn_gates_reference``), returned after them as float32 ``g, beta``."""
+    Returns the three outputs, then the three contiguous copies of ``xs``."""
     if len({len(xs), len(conv_states), len(weights), len(pending_xs)} | {3}) != 1:
         raise ValueError("three_tree_convs takes three convs")
     if not fits_three_tree_convs(xs, conv_states, weights, pending_xs):
@@ -212,25 +179,13 @@ def three_tree_convs(
     ys = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     rows = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     width = conv_states[0].shape[2]
-    if gates is None:
-        # (never read without GATES: any pointer and strides stand in)
-        gate_args, heads, has_dt_bias, neg, outputs = [parents, 0, 0, 0] * 2 + [parents] * 4, 1, False, False, []
-    else:
-        a, b_raw, A_log, dt_bias, neg = gates
-        if a.shape != (batch, n, A_log.numel()) or b_raw.shape != a.shape:
-            raise ValueError(f"gates need a and b of shape [B, N, HV] = {[batch, n, A_log.numel()]}, got {list(a.shape)} and {list(b_raw.shape)}")
-        heads, has_dt_bias = A_log.numel(), dt_bias is not None
-        outputs = [torch.empty(a.shape, dtype=torch.float32, device=a.device) for _ in range(2)]
-        gate_args = [a, *a.stride(), b_raw, *b_raw.stride(), A_log.contiguous(),
-                     dt_bias.contiguous() if has_dt_bias else A_log, *outputs]
-    _three_tree_convs_kernel[(batch, triton.cdiv(max(x.shape[2] for x in xs), block_d), 3 + (gates is not None))](
+    _three_tree_convs_kernel[(batch, triton.cdiv(max(x.shape[2] for x in xs), block_d), 3)](
         *xs, *(stride for x in xs for stride in x.stride()), *conv_states, *weights, *pending_xs, *ys, *rows,
         *(x.shape[2] for x in xs), parents, num_pending, n, width,
-        pending_xs[0].shape[1], *gate_args, heads, W=weights[0].shape[1], BN=max(16, triton.next_power_of_2(n)), BD=block_d,
-        SILU=silu, BS=triton.next_power_of_2(width), GATES=gates is not None, BH=triton.next_power_of_2(heads),
-        HAS_DT_BIAS=has_dt_bias, NEG=bool(neg), **launch_args(parents.device),
+        pending_xs[0].shape[1], W=weights[0].shape[1], BN=max(16, triton.next_power_of_2(n)), BD=block_d, SILU=silu,
+        BS=triton.next_power_of_2(width), **launch_args(parents.device),
     )
-    return (*ys, *rows, *outputs)
+    return (*ys, *rows)
 
 
 def conv_state_commit_(conv_state: torch.Tensor, x: torch.Tensor, num_accepted: torch.Tensor, *, block_d: int = 64) -> None:

@@ -182,10 +182,6 @@ def fla_recurrence_adapter(
 ) -> RecurrenceCall:
     """fla's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (fla >= 0.6)."""
     _reject("fla's gated delta rule", gk=gk, gv=gv)
-    if g is not None and beta is not None and use_gate_in_kernel and use_beta_sigmoid_in_kernel:
-        # fla's GatedDeltaNet: one node the verification rewrite can fold into the layer's conv launch
-        g, beta = torch.ops.specla.gdn_gates(g, beta, A_log, dt_bias, allow_neg_eigval)
-        return RecurrenceCall(q, k, v, g, beta, initial_state, output_final_state, scale, use_qk_l2norm_in_kernel, state_v_first, cu_seqlens)
     if g is None:
         g = q.new_zeros(v.shape[:3], dtype=torch.float32)
     elif use_gate_in_kernel:  # the kernel's fused gate: g = -exp(A_log) * softplus(g + dt_bias)

@@ -19,7 +19,6 @@ from ..kernels import ops
 RECURRENCE = (ops.gdn_recurrence, torch.ops.specla.gdn_recurrence, torch.ops.specla.gdn_recurrence.default)
 SHORT_CONV = (ops.short_conv, torch.ops.specla.short_conv, torch.ops.specla.short_conv.default)
 CAUSAL_CONV = (ops.causal_conv1d, torch.ops.specla.causal_conv1d, torch.ops.specla.causal_conv1d.default)
-GATES = (torch.ops.specla.gdn_gates, torch.ops.specla.gdn_gates.default)
 VIEW_METHODS = {"transpose", "permute", "t", "view", "reshape", "unsqueeze", "squeeze", "contiguous", "mT"}
 INPLACE_WRITE_METHODS = {"copy_", "fill_", "zero_", "index_copy_", "index_put_", "scatter_", "masked_fill_", "add_", "mul_"}
 
@@ -88,22 +87,6 @@ class GDNLayer:
     state_views: list[fx.Node]
     writes: list[fx.Node]
     convs: list[ConvSite]
-    gates: fx.Node | None = None  # fla's ``gdn_gates`` node whose outputs are the recurrence's g and beta, and only theirs
-
-
-def _gates_of(recurrence: fx.Node) -> fx.Node | None:
-    """The ``gdn_gates`` node whose ``(g, beta)`` the recurrence reads as its g and beta (and nothing else
-    reads), else None."""
-    g, beta = recurrence.args[3:5]
-    items = (g, beta)
-    if not all(isinstance(n, fx.Node) and n.op == "call_function" and n.target is operator.getitem for n in items):
-        return None
-    gates = g.args[0]
-    if not (is_call(gates, GATES) and beta.args[0] is gates and (g.args[1], beta.args[1]) == (0, 1)):
-        return None
-    if set(gates.users) != {g, beta} or any(set(n.users) != {recurrence} for n in items):
-        return None
-    return gates
 
 
 def _inplace_writes(placeholder: fx.Node) -> list[fx.Node]:
@@ -146,7 +129,7 @@ def find_gdn_layers(graph: fx.Graph) -> list[GDNLayer]:
         elif is_call(node, RECURRENCE):
             placeholder, views = view_chain(node.args[5])
             writes = _inplace_writes(placeholder) if placeholder is not None else []
-            layers.append(GDNLayer(node, placeholder, views, writes, [_conv_site(c) for c in pending_convs], _gates_of(node)))
+            layers.append(GDNLayer(node, placeholder, views, writes, [_conv_site(c) for c in pending_convs]))
             pending_convs = []
     if pending_convs:
         raise ValueError(f"short convolutions {[c.name for c in pending_convs]} feed no GDN recurrence")

@@ -7,9 +7,8 @@ Per GDN layer (found by :func:`~.graph_analysis.find_gdn_layers`):
   it; whatever the model wrote back as its "final state" is now that committed state;
 * each short convolution commits its pending accepted inputs into the conv state and then runs the
   tree conv over the draft, one op (``specla::commit_tree_conv_``; fla's q, k and v convs of a layer
-  share one, ``specla::commit_three_tree_convs_``: one launch, which also computes the layer's gate and
-  beta, ``specla::commit_three_convs_and_gates_``, where the model's ``specla::gdn_gates`` can join it);
-  the model's own conv-state writes are dropped;
+  share one, ``specla::commit_three_tree_convs_``: one launch); the model's own conv-state writes are
+  dropped;
 * the layer's new factor records ``(k_hat, v, g, beta)`` and conv inputs become extra graph outputs.
 
 Full-attention layers (``scaled_dot_product_attention``) get the tree mask instead of the causal mask.
@@ -157,12 +156,10 @@ class _Rewriter:
             _erase_unused(self.graph, source)  # the window's tail, then the window itself
         return record
 
-    def rewrite_three_convs(self, convs: list[ConvSite], parents: fx.Node, num_pending: fx.Node, pending_xs: list[fx.Node],
-                            gates: fx.Node | None = None) -> list[fx.Node] | None:
+    def rewrite_three_convs(self, convs: list[ConvSite], parents: fx.Node, num_pending: fx.Node, pending_xs: list[fx.Node]) -> list[fx.Node] | None:
         """fla's q, k and v convs (bias-free, one ``silu``) as one op (one launch on GPUs), placed at the
         last conv: None, and nothing changed, when they do not fit that (another layout, or an output of
-        one used before the last conv). The layer's ``gdn_gates`` node joins the launch when its inputs are
-        there before the last conv (fused projections: slices of the q/k/v/gate GEMM's output)."""
+        one used before the last conv)."""
         nodes = [c.node for c in convs]
         if len(convs) != 3 or any(c.kind != "short_conv" or n.args[3] is not None for c, n in zip(convs, nodes)):
             return None
@@ -172,24 +169,13 @@ class _Rewriter:
         last = max(nodes, key=order.__getitem__)
         if any(order[use] < order[last] for n in nodes for item in n.users for use in item.users):
             return None
-        fold = gates is not None and not gates.kwargs and all(order[n] < order[last] for n in gates.all_input_nodes)
         xs, states, weights = ([n.args[i] for n in nodes] for i in range(3))
-        args = (*states, *pending_xs, num_pending, *xs, *weights, parents, nodes[0].args[4])
         with self.graph.inserting_before(last):
-            if fold:
-                fused = self.call(torch.ops.specla.commit_three_convs_and_gates_.default, *args, *gates.args)
-            else:
-                fused = self.call(torch.ops.specla.commit_three_tree_convs_.default, *args)
+            fused = self.call(torch.ops.specla.commit_three_tree_convs_.default, *states, *pending_xs, num_pending, *xs, *weights,
+                              parents, nodes[0].args[4])
             ys, records = ([self.call(operator.getitem, fused, i) for i in range(j, j + 3)] for j in (0, 3))
-            gate_outputs = [self.call(operator.getitem, fused, i) for i in (6, 7)] if fold else []
         for node, y, state in zip(nodes, ys, states):
             self._replace_short_conv(node, y, state)
-        if fold:
-            for index, users in getitem_users(gates).items():
-                for user in users:
-                    user.replace_all_uses_with(gate_outputs[index])
-                    self.graph.erase_node(user)
-            self.graph.erase_node(gates)
         return records
 
     def _replace_short_conv(self, node: fx.Node, y: fx.Node, state: fx.Node) -> None:
@@ -250,7 +236,7 @@ def rewrite_for_verify(gm: fx.GraphModule) -> VerifyProgram:
             records.append(RecordSpec(f"conv{c}", (channels,), _dtype(conv.x)))
         pending = [rw.add_input(f"layer{i}_pending_{r.name}") for r in records]
         outputs = rw.rewrite_recurrence(layer, parents, num_pending, pending[:4])
-        conv_inputs = rw.rewrite_three_convs(layer.convs, parents, num_pending, pending[4:], layer.gates)
+        conv_inputs = rw.rewrite_three_convs(layer.convs, parents, num_pending, pending[4:])
         if conv_inputs is None:
             conv_inputs = [rw.rewrite_conv(conv, parents, num_pending, p) for conv, p in zip(layer.convs, pending[4:])]
         outputs += conv_inputs
