@@ -771,7 +771,8 @@ def write_report(results: dict, out_dir: str) -> None:
     for batch, r in results.get("fla_batch", {}).items():
         lines.append(f"- fla {batch}, p=0.8 L=8: plain {r['plain']['tokens_per_s']:.0f} tok/s, speculative "
                      f"{r['p0.8_L8']['tokens_per_s']:.0f} tok/s" + (f" (not valid: {r['invalid']})" if "invalid" in r else f" = {r['speedup']:.2f}x"))
-    routes = [r for section in ("fla_b1", "qwen") for r in [*results.get(section, {}).get("chain", {}).values(), *results.get(section, {}).values()]
+    routes = [r for section in ("fla_b1", "qwen") for r in [*results.get(section, {}).get("chain", {}).values(),
+                                                           *results.get(section, {}).get("tree", {}).values(), *results.get(section, {}).values()]
               if isinstance(r, dict) and "identical" in r]
     if routes:
         lines.append(f"- bf16 speculative output identical to graphed plain decoding: {sum(r['identical'] for r in routes)}/{len(routes)} routes "
