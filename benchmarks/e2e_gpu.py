@@ -555,7 +555,11 @@ def fla_batch(args, results: dict) -> None:
         gen.generate(prompts[0], 2)  # compiles and captures the 16-node pass outside the timed runs
         spec = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, 0.8, 8), chain_config(8), truths=truths)
         same = all(torch.equal(a, b) for a, b in zip(spec.pop("sequences"), plain.pop("sequences")))
-        section[f"B{batch}"] = {"plain": plain, "p0.8_L8": spec, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"], "identical": same}
+        figures = section[f"B{batch}"] = {"plain": plain, "p0.8_L8": spec, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+                                           "identical": same}
+        figures["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16)}
+        wide = next(iter(gen._engines.values())).buckets[bucket_key(16)]  # what a pass of batch x 16 nodes spends its time on
+        figures["profile_16"] = {k: v for k, v in kernel_profile(wide.graph).items() if k != "one_layer"}
         print(f"B={batch}: plain {plain['tokens_per_s']:.0f} tok/s, p=0.8 L=8 {spec['tokens_per_s']:.0f} tok/s", flush=True)
 
 
@@ -604,6 +608,15 @@ def compile_cache_counters() -> dict:
     return {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
 
 
+def compile_phases(at_least: float = 0.5) -> dict:
+    """Where this process's compile time went, by Dynamo's and inductor's timed phases (seconds summed over
+    every compile, nested phases inside their callers), those of ``at_least`` seconds."""
+    from torch._dynamo.utils import compile_times
+
+    names, seconds = compile_times(repr="csv", aggregate=True)
+    return {name: round(float(value), 2) for name, value in zip(names, seconds) if float(value) >= at_least}
+
+
 def disk_cache_hits(caches: dict) -> int:
     """Hits of the on-disk caches among ``compile_cache_counters()``: FX graphs and AOTAutograd. Inductor's
     ``async_compile_cache`` hits are one process reusing a kernel it compiled a moment before (a cold
@@ -622,13 +635,17 @@ def warm_start(args, results: dict) -> None:
         gen = make_generator(model)
         started = time.perf_counter()
         gen.decode(prompt, 2)
+        stages = {"decode (1-node pass, 16-node chain for the prompt)": time.perf_counter() - started}
         tree, depth = tree_config(4, 16)
-        for drafter, config in ((OracleDrafter([[0] * 64], 1.0, 15), chain_config(15)),
-                                (OracleDrafter([[0] * 64], 1.0, 31), chain_config(31)),
-                                (OracleDrafter([[0] * 64], 1.0, depth, 4), tree)):  # the three buckets
+        for name, drafter, config in (("16-node chain", OracleDrafter([[0] * 64], 1.0, 15), chain_config(15)),
+                                      ("32-node chain", OracleDrafter([[0] * 64], 1.0, 31), chain_config(31)),
+                                      ("16-node tree", OracleDrafter([[0] * 64], 1.0, depth, 4), tree)):  # the three buckets
             gen.drafter, gen.config = drafter, config
+            begun = time.perf_counter()
             gen.generate(prompt, 2)
-        print(json.dumps({"warm_start_s": time.perf_counter() - started, "compile_caches": compile_cache_counters(),
+            stages[name] = time.perf_counter() - begun
+        print(json.dumps({"warm_start_s": time.perf_counter() - started, "stages_s": stages,
+                          "compile_caches": compile_cache_counters(), "compile_phases_s": compile_phases(),
                           "compile_seconds": next(iter(gen._engines.values())).compile_seconds}))
         return
     command = [sys.executable, __file__, "--sections", "warm_start", "--child", "--layers", str(args.layers or 24)] + (

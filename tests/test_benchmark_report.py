@@ -214,3 +214,13 @@ def test_eagle_kernel_count_of_a_chain_propose():
         torch.set_num_threads(threads)
     assert calls.count("torch.ops.specla.draft_attention") == 8
     assert not any("top_k" in c or "topk" in c for c in calls)
+
+
+def test_compile_phases_name_where_compile_time_went():
+    """The warm-start child's breakdown: Dynamo's and inductor's timed phases of this process, the short ones
+    left out."""
+    torch._dynamo.reset()
+    torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.randn(3))
+    phases = e2e_gpu.compile_phases(at_least=0.0)
+    assert "_compile.compile_inner" in phases and all(v >= 0 for v in phases.values())
+    assert e2e_gpu.compile_phases(at_least=1e9) == {}
