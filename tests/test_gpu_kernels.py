@@ -20,7 +20,7 @@ from kernel_cases import (
     rel_err,
 )
 
-from specla_compile.kernels import ops, triton_linear
+from specla_compile.kernels import dispatch, ops, triton_linear
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig, use_route
 
@@ -114,7 +114,8 @@ def test_launch_configs(route, config):
     assert rel_err(o, reference_verify(x, parents, SCALE, True)[0]) <= O_TOL
 
 
-@pytest.mark.parametrize("config", [KernelConfig(32, 4, 64), KernelConfig(64, 4, 32), KernelConfig(16, 4, 64)])
+@pytest.mark.parametrize("config", [KernelConfig(32, 4, 64), KernelConfig(64, 4, 32), KernelConfig(16, 4, 64),
+                                    *(dispatch.kernel_config("parallel", 16, pending=True, batch=b) for b in (4, 16))])
 def test_fused_parallel_launch_configs(config):
     from specla_compile.kernels import triton_verify
 

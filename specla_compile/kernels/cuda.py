@@ -46,7 +46,7 @@ def _in_place(state: torch.Tensor, update: Callable[[torch.Tensor], object], fit
 
 def _verify(q, k, v, g, beta, parents, state, scale, use_qk_l2norm, pending=None) -> tuple[torch.Tensor, torch.Tensor]:
     route = dispatch.choose_route(parents.shape[1])
-    config = dispatch.kernel_config(route, parents.shape[1], pending is not None)
+    config = dispatch.kernel_config(route, parents.shape[1], pending is not None, batch=parents.shape[0])
     return triton_verify.tree_verify(
         q, k, v, g, beta, parents, state, scale, use_qk_l2norm, route=route, pending=pending, config=config)
 

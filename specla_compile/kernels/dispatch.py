@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -25,16 +25,18 @@ from ..tree import PAD, depth
 ROUTES = ("serial", "parallel", "hybrid")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape of a route: V-tile width, warps per program, K chunk of the parallel route."""
+    """Launch shape of a route: V-tile width, warps per program, K chunk of the parallel route, and
+    the launch shape of a commit run as its own kernel before the verify (None: fused into it)."""
 
     block_v: int = 8
     num_warps: int = 1
     block_k: int = 64
+    separate_commit: KernelConfig | None = None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TopologyHint:
     """What the cost model needs to know about a draft (the largest row of a batch)."""
 
@@ -72,7 +74,7 @@ def route_features(route: str, hint: TopologyHint) -> tuple[float, ...]:
     raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CostModel:
     """Latency of a route = its coefficients . :func:`route_features` (microseconds)."""
 
@@ -124,15 +126,25 @@ def choose_route(num_nodes: int, costs: CostModel = H200_COSTS) -> str:
     return min(ROUTES, key=lambda route: costs.estimate(route, hint))
 
 
-def kernel_config(route: str, num_nodes: int, pending: bool = False) -> KernelConfig:
-    """Launch shape per route on an H200 at K = V = 256, from the benchmark's sweep. The recurrent
+def kernel_config(route: str, num_nodes: int, pending: bool = False, batch: int = 1) -> KernelConfig:
+    """Launch shape per route on an H200 at K = V = 256, from the benchmarks' sweeps. The recurrent
     routes are latency-bound, so narrow tiles and few warps keep the K-reductions in-warp; the parallel
     route amortizes its per-program node-matrix work over wide V tiles, narrower when the fused commit
     also holds a full K x BV tile in registers. A one-node pass (plain decoding's step) has no chain to walk:
     two warps per program there (``bench_kernels.md``'s sweep, node1: 4.38 -> 3.81 us, with a pending record
-    6.05 -> 5.49 us at 16 columns), where they cost a longer chain 25-40%."""
+    6.05 -> 5.49 us at 16 columns), where they cost a longer chain 25-40%.
+
+    In a batch the parallel route's programs (V tiles x rows x heads) outnumber the SMs, and every program
+    repeats the node matrices, so wide tiles win there: 64 columns from 2 rows, and from 8 rows the commit
+    as its own launch so that the verify takes 128 columns a program (``batch_verify_gpu.md``, 16 rows x
+    16 nodes with records: 120 -> 40 us a layer; at one row 13.3 us either way)."""
     if route == "parallel":
-        return KernelConfig(block_v=16, num_warps=4, block_k=64) if pending else KernelConfig(64, 4, 32)
+        wide = KernelConfig(128, 4, 32) if batch >= 8 else KernelConfig(64, 4, 32)
+        if not pending:
+            return wide
+        if batch >= 8:
+            return dataclasses.replace(wide, separate_commit=KernelConfig(32, 4))
+        return wide if batch >= 2 else KernelConfig(block_v=16, num_warps=4, block_k=64)
     if num_nodes == 1 and route == "serial":
         return KernelConfig(block_v=16 if pending else 8, num_warps=2)
     return KernelConfig(block_v=8, num_warps=1)

@@ -386,6 +386,9 @@ def tree_verify(
     if snapshot is not None and route != "serial":
         raise ValueError("snapshot is only produced by the serial route")
     config = config or KernelConfig()
+    if pending is not None and config.separate_commit is not None:
+        commit_(state, *pending, config=config.separate_commit)
+        pending = None
     q, k, v, g, beta, parents = (t.contiguous() for t in (q, k, v, g, beta, parents))
     batch, n, heads, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
