@@ -1,8 +1,9 @@
 """Time to the first speculative pass on CPU: a cold process, then a second process on the same
 inductor cache (the warm start users pay on every restart). A tiny fla model of ``--layers`` layers,
 its 1-node pass (plain decoding) and its 16-node pass (chains of 15 drafts), compiled by the
-generator with ``--inner``; each process reports its compile seconds, how many graphs Dynamo traced
-and the caches' hits. Writes ``compile_start_cpu.{json,md}``::
+generator with ``--inner``, each twin as one graph and then one decoder layer at a time (the backend's
+``regional`` option); each process reports its compile seconds, how many graphs Dynamo traced, the
+caches' hits and its tokens (the two ways must agree). Writes ``compile_start_cpu.{json,md}``::
 
     python benchmarks/compile_start_cpu.py --out benchmarks/results
 """
@@ -18,6 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+WAYS = {"whole graph": False, "by layer": True}  # the backend's regional option
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -25,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--inner", choices=("inductor", "aot_eager"), default="inductor")
+    parser.add_argument("--regional", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.layers < 1:
@@ -43,20 +46,21 @@ def child(args: argparse.Namespace) -> dict:
 
     model = tiny_model("fla", layers=args.layers)
     prompt = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
-    gen = SpeculativeGenerator(model, OracleDrafter([[0] * 64], 1.0, 1), SpecConfig(bucket=16), compile_options={"inner": args.inner})
+    gen = SpeculativeGenerator(model, OracleDrafter([[0] * 64], 1.0, 1), SpecConfig(bucket=16), compile_options={"inner": args.inner, "regional": args.regional})
     started = time.perf_counter()
     gen.decode(prompt, 2)
     one = time.perf_counter() - started
     gen.drafter, gen.config = OracleDrafter([[0] * 64], 1.0, 15), chain_config(15)
     started = time.perf_counter()
-    gen.generate(prompt, 2)
+    out = gen.generate(prompt, 2)
     sixteen = time.perf_counter() - started
-    return {"1_node_s": one, "16_node_s": sixteen, "total_s": one + sixteen,
+    return {"1_node_s": one, "16_node_s": sixteen, "total_s": one + sixteen, "tokens": out.sequences.tolist(),
             "dynamo_graphs": counters["stats"]["unique_graphs"], "caches": compile_cache_counters()}
 
 
-def run_process(args: argparse.Namespace, cache_dir: str) -> dict:
+def run_process(args: argparse.Namespace, cache_dir: str, regional: bool) -> dict:
     command = [sys.executable, __file__, "--child", "--layers", str(args.layers), "--inner", args.inner]
+    command += ["--regional"] if regional else []
     out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir},
                          timeout=1800, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -70,12 +74,13 @@ def write_report(results: dict, out_dir: str) -> None:
     with open(os.path.join(out_dir, "compile_start_cpu.json"), "w") as f:
         json.dump(results, f, indent=1)
     setup = (f"{results['layers']}-layer tiny fla model, inner compiler `{results['inner']}`, torch {results['torch']}, "
-             "the 1-node and the 16-node pass; the second process reuses the first one's inductor cache.")
+             "the 1-node and the 16-node pass; the second process reuses the first one's inductor cache. "
+             f"Both ways emit the same tokens: {results['same_tokens']}.")
     lines = ["# Compile time to the first speculative passes, CPU", "", setup, "",
-             "| process | 1-node pass, s | 16-node pass, s | total, s | Dynamo graphs | cache counters |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {name} | {r['1_node_s']:.1f} | {r['16_node_s']:.1f} | {r['total_s']:.1f} | {r['dynamo_graphs']} | {r['caches']} |"
-              for name, r in (("cold", results["cold"]), ("warm", results["warm"]))]
+             "| twins compiled | process | 1-node pass, s | 16-node pass, s | total, s | Dynamo graphs | cache counters |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {way} | {name} | {r['1_node_s']:.1f} | {r['16_node_s']:.1f} | {r['total_s']:.1f} | {r['dynamo_graphs']} | {r['caches']} |"
+              for way in WAYS for name, r in results[way].items()]
     with open(os.path.join(out_dir, "compile_start_cpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -88,11 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     results = {"layers": args.layers, "inner": args.inner, "torch": torch.__version__}
-    with tempfile.TemporaryDirectory() as cache_dir:
-        for name in ("cold", "warm"):
-            print(f"{name} process: compiling the 1- and 16-node passes of a {args.layers}-layer model ...", flush=True)
-            results[name] = run_process(args, cache_dir)
-            print(f"{name}: {results[name]['total_s']:.1f} s", flush=True)
+    for way, regional in WAYS.items():
+        results[way] = {}
+        with tempfile.TemporaryDirectory() as cache_dir:
+            for name in ("cold", "warm"):
+                print(f"{name} process, {way}: compiling the 1- and 16-node passes of a {args.layers}-layer model ...", flush=True)
+                results[way][name] = run_process(args, cache_dir, regional)
+                print(f"{name}: {results[way][name]['total_s']:.1f} s", flush=True)
+    results["same_tokens"] = len({str(r["tokens"]) for way in WAYS for r in results[way].values()}) == 1
     write_report(results, args.out)
     with open(os.path.join(args.out, "compile_start_cpu.md")) as f:
         print(f.read())

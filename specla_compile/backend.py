@@ -22,7 +22,9 @@ True (default): on CUDA, inductor launches independent pointwise kernels as one 
 the GEMM after it, with the residual add before it (:mod:`.lowering.fold_norms`; slower than inductor's norm and
 cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
-which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`). A
+which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``regional`` — False (default): True
+compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
+(:mod:`.lowering.regions`: a fraction of the compile time, without the fusions across layer boundaries). A
 max-autotune ``mode`` on CUDA needs ``fuse_projections=False`` (inductor's GEMM autotuner cannot read a fused weight). ``mode`` is passed to inductor, except for its CUDA graphs: the
 :class:`~specla_compile.runtime.engine.StaticEngine` captures whole passes itself (on CUDA by default,
 ``mode="reduce-overhead"`` included; ``SpecConfig(cuda_graphs=False)`` turns them off).
@@ -46,13 +48,14 @@ from .lowering.capture import install
 from .lowering.fold_norms import fold_norms, route_linears
 from .lowering.fuse_projections import fuse_projections, gathers_as_slices
 from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sdpa
+from .lowering.regions import compile_by_layer
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
 from .lowering.session import LayerBinding, VerifySession, active_session
 from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms", "triton_linears"}
+OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms", "triton_linears", "regional"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
 
@@ -136,9 +139,9 @@ class SpeculativeGraph:
     attention length every pass) keep one dynamic twin."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
-                 plain: str = "compiled", fold: bool = False, route: bool = False):
+                 plain: str = "compiled", fold: bool = False, route: bool = False, regional: bool = False):
         self.verify_kernel = verify_kernel
-        self.fold, self.route = fold, route
+        self.fold, self.route, self.regional = fold, route, regional
         started = time.perf_counter()
         self.plain = compile_inner(gm, example_inputs) if plain == "compiled" else gm.forward
         self.compile_seconds = {"plain": time.perf_counter() - started}
@@ -188,16 +191,23 @@ class SpeculativeGraph:
                     log.info("specla: %d norms folded into the GEMMs after them", fold_norms(gm))
                 if self.route:
                     log.info("specla: %d GEMMs routed to specla's linear kernels", route_linears(gm))
-            # fake inputs of static shapes in a mode with a shape env, as Dynamo hands them over: without
-            # one, AOTAutograd's and inductor's caches bypass the graph ("No shape env")
-            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-            fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
-            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-                twin = self.twins[key] = self.compile_inner(gm, fakes)
+            if self.regional:
+                twin = self.twins[key] = compile_by_layer(gm, self._compile_static, f"verification twin for sizes {key}")
+                return twin  # (its regions compile at its first call, and log their time then)
+            twin = self.twins[key] = self._compile_static(gm, inputs)
             self.compile_seconds[f"verify {key}"] = time.perf_counter() - started
             log.info("specla: compiled the verification twin of a graph of %d GDN layers for sizes %s in %.1f s",
                      len(self.program.layers), key, self.compile_seconds[f"verify {key}"])
         return twin
+
+    def _compile_static(self, gm: fx.GraphModule, inputs: Sequence) -> Callable:
+        """Compile ``gm`` for these inputs' static shapes."""
+        # fake inputs of static shapes in a mode with a shape env, as Dynamo hands them over: without
+        # one, AOTAutograd's and inductor's caches bypass the graph ("No shape env")
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            return self.compile_inner(gm, fakes)
 
     def _verify(self, session: VerifySession, args: Sequence) -> tuple:
         program = self.program
@@ -246,7 +256,8 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
         raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(OPTIONS)}")
     combo_kernels = options.get("combo_kernels", True)
     fold, route = options.get("fold_norms", False), options.get("triton_linears", False)
-    for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold), ("triton_linears", route)):
+    regional = options.get("regional", False)
+    for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold), ("triton_linears", route), ("regional", regional)):
         if not isinstance(value, bool):
             raise ValueError(f"specla option {name!r} must be True or False, got {value!r}")
     compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, combo_kernels)
@@ -267,7 +278,7 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
             # over its first part's graph input, at that part's size, and fails minutes into the compile)
             raise ValueError(f"specla: mode={mode!r} cannot autotune the fused projection GEMMs on CUDA; pass "
                              "options={'fuse_projections': False} to tune the unfused ones, or another mode")
-    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold, route)
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold, route, regional)
 
 
 def _cuda_device(example_inputs: Sequence) -> torch.device | None:

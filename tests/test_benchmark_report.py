@@ -174,11 +174,14 @@ def test_compile_start_report_and_arguments(tmp_path):
     import compile_start_cpu
 
     run = {"1_node_s": 12.9, "16_node_s": 1.7, "total_s": 14.6, "dynamo_graphs": 1, "caches": {"fxgraph_cache_hit": 2}}
-    compile_start_cpu.write_report({"layers": 24, "inner": "inductor", "torch": "2.x", "cold": {**run, "total_s": 68.4}, "warm": run},
-                                   str(tmp_path))
+    results = {"layers": 24, "inner": "inductor", "torch": "2.x", "same_tokens": True,
+               "whole graph": {"cold": {**run, "total_s": 68.4}, "warm": run}, "by layer": {"cold": {**run, "total_s": 30.2}, "warm": run}}
+    compile_start_cpu.write_report(results, str(tmp_path))
     table = (tmp_path / "compile_start_cpu.md").read_text()
-    assert "| cold | 12.9 | 1.7 | 68.4 | 1 |" in table and "| warm | 12.9 | 1.7 | 14.6 | 1 | {'fxgraph_cache_hit': 2} |" in table
-    assert json.loads((tmp_path / "compile_start_cpu.json").read_text())["warm"]["total_s"] == 14.6
+    assert "| whole graph | cold | 12.9 | 1.7 | 68.4 | 1 |" in table and "| by layer | cold | 12.9 | 1.7 | 30.2 | 1 |" in table
+    assert "| whole graph | warm | 12.9 | 1.7 | 14.6 | 1 | {'fxgraph_cache_hit': 2} |" in table
+    assert "Both ways emit the same tokens: True." in table
+    assert json.loads((tmp_path / "compile_start_cpu.json").read_text())["whole graph"]["warm"]["total_s"] == 14.6
     assert compile_start_cpu.parse_args([]).layers == 24
     with pytest.raises(SystemExit):
         compile_start_cpu.parse_args(["--layers", "0"])
