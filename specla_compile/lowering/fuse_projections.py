@@ -110,6 +110,9 @@ def fuse_projections(gm: fx.GraphModule, example_inputs: Sequence) -> int:
             weight = gm.graph.call_function(torch.as_strided, (nodes[0].args[1], (rows, width), (width, 1), first.storage_offset()))
             out = gm.graph.call_function(torch._C._nn.linear, (nodes[0].args[0], weight))
             _join_example_values(out, nodes)
+            stack = list((nodes[0].meta.get("nn_module_stack") or {}).items())
+            for made in (weight, out):  # the module calling the projections (regions.py splits by module)
+                made.meta["nn_module_stack"] = dict(stack[:-1])
             start = 0
             for node, w in zip(nodes, weights):
                 # a gather of the columns, not a split: a strided view of the output makes the fake-tensor

@@ -26,31 +26,52 @@ Compile = Callable[[fx.GraphModule, list], Callable]  # (region, its real inputs
 
 
 def layer_regions(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Region of every computing node: 0 before the first layer, ``i + 1`` for layer ``i``, and one more
-    for the modules after the last layer (the final norm, the head). Any other node (the rewrite's own, a
-    getitem, the model's code between layers) joins the region of the node before it; regions never
-    decrease along the graph, so no region needs a later one."""
+    """Region of every computing node. Region ``i + 1`` holds decoder layer ``i`` after its first module
+    (its input norm) and the first module of layer ``i + 1``, so that the residual add ending one layer and the
+    norm starting the next stay in one program (one fused kernel, as in the whole graph); region 0 holds
+    what runs before that (the embedding, layer 0's input norm), the last layer's region the final norm, and
+    the last region the modules after it (the head). Any other node (the rewrite's own, a getitem, the model's code
+    between layers) joins the region of the node before it; regions never decrease along the graph, so no
+    region needs a later one."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    layer = {n: _layer_of(n) for n in nodes}
-    tagged = [i for i, n in enumerate(nodes) if layer[n] is not None]
+    where = {n: _layer_of(n) for n in nodes}
+    first_module: dict[int, str] = {}
+    for node in nodes:
+        if where[node] is not None:
+            first_module.setdefault(*where[node])
+    tagged = [i for i, n in enumerate(nodes) if where[n] is not None]
     last = tagged[-1] if tagged else len(nodes)
-    after_layers = max((layer[nodes[i]] for i in tagged), default=-1) + 2
+    after_layers = max(first_module, default=-1) + 2
     regions: dict[fx.Node, int] = {}
-    current = 0
+    current, final_norm = 0, None
     for i, node in enumerate(nodes):
-        if layer[node] is not None:
-            current = max(current, layer[node] + 1)
+        if where[node] is not None:
+            layer, module = where[node]
+            current = max(current, layer if module == first_module[layer] else layer + 1)
         elif i > last and node.meta.get("nn_module_stack"):
-            current = max(current, after_layers)
+            # the first module after the layers (the final norm) ends the last layer's region, as the next
+            # layer's input norm ends the others'
+            module = _module_path(node)
+            final_norm = final_norm or module
+            if module != final_norm:
+                current = max(current, after_layers)
         regions[node] = current
     return regions
 
 
-def _layer_of(node: fx.Node) -> int | None:
-    """The index of the decoder layer whose module ran ``node``, if any."""
+def _module_path(node: fx.Node) -> str:
+    return list(node.meta["nn_module_stack"].values())[-1][0]
+
+
+def _layer_of(node: fx.Node) -> tuple[int, str] | None:
+    """The index of the decoder layer whose module ran ``node``, and that module's name inside the layer
+    (empty: the layer's own code), if any."""
     paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if isinstance(path, str)]
-    found = [int(m.group(1)) for path in paths if (m := _LAYER.search(path))]
-    return found[-1] if found else None
+    found = [(m, path) for path in paths if (m := _LAYER.search(path))]
+    if not found:
+        return None
+    match, path = found[-1]
+    return int(match.group(1)), path[match.end() :].lstrip(".").split(".")[0]
 
 
 def structure_key(gm: fx.GraphModule, inputs: Sequence) -> tuple | None:
