@@ -4,8 +4,9 @@ Inductor lowers a 24-layer twin as one graph, so its time grows with the depth (
 H200, most of a cold start). The layers of a stack are the same code on different weights and states,
 so :func:`compile_by_layer` splits the graph at its decoder layers (``nn_module_stack``'s ``layers.<i>``),
 compiles the first layer of each shape once and calls that program for every layer with the same graph
-and inputs of the same layout. The price is the fusions across layer boundaries (a residual add and the
-next layer's norm run as two kernels); the pass's CUDA graph covers every region alike.
+and inputs of the same layout. A region ends after the next layer's input norm, so the residual add and
+that norm still fuse; the pass's CUDA graph covers every region alike. Twins with symbolic sizes are not
+split (a region's program is compiled for its first call's shapes).
 """
 
 from __future__ import annotations
