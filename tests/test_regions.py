@@ -74,7 +74,9 @@ def test_layer_regions_follow_the_layers_and_never_decrease():
 def test_structure_key_tells_layouts_and_constants_apart():
     gm = _two_layer_graph()
     a, b = torch.randn(4, 6), torch.randn(4, 6)
-    assert structure_key(gm, [a, b, b]) == structure_key(gm, [b, a, a])  # other values, same layout
+    c = torch.randn(4, 6)
+    assert structure_key(gm, [a, b, c]) == structure_key(gm, [c, a, b])  # other values, same layout
+    assert structure_key(gm, [a, b, b]) != structure_key(gm, [a, b, c])  # two inputs sharing memory
     assert structure_key(gm, [a, b, b]) != structure_key(gm, [a, b.t().contiguous().t(), b])  # another stride
     assert structure_key(gm, [a, b, b]) != structure_key(gm, [a, b[:, 1:], b])  # another shape
     gm.register_buffer("c", torch.ones(1))

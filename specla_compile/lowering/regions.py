@@ -86,10 +86,12 @@ def structure_key(gm: fx.GraphModule, inputs: Sequence) -> tuple | None:
         index[node] = i
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
         nodes.append((node.op, "" if node.op == "placeholder" else str(node.target), repr(args)))
+    storages: dict[int, int] = {}  # which inputs share memory: AOTAutograd compiles for that aliasing
     layouts = tuple(
-        (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, str(x.device), x.data_ptr() % 16 == 0)
+        (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, str(x.device), x.data_ptr() % 16 == 0,
+         storages.setdefault(x.untyped_storage().data_ptr(), i))
         if isinstance(x, torch.Tensor) else repr(x)
-        for x in inputs
+        for i, x in enumerate(inputs)
     )
     return tuple(nodes), layouts
 
