@@ -24,7 +24,8 @@ cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``); ``triton_linears``
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``regional`` — False (default): True
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
-(:mod:`.lowering.regions`: a fraction of the compile time, without the fusions across layer boundaries). A
+(:mod:`.lowering.regions`: a fraction of the compile time; regions cut after the next layer's input norm, so the
+residual add and that norm still fuse; not yet measured on a GPU). A
 max-autotune ``mode`` on CUDA needs ``fuse_projections=False`` (inductor's GEMM autotuner cannot read a fused weight). ``mode`` is passed to inductor, except for its CUDA graphs: the
 :class:`~specla_compile.runtime.engine.StaticEngine` captures whole passes itself (on CUDA by default,
 ``mode="reduce-overhead"`` included; ``SpecConfig(cuda_graphs=False)`` turns them off).

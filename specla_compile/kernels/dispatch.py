@@ -137,14 +137,14 @@ def kernel_config(route: str, num_nodes: int, pending: bool = False, batch: int 
     In a batch the parallel route's programs (V tiles x rows x heads) outnumber the SMs, and every program
     repeats the node matrices, so wide tiles win there: 64 columns from 2 rows, and from 8 rows the commit
     as its own launch so that the verify takes 128 columns a program (``batch_verify_gpu.md``, 16 rows x
-    16 nodes with records: 120 -> 40 us a layer; at one row 13.3 us either way)."""
+    16 nodes with records: 120 -> 46 us a layer; at one row 13.3 us either way)."""
     if route == "parallel":
-        wide = KernelConfig(128, 4, 32) if batch >= 8 else KernelConfig(64, 4, 32)
-        if not pending:
-            return wide
         if batch >= 8:
-            return dataclasses.replace(wide, separate_commit=KernelConfig(32, 4))
-        return wide if batch >= 2 else KernelConfig(block_v=16, num_warps=4, block_k=64)
+            wide = KernelConfig(128, 4, 32)
+            return dataclasses.replace(wide, separate_commit=KernelConfig(32, 4)) if pending else wide
+        if pending and batch == 1:
+            return KernelConfig(block_v=16, num_warps=4, block_k=64)
+        return KernelConfig(64, 4, 32)
     if num_nodes == 1 and route == "serial":
         return KernelConfig(block_v=16 if pending else 8, num_warps=2)
     return KernelConfig(block_v=8, num_warps=1)

@@ -130,7 +130,6 @@ def compile_by_layer(gm: fx.GraphModule, compile_region: Compile, name: str = "t
     stats = {"compiled": 0, "reused": 0, "seconds": 0.0}
     for child, graph in list(split.named_children()):
         setattr(split, child, _Region(graph, programs, compile_region, stats))
-    split.region_stats = stats
 
     def first_call(module, args, output):
         log.info("specla: the %s's %d regions: %d compiled in %.1f s, %d calling an earlier region's program",
