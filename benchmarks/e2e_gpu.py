@@ -667,6 +667,7 @@ def warm_start(args, results: dict) -> None:
             out = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
             line = [l for l in out.stdout.splitlines() if l.startswith("{")]
             runs[name] = {"process_s": time.perf_counter() - started, **(json.loads(line[-1]) if line else {"error": out.stderr[-2000:]})}
+            runs[name]["log"] = [l.split("specla: ", 1)[1] for l in out.stderr.splitlines() if "specla: " in l][:60]  # what compiled, how long
             print(name, "start", runs[name], flush=True)
     results["warm_start"] = {**runs["warm"], "cold_child": runs["cold"]}
     hits = disk_cache_hits(runs["cold"].get("compile_caches", {}))

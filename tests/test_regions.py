@@ -14,7 +14,7 @@ from models import left_padded_batch, tiny_model
 from test_generator import COMPILE, OracleDrafter, plain
 
 from specla_compile import SpecConfig, SpeculativeGenerator
-from specla_compile.lowering.regions import layer_regions, structure_key
+from specla_compile.lowering.regions import compile_by_layer, layer_regions, structure_key
 
 CHAIN = SpecConfig(mode="chain", depth=5, bucket=8)
 
@@ -83,3 +83,19 @@ def test_structure_key_tells_layouts_and_constants_apart():
     gm.graph.inserting_before(next(iter(gm.graph.find_nodes(op="output"))))
     gm.graph.get_attr("c")
     assert structure_key(gm, [a, b, b]) is None  # a region holding a constant is never shared
+
+
+def test_regions_returning_one_value_compile_as_tuples_and_return_it_bare():
+    """Inductor compiles graphs that return a tuple; this graph's last region returns one tensor, which
+    split_module leaves bare (torch 2.11's has no ``tuple_return``). The split module still computes the graph."""
+    gm = _two_layer_graph()
+    returned = []
+
+    def compile_region(region: fx.GraphModule, inputs: list):
+        returned.append(region.graph.output_node().args[0])
+        return region.forward
+
+    split = compile_by_layer(gm, compile_region)
+    inputs = [torch.randn(3, 5) for _ in range(3)]
+    torch.testing.assert_close(split(*inputs), gm(*inputs))
+    assert all(isinstance(r, tuple) for r in returned) and len(returned[-1]) == 1, returned

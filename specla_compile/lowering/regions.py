@@ -104,6 +104,13 @@ class _Region(torch.nn.Module):
         super().__init__()
         self.graph, self.programs, self.compile_region, self.stats = graph, programs, compile_region, stats
         self.program: Callable | None = None
+        # Inductor compiles graphs that return a tuple; split_module returns a region's single value bare
+        # (its ``tuple_return`` flag is missing before torch 2.13), so wrap it here and unwrap per call.
+        output = graph.graph.output_node()
+        self.bare = not isinstance(output.args[0], (tuple, list))
+        if self.bare:
+            output.args = ((output.args[0],),)
+            graph.recompile()
 
     def forward(self, *args):
         if self.program is None:
@@ -118,14 +125,15 @@ class _Region(torch.nn.Module):
                     self.programs[key] = self.program
             else:
                 self.stats["reused"] += 1
-        return self.program(*args)
+        result = self.program(*args)
+        return result[0] if self.bare else result
 
 
 def compile_by_layer(gm: fx.GraphModule, compile_region: Compile, name: str = "twin") -> fx.GraphModule:
     """``gm`` split into regions (:func:`layer_regions`), each compiled by ``compile_region`` at the first
     call unless a region of the same structure already was; logs the count after the first call."""
     regions = layer_regions(gm)
-    split = split_module(gm, None, regions.__getitem__, keep_original_order=True, tuple_return=True)
+    split = split_module(gm, None, regions.__getitem__, keep_original_order=True)
     programs: dict[tuple, Callable] = {}
     stats = {"compiled": 0, "reused": 0, "seconds": 0.0}
     for child, graph in list(split.named_children()):
