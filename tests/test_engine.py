@@ -218,7 +218,8 @@ def test_one_trace_serves_every_bucket_size_with_a_static_twin_per_size(compiles
     the model once for plain decoding's 1-node pass and the drafts' 8-node bucket, and stays exact. The
     backend compiles one twin per size from that graph, with static fake inputs in a mode that has a shape
     env (as Dynamo hands them over: AOTAutograd's and inductor's caches bypass a graph without one).
-    (Hybrids compile the 1-node pass apart: see StaticEngine._forward.)"""
+    (Hybrids compile the 1-node pass apart: see StaticEngine._forward. Twins compiled whole here: a regional
+    twin's regions compile from real inputs at their first call, ``test_regions.py``.)"""
     from specla_compile import backend
 
     inner = backend._inner_compiler
@@ -240,7 +241,8 @@ def test_one_trace_serves_every_bucket_size_with_a_static_twin_per_size(compiles
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(16))
     expected, _ = plain(model, prompt[0], 12)
     truth = expected[0, 5:].tolist() + [0] * 16
-    gen = SpeculativeGenerator(model, OracleDrafter([truth], error_rate=0.3, seed=7), CONFIGS["chain"], compile_options=COMPILE)
+    gen = SpeculativeGenerator(model, OracleDrafter([truth], error_rate=0.3, seed=7), CONFIGS["chain"],
+                               compile_options={**COMPILE, "regional": False})
     assert gen.decode(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
     assert gen.generate(prompt, max_new_tokens=12).sequences.tolist() == expected.tolist()
     assert len(compiles) == 1, f"{len(compiles)} Dynamo graphs for two bucket sizes"
