@@ -567,6 +567,8 @@ def fla_batch(args, results: dict) -> None:
         target = figures["p0.8_L8"]  # the target's route: the 16-node bucket
         figures["speedup"], figures["identical"] = target["speedup"], target["identical"]
         figures["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 9, 16)}
+        # the same passes committing 4 records a row first (p=0.8 L=8 accepts 3.2 drafts a pass, plus the pending token)
+        figures["pass_ms_4_pending"] = {str(n): pass_ms(gen, n, pending=4) for n in (9, 16)}
         wide = next(iter(gen._engines.values())).buckets[bucket_key(16)]  # what a pass of batch x 16 nodes spends its time on
         figures["profile_16"] = {k: v for k, v in kernel_profile(wide.graph).items() if k != "one_layer"}
 

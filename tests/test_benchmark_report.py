@@ -227,3 +227,29 @@ def test_compile_phases_name_where_compile_time_went():
     phases = e2e_gpu.compile_phases(at_least=0.0)
     assert "_compile.compile_inner" in phases and all(v >= 0 for v in phases.values())
     assert e2e_gpu.compile_phases(at_least=1e9) == {}
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_oracle_drafts_follow_the_truth_with_the_controlled_acceptance(top_k):
+    """Figure 12's controlled drafts: node 0 the row's pending token; per depth the chain node holds the true
+    token with probability p, and each sibling in turn with probability p once none before it did."""
+    from specla_compile.runtime.drafting import DraftRequest
+    from specla_compile.runtime.topology import depth as node_depth
+
+    rows, p, depth, prompt = 64, 0.7, 4, 5
+    truth = [torch.randint(0, 1000, (40,)).tolist() for _ in range(rows)]
+    drafter = e2e_gpu.OracleDrafter(truth, p, depth, top_k, vocab=1000, seed=1)
+    drafter.begin([torch.zeros(prompt, dtype=torch.long)] * rows)
+    done = 3  # tokens emitted so far, the pending one included
+    sequences = [torch.tensor([0] * prompt + t[:done]) for t in truth]
+    right = torch.zeros(depth, top_k)
+    for _ in range(40):
+        draft = drafter.propose(DraftRequest(list(range(rows)), sequences), None)
+        assert draft.tokens.shape == (rows, 1 + depth * top_k)
+        assert draft.tokens[:, 0].tolist() == [t[done - 1] for t in truth]
+        assert node_depth(draft.parents)[0].tolist() == [0] + [d + 1 for d in range(depth) for _ in range(top_k)]
+        assert all(q == 0 or (q - 1) % top_k == 0 for q in draft.parents[0, 1:].tolist())  # children of chain nodes only
+        expected = torch.tensor([t[done : done + depth] for t in truth])
+        right += (draft.tokens[:, 1:].view(rows, depth, top_k) == expected[..., None]).float().mean(0) / 40
+    chance = torch.tensor([p * (1 - p) ** j for j in range(top_k)])  # the j-th candidate is the first right one
+    torch.testing.assert_close(right, chance.expand(depth, -1), atol=0.03, rtol=0)
