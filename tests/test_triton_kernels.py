@@ -60,6 +60,8 @@ CASES = {
     "tree_16": ("tree", 1, 16, 0, 16, 32, 2, 4, True, KernelConfig(block_v=16, block_k=16)),
     # a large batch's shape: the commit as its own launch, then wide verify tiles
     "batch_split_commit": ("tree", 8, 12, 2, 16, 32, 1, 2, True, dispatch.kernel_config("parallel", 16, pending=True, batch=8)),
+    # the parallel route's fused commit as one UT-form chunk (other routes ignore the flag)
+    "chunk_commit": ("tree", 4, 12, 2, 32, 32, 1, 2, True, KernelConfig(block_v=16, block_k=16, chunk_commit=True)),
 }
 SCALE = 0.3
 
@@ -93,6 +95,7 @@ def in_layout(state: torch.Tensor, layout: str) -> torch.Tensor:
 FUSED_CASES = [(case, route, "kv") for case in ("chain", "tree_padded", "star_padded", "tree_16") for route in ROUTES]
 FUSED_CASES += [("tree_padded", route, "vk") for route in ROUTES]  # fla's V-major state, updated where it lies
 FUSED_CASES += [("batch_split_commit", "parallel", layout) for layout in ("kv", "vk")]
+FUSED_CASES += [("chunk_commit", "parallel", layout) for layout in ("kv", "vk")]
 FUSED_CASES += [("single_node_wide", "serial", "vk")]  # plain decoding's step: one node, a pending record, fla's layout
 
 
