@@ -60,8 +60,6 @@ CASES = {
     "tree_16": ("tree", 1, 16, 0, 16, 32, 2, 4, True, KernelConfig(block_v=16, block_k=16)),
     # a large batch's shape: the commit as its own launch, then wide verify tiles
     "batch_split_commit": ("tree", 8, 12, 2, 16, 32, 1, 2, True, dispatch.kernel_config("parallel", 16, pending=True, batch=8)),
-    # the parallel route's fused commit as one UT-form chunk (other routes ignore the flag)
-    "chunk_commit": ("tree", 4, 12, 2, 32, 32, 1, 2, True, KernelConfig(block_v=16, block_k=16, chunk_commit=True)),
 }
 SCALE = 0.3
 
@@ -95,7 +93,6 @@ def in_layout(state: torch.Tensor, layout: str) -> torch.Tensor:
 FUSED_CASES = [(case, route, "kv") for case in ("chain", "tree_padded", "star_padded", "tree_16") for route in ROUTES]
 FUSED_CASES += [("tree_padded", route, "vk") for route in ROUTES]  # fla's V-major state, updated where it lies
 FUSED_CASES += [("batch_split_commit", "parallel", layout) for layout in ("kv", "vk")]
-FUSED_CASES += [("chunk_commit", "parallel", layout) for layout in ("kv", "vk")]
 FUSED_CASES += [("single_node_wide", "serial", "vk")]  # plain decoding's step: one node, a pending record, fla's layout
 
 
@@ -113,6 +110,30 @@ def test_fused_commit_verify(case, route, layout):
     assert rel_err(state, ref_state) <= 1e-6
     assert rel_err(o, ref_o) <= 1e-5
     assert rel_err(k_hat, ref_k) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("case", ["tree_padded", "chain"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_fused_commit_as_one_chunk(case, layout):
+    """The parallel route's fused commit in the UT form (``KernelConfig.chunk_commit``): the same state and outputs
+    as the reference; other routes and a separate commit refuse the flag."""
+    parents, x, l2, _ = case_inputs(case, seed=5)
+    prev_parents, prev = case_inputs(case, seed=6)[:2]
+    records, num = accepted_records(prev, prev_parents, max_accepted=6, seed=7)
+    assert num.min() < num.max()  # rows commit different numbers of records
+    state = in_layout(x["state"], layout)
+    config = KernelConfig(block_v=16, block_k=16, chunk_commit=True)
+    with poisoned_allocations():
+        o, k_hat = tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route="parallel", config=config,
+                                  pending=tv.Pending(*records, num))
+    ref_o, ref_k, ref_state = reference_verify(x, parents, SCALE, l2, pending=(records, num))
+    assert rel_err(state, ref_state) <= 1e-6
+    assert rel_err(o, ref_o) <= 1e-5
+    assert rel_err(k_hat, ref_k) <= 1e-6
+    for route, refused in (("serial", config), ("parallel", KernelConfig(chunk_commit=True, separate_commit=KernelConfig()))):
+        with pytest.raises(ValueError, match="chunk_commit is the parallel route's fused commit"):
+            tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route=route, config=refused)
 
 
 @interpreted

@@ -417,6 +417,8 @@ def tree_verify(
     if snapshot is not None and route != "serial":
         raise ValueError("snapshot is only produced by the serial route")
     config = config or KernelConfig()
+    if config.chunk_commit and (route != "parallel" or config.separate_commit is not None):
+        raise ValueError("chunk_commit is the parallel route's fused commit: it needs route='parallel' and no separate_commit")
     if pending is not None and config.separate_commit is not None:
         commit_(state, *pending, config=config.separate_commit)
         pending = None
