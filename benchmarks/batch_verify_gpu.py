@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -101,6 +102,8 @@ VARIANTS: dict[str, Callable[[dict], None]] = {
     "parallel fused bv64 w8 bk32": fused("parallel", KernelConfig(64, 8, 32)),
     "parallel fused bv64 w8 bk64": fused("parallel", KernelConfig(64, 8, 64)),
     # the fused commit as one UT-form chunk: the state read and written once, no K-reduction per record
+    "parallel chunk-commit bv16 w4 bk64": fused("parallel", KernelConfig(16, 4, 64, chunk_commit=True)),
+    "parallel chunk-commit bv32 w4 bk64": fused("parallel", KernelConfig(32, 4, 64, chunk_commit=True)),
     "parallel chunk-commit bv32 w4 bk32": fused("parallel", KernelConfig(32, 4, 32, chunk_commit=True)),
     "parallel chunk-commit bv64 w4 bk32": fused("parallel", KernelConfig(64, 4, 32, chunk_commit=True)),
     "parallel chunk-commit bv64 w8 bk32": fused("parallel", KernelConfig(64, 8, 32, chunk_commit=True)),
@@ -142,7 +145,11 @@ def time_stack(variant: Callable[[dict], None], layers: list[dict]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--only", default="", help="time only the variants whose name matches this regular expression")
     args = parser.parse_args()
+    variants = {name: v for name, v in VARIANTS.items() if re.search(args.only, name)}
+    if not variants:
+        parser.error(f"--only {args.only!r} matches no variant")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -153,7 +160,7 @@ def main() -> None:
             state_mb = batch * HV * K * V * 4 / 1e6
             row = results["us_per_layer"][f"B{batch}_N{nodes}"] = {
                 "state_rw_floor_us": 2 * state_mb / 4.2e6 * 1e6}  # read + write at 4.2 TB/s
-            for name, variant in VARIANTS.items():
+            for name, variant in variants.items():
                 try:
                     row[name] = time_stack(variant, layers)
                 except Exception as err:  # a launch shape that does not fit (registers, shared memory)
@@ -167,7 +174,7 @@ def main() -> None:
     lines = ["# Verify recurrence by batch (us per layer, 24-layer stack in one CUDA graph)", "",
              f"device: {results['device']}, torch {results['torch']}", "",
              "| variant | " + " | ".join(keys) + " |", "| --- |" + " --- |" * len(keys)]
-    for name in ["state_rw_floor_us", *VARIANTS]:
+    for name in ["state_rw_floor_us", *variants]:
         cells = [results["us_per_layer"][k][name] for k in keys]
         lines.append(f"| {name} | " + " | ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells) + " |")
     (args.out / "batch_verify_gpu.md").write_text("\n".join(lines) + "\n")
