@@ -101,12 +101,6 @@ VARIANTS: dict[str, Callable[[dict], None]] = {
     "parallel fused bv64 w4 bk32": fused("parallel", KernelConfig(64, 4, 32)),
     "parallel fused bv64 w8 bk32": fused("parallel", KernelConfig(64, 8, 32)),
     "parallel fused bv64 w8 bk64": fused("parallel", KernelConfig(64, 8, 64)),
-    # the fused commit as one UT-form chunk: the state read and written once, no K-reduction per record
-    "parallel chunk-commit bv16 w4 bk64": fused("parallel", KernelConfig(16, 4, 64, chunk_commit=True)),
-    "parallel chunk-commit bv32 w4 bk64": fused("parallel", KernelConfig(32, 4, 64, chunk_commit=True)),
-    "parallel chunk-commit bv32 w4 bk32": fused("parallel", KernelConfig(32, 4, 32, chunk_commit=True)),
-    "parallel chunk-commit bv64 w4 bk32": fused("parallel", KernelConfig(64, 4, 32, chunk_commit=True)),
-    "parallel chunk-commit bv64 w8 bk32": fused("parallel", KernelConfig(64, 8, 32, chunk_commit=True)),
     "split commit bv16 w2 + parallel bv128 w8 bk32": split(KernelConfig(16, 2), KernelConfig(128, 8, 32)),
     "split commit bv32 w4 + parallel bv128 w8 bk32": split(KernelConfig(32, 4), KernelConfig(128, 8, 32)),
     "commit only bv8 w1": commit_only(KernelConfig(8, 1)),

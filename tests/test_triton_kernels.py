@@ -113,30 +113,6 @@ def test_fused_commit_verify(case, route, layout):
 
 
 @interpreted
-@pytest.mark.parametrize("case", ["tree_padded", "chain"])
-@pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_fused_commit_as_one_chunk(case, layout):
-    """The parallel route's fused commit in the UT form (``KernelConfig.chunk_commit``): the same state and outputs
-    as the reference; other routes and a separate commit refuse the flag."""
-    parents, x, l2, _ = case_inputs(case, seed=5)
-    prev_parents, prev = case_inputs(case, seed=6)[:2]
-    records, num = accepted_records(prev, prev_parents, max_accepted=6, seed=7)
-    assert num.min() < num.max()  # rows commit different numbers of records
-    state = in_layout(x["state"], layout)
-    config = KernelConfig(block_v=16, block_k=16, chunk_commit=True)
-    with poisoned_allocations():
-        o, k_hat = tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route="parallel", config=config,
-                                  pending=tv.Pending(*records, num))
-    ref_o, ref_k, ref_state = reference_verify(x, parents, SCALE, l2, pending=(records, num))
-    assert rel_err(state, ref_state) <= 1e-6
-    assert rel_err(o, ref_o) <= 1e-5
-    assert rel_err(k_hat, ref_k) <= 1e-6
-    for route, refused in (("serial", config), ("parallel", KernelConfig(chunk_commit=True, separate_commit=KernelConfig()))):
-        with pytest.raises(ValueError, match="chunk_commit is the parallel route's fused commit"):
-            tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route=route, config=refused)
-
-
-@interpreted
 @pytest.mark.parametrize("block_v, layout", [(16, "kv"), (32, "kv"), (16, "vk")])
 def test_commit(block_v, layout):
     parents, x, _, _ = case_inputs("tree_padded", seed=3)

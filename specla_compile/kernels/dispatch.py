@@ -27,15 +27,13 @@ ROUTES = ("serial", "parallel", "hybrid")
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape of a route: V-tile width, warps per program, K chunk of the parallel route, the launch
-    shape of a commit run as its own kernel before the verify (None: fused into it), and whether the parallel
-    route's fused commit applies the records as one UT-form chunk (tensor-core products) rather than one by one."""
+    """Launch shape of a route: V-tile width, warps per program, K chunk of the parallel route, and
+    the launch shape of a commit run as its own kernel before the verify (None: fused into it)."""
 
     block_v: int = 8
     num_warps: int = 1
     block_k: int = 64
     separate_commit: KernelConfig | None = None
-    chunk_commit: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

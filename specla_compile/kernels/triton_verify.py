@@ -87,32 +87,6 @@ def _apply_records(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, HV:
 
 
 @triton.jit
-def _apply_records_chunk(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, HV: tl.constexpr,
-                         K: tl.constexpr, V: tl.constexpr, BA: tl.constexpr, LOG2BA: tl.constexpr, rk, mk, rv, mv):
-    """:func:`_apply_records` in the UT form: a row's records are a chain, so their deltas solve one unit-lower
-    system ``(I + a) d = beta (v - e^gamma K S)`` and the tile moves once, ``S' = e^gamma_last S + (e^(gamma_last
-    - gamma) K)^T d``: four tensor-core products instead of a K-reduction after each record. Records past
-    ``num`` load as zeros (no delta, no decay). The products run in fp32-grade tf32x3: the tile is durable."""
-    num = tl.minimum(tl.load(num_ptr + b).to(tl.int32), A)
-    ra = tl.arange(0, BA)
-    ma = ra < num
-    kr = tl.load(pk + ((b * A + ra[:, None]) * H + h) * K + rk[None, :], mask=ma[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    vr = tl.load(pv + ((b * A + ra[:, None]) * HV + hv) * V + rv[None, :], mask=ma[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    gr = tl.load(pg + (b * A + ra) * HV + hv, mask=ma, other=0.0).to(tl.float32)
-    br = tl.load(pb + (b * A + ra) * HV + hv, mask=ma, other=0.0).to(tl.float32)
-    gamma = tl.cumsum(gr, 0)
-    last = tl.sum(gr, 0)
-    lower = ra[:, None] > ra[None, :]
-    kk = tl.dot(kr, tl.trans(kr), input_precision="tf32x3")
-    a = tl.where(lower, br[:, None] * tl.exp(tl.where(lower, gamma[:, None] - gamma[None, :], 0.0)) * kk, 0.0)
-    t_inv = _unit_lower_inverse(a, ra, LOG2BA, "tf32x3")
-    ks = tl.dot(kr, s, input_precision="tf32x3")
-    d = tl.dot(t_inv, br[:, None] * (vr - tl.exp(gamma)[:, None] * ks), input_precision="tf32x3")
-    kd = kr * tl.exp(last - gamma)[:, None]
-    return tl.exp(last) * s + tl.dot(tl.trans(kd), d, input_precision="tf32x3")
-
-
-@triton.jit
 def _store_k_hat(k, k_hat, b, h, N, H: tl.constexpr, K: tl.constexpr, BKF: tl.constexpr,
                  USE_L2: tl.constexpr, first, stride):
     """Emit the normalized keys of row b, head h (the verify's factor-record output) for the blocks of 16
@@ -272,11 +246,9 @@ def _parallel_kernel(
     scale, N, A,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2BT: tl.constexpr,
-    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, CHUNK_COMMIT: tl.constexpr, BA: tl.constexpr, LOG2BA: tl.constexpr,
-    PREC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING: record by record,
-    or as one UT-form chunk when CHUNK_COMMIT).
+    """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING).
     Grid: (V tiles, B * HV). The K dimension streams in chunks of BK; raw dot products are
     rescaled by the row norms afterwards, so normalization costs no extra pass."""
     wait_upstream(USE_PDL)
@@ -293,10 +265,7 @@ def _parallel_kernel(
         full_off = rkf[:, None] * SK + rv[None, :] * SV
         full_mask = (rkf < K)[:, None] & mv[None, :]
         s0 = tl.load(state_tile + full_off, mask=full_mask, other=0.0)
-        if CHUNK_COMMIT:
-            s0 = _apply_records_chunk(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, BA, LOG2BA, rkf, rkf < K, rv, mv)
-        else:
-            s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
+        s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
         tl.store(state_tile + full_off, s0, mask=full_mask)
         tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
     if hv % (HV // H) == 0:
@@ -417,8 +386,6 @@ def tree_verify(
     if snapshot is not None and route != "serial":
         raise ValueError("snapshot is only produced by the serial route")
     config = config or KernelConfig()
-    if config.chunk_commit and (route != "parallel" or config.separate_commit is not None):
-        raise ValueError("chunk_commit is the parallel route's fused commit: it needs route='parallel' and no separate_commit")
     if pending is not None and config.separate_commit is not None:
         commit_(state, *pending, config=config.separate_commit)
         pending = None
@@ -436,11 +403,10 @@ def tree_verify(
     shape = dict(H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
                  HAS_PENDING=has_pending, SK=sk, SV=sv, num_warps=config.num_warps)
     if route == "parallel":
-        bt, ba = _pow2_at_least(n, 16), _pow2_at_least(n_pending, 16)
+        bt = _pow2_at_least(n, 16)
         _parallel_kernel[(grid_v, batch * hv)](
             q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num, scale, n, n_pending,
             BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1,
-            CHUNK_COMMIT=config.chunk_commit, BA=ba, LOG2BA=ba.bit_length() - 1,
             # tf32 keeps the error under a bf16 output's rounding; fp32 inputs get fp32-grade products
             PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape, **launch_args(q.device),
         )
