@@ -43,7 +43,8 @@ from .engine import EOS_SLOTS, PLAIN_LOOKAHEAD, PLAIN_STEPS, StaticEngine
 from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .graph_capture import capturable_experts
-from .topology import PAD, ancestor_mask, bucket_size, depth
+from .token_rows import TokenRows
+from .topology import PAD, ancestor_mask, depth
 
 
 @dataclass
@@ -298,7 +299,7 @@ class _Run:
         self.streamer = streamer
         self.stats = GenerationStats()
         self.session = VerifySession()
-        self.nodes = 1 if isinstance(drafter, _PlainDrafter) else bucket_size(self.config.max_nodes, self.config.bucket)
+        self.nodes = 1 if isinstance(drafter, _PlainDrafter) else self.config.pass_nodes(self.batch)
         self.new_tokens: list[list[int]] = [[] for _ in rows]
         self.finished = [False] * self.batch
         self.phase_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -406,11 +407,22 @@ class _Run:
 
     def _draft(self, active: list[int]) -> Draft:
         """Draft trees of the active rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
-        request = DraftRequest(active, [torch.cat([self.rows[b], self.pending[b : b + 1]]) for b in active])
+        request = DraftRequest(active, self._sequences(active))
         draft: Draft = self.drafter.propose(request, self.config)
         if self.owner.tp_mesh is not None and not isinstance(self.drafter, _PlainDrafter):  # (plain: the pending tokens, equal)
             draft = broadcast_draft(draft, self.owner.tp_mesh)
         return self._placed(draft, active)
+
+    def _sequences(self, active: list[int]) -> list[torch.Tensor]:
+        """Each active row's history followed by its pending token (what a drafter reads)."""
+        return [torch.cat([self.rows[b], self.pending[b : b + 1]]) for b in active]
+
+    def _extend(self, active: list[int], committed: list[list[int]]) -> list[torch.Tensor]:
+        """Append each active row's committed tokens to its history; returns them as tensors."""
+        new = [torch.tensor(tokens, device=self.device) for tokens in committed]
+        for b, tokens in zip(active, new):
+            self.rows[b] = torch.cat([self.rows[b], tokens])
+        return new
 
     def _placed(self, draft: Draft, active: list[int]) -> Draft:
         """A draft of the ``active`` rows placed into ``[B, nodes]`` (finished rows: pending token only)."""
@@ -515,15 +527,13 @@ class _Run:
         active = [b for b, e in enumerate(emitted) if e]
         pending = self.pending.tolist()
         # the committed tokens are the old pending token and the accepted drafts: emitted minus its last
-        committed = [torch.tensor([pending[b]] + emitted[b][:-1], device=self.device) for b in active]
+        committed = self._extend(active, [[pending[b]] + emitted[b][:-1] for b in active])
         if not self.drafter_on_device:
             features = None
             if hidden is not None and self.drafter.needs_features:  # (a shared features engine returns them to all)
                 paths = acceptance.path.to(hidden.device, non_blocking=True)  # (pageable: staged, no stream synchronisation)
                 features = [hidden[b, paths[b, : len(emitted[b])]] for b in active]
             self.drafter.commit(active, committed, features)
-        for b, new in zip(active, committed):
-            self.rows[b] = torch.cat([self.rows[b], new])
         self.pending = torch.tensor([e[-1] if e else p for e, p in zip(emitted, pending)], device=self.device)
 
     def _pass(self, draft: Draft) -> tuple[Acceptance, torch.Tensor | None, Draft]:
@@ -591,7 +601,7 @@ class _Run:
             self._record(emitted)
             self._commit(acceptance, emitted, hidden)
         self.stats.iterations += 1
-        sizes = [sum(p != PAD for p in row) for row in verified.parents.tolist()]  # (host lists: cheaper than tensor ops)
+        sizes = [len(row) - row.count(PAD) for row in verified.parents.tolist()]  # (host lists: cheaper than tensor ops)
         self.stats.tree_sizes += [sizes[b] for b in active]
 
 
@@ -643,11 +653,11 @@ class _StaticRun(_Run):
         self.engine_finished = [False] * self.batch
         # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
         self.device = torch.device("cpu")
-        self.rows = [r.cpu() for r in self.rows]
+        self.max_length = max(r.numel() for r in self.rows) + 1 + self.max_new_tokens  # (prompt, pending, new tokens)
+        self.history = TokenRows(self.rows, self.max_length)
         self.pending = self.pending.cpu()
         self.next_draft: Draft | None = None
         self.pipelined = not self.do_sample and self.owner.tp_mesh is None and self.config.pipelined is not False
-        self.max_length = max(r.numel() for r in self.rows) + 1 + self.max_new_tokens  # (prompt, pending, new tokens)
 
     def _iteration(self) -> None:
         """Greedy: the pass is queued and, where the drafter can, the next draft behind it (pipelined:
@@ -670,6 +680,13 @@ class _StaticRun(_Run):
             self.pipelined = self.drafter_on_device = proposed is not None
         acceptance = self.engine.collect()
         self._conclude(acceptance, last.hidden, Draft(*self.engine.verified_draft, chain=draft.chain), active)
+
+    def _sequences(self, active: list[int]) -> list[torch.Tensor]:
+        pending = self.pending.tolist()
+        return [self.history.with_pending(b, pending[b]) for b in active]
+
+    def _extend(self, active: list[int], committed: list[list[int]]) -> list[torch.Tensor]:
+        return [self.history.append(b, tokens) for b, tokens in zip(active, committed)]
 
     def _pass(self, draft: Draft):
         """A sampling pass: the engine verifies, the host accepts and tells the engine what to commit."""
