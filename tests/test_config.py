@@ -62,3 +62,15 @@ def test_top_k_was_renamed_without_alias():
 def test_max_nodes():
     assert SpecConfig(mode="chain", depth=5).max_nodes == 6
     assert SpecConfig(mode="tree", budget=12).max_nodes == 13
+
+
+def test_passes_pad_drafts_to_the_bucket_and_by_default_not_at_large_batches():
+    from specla_compile.runtime.config import BATCH_WITHOUT_PADDING
+
+    chain, tree = SpecConfig(depth=8), SpecConfig(mode="tree", budget=16)
+    assert chain.bucket is None
+    assert [chain.pass_nodes(b) for b in (1, BATCH_WITHOUT_PADDING - 1)] == [16, 16]  # 9 nodes in multiples of 8
+    assert [chain.pass_nodes(b) for b in (BATCH_WITHOUT_PADDING, 16)] == [9, 9]  # the draft's own size
+    assert [tree.pass_nodes(b) for b in (1, 16)] == [24, 17]
+    assert SpecConfig(depth=8, bucket=16).pass_nodes(16) == 16  # a bucket the caller set holds at every batch
+    assert SpecConfig(depth=3, bucket=1).pass_nodes(1) == 4
