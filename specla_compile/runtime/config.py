@@ -23,9 +23,9 @@ class SpecConfig:
     ``tau`` of the best node at the same depth, and truncates to ``budget`` nodes (every kept node
     keeps its ancestors). Every verify pass of a call has the largest draft's size padded to a multiple of
     ``bucket`` nodes, so that configurations of similar size share one compiled graph; None (default): 8
-    below ``BATCH_WITHOUT_PADDING`` rows, where a pass costs about the same whatever its size, and no padding
-    from there, where padded nodes cost GEMM compute (:meth:`pass_nodes`). Wrong types raise ``TypeError`` and out-of-range values
-    ``ValueError`` here, not deep inside generation.
+    below ``BATCH_WITHOUT_PADDING`` rows, where a pass costs about the same whatever its size, and no
+    padding from there, where padded nodes cost GEMM compute (:meth:`pass_nodes`). Wrong types raise
+    ``TypeError`` and out-of-range values ``ValueError`` here, not deep inside generation.
 
     ``engine="static"`` (default) runs every pass over static buffers (:mod:`.engine`), replaying CUDA
     graphs on CUDA unless ``cuda_graphs=False``; ``engine="dynamic"`` calls the compiled model on the

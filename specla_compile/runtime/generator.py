@@ -654,7 +654,7 @@ class _StaticRun(_Run):
         # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
         self.device = torch.device("cpu")
         self.max_length = max(r.numel() for r in self.rows) + 1 + self.max_new_tokens  # (prompt, pending, new tokens)
-        self.history = TokenRows(self.rows, self.max_length)
+        self.history = TokenRows(self.rows, self.max_length)  # (each row's history from here on; self.rows keeps the prompts)
         self.pending = self.pending.cpu()
         self.next_draft: Draft | None = None
         self.pipelined = not self.do_sample and self.owner.tp_mesh is None and self.config.pipelined is not False

@@ -2,9 +2,9 @@
 
 The loop appends a few tokens to every row per iteration and hands drafters each row's whole history
 as a tensor. With a tensor per row that is a ``torch.tensor`` and a ``torch.cat`` to append and another
-``torch.cat`` to add the pending token, 2-3 us of host time each (16 rows: about 0.13 ms an iteration,
-while the GPU waits for the next draft); a numpy slice assignment costs 0.3 us and a tensor viewing
-the buffer 0.7 us. Positions below a row's length never change once written, so the views a drafter
+``torch.cat`` to add the pending token, 2-3 us of host time each on this project's CPU (16 rows: about
+0.13 ms an iteration, while the GPU waits for the next draft); a numpy slice assignment costs 0.3 us and a
+tensor viewing the buffer 0.7 us. (On the H200's host the gain was not established: see docs/speed.md.) Positions below a row's length never change once written, so the views a drafter
 keeps stay valid.
 """
 
