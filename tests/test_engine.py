@@ -131,14 +131,14 @@ def test_the_device_loop_refuses_misuse_in_one_line():
         engine.start(cache, torch.tensor([6]), None)
         with pytest.raises(RuntimeError, match="begin_decoding"):
             engine.queue_steps(2)
-        engine.begin_decoding(torch.tensor([1]), [])
+        engine.begin_decoding(torch.tensor([1]))
         with pytest.raises(ValueError, match=r"steps must be in \[1, 16\]"):
             engine.queue_steps(PLAIN_STEPS + 1)
         engine.queue_steps(3)
         engine.queue_steps(2)
         with pytest.raises(ValueError, match="does not end where a queued block ends"):
             engine.read_steps(4)
-        engine.begin_decoding(torch.tensor([1]), [])
+        engine.begin_decoding(torch.tensor([1]))
         for _ in range(LOG_SLOTS // PLAIN_STEPS):
             engine.queue_steps(PLAIN_STEPS)
         with pytest.raises(RuntimeError, match="read_steps"):
@@ -425,13 +425,14 @@ def test_engine_prefill_leaves_hybrids_and_continued_caches_to_the_eager_model(m
 @pytest.mark.parametrize("shape", ["loop", "chain", "tree", "tree_with_ancestors"])  # (hybrids pass the mask they built)
 def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
     """Graphed engines run a pass's acceptance and bookkeeping as one inductor program: on random drafts that
-    match the target in part, with a row not active, an EOS and the log's ring wrapping, it returns and writes
-    what the eager ops do."""
+    match the target in part, with a row not active, an EOS, a budget and the log's ring wrapping, it returns
+    and writes what the eager ops do, and cuts each row where the host's bookkeeping would."""
+    from specla_compile.runtime.acceptance import greedy_accept
     from specla_compile.runtime.engine import LOG_SLOTS, accept_pass_
     from specla_compile.tree import PAD, ancestor_mask_device
 
     gen = torch.Generator().manual_seed(17)
-    batch, n, vocab = 3, 1 if shape == "loop" else 8, 40
+    batch, n, vocab = 4, 1 if shape == "loop" else 8, 40
     logits = torch.randn(batch, n, vocab, generator=gen)
     best = logits.argmax(-1)
     parents = torch.arange(-1, n - 1).repeat(batch, 1)
@@ -440,29 +441,45 @@ def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
             parents[:, j] = torch.randint(0, j, (batch,), generator=gen)
         parents[2, 6:] = PAD  # a smaller tree in its bucket
     tokens = torch.randint(0, vocab, (batch, n), generator=gen)
-    take = torch.rand(batch, n, generator=gen) < 0.7
+    take = torch.rand(batch, n, generator=gen) < 0.8
     tokens = torch.where(take & (parents >= 0), best.gather(1, parents.clamp(min=0)), tokens)
     draft = torch.stack([tokens, parents])
-    active = torch.tensor([True, False, True])
+    # what each row emits, by the host's rules: the accepted drafts, then the target's token
+    host = greedy_accept(tokens, parents, logits)
+    emitted = [[tokens[b, j].item() for j in host.path[b, 1 : host.num_accepted[b]]] + [host.next_token[b].item()] for b in range(batch)]
+    eos = torch.full((8,), -1)
+    eos[0] = emitted[0][-1] if n == 1 else emitted[0][0]  # row 0 stops at EOS (inside its draft, unless a loop)
+    remaining = torch.tensor([50, 50, 2, 50])  # row 2 at its budget (when it accepted more), row 1 not active
+    active = torch.tensor([True, False, True, True])
     committed = torch.randint(0, 50, (batch,), generator=gen)
-    summary = torch.zeros(batch, n + 2, dtype=torch.long)
+    summary = torch.zeros(batch, n + 3, dtype=torch.long)
     loop = None
     if shape == "loop":
-        eos = torch.full((8,), -1)
-        eos[0] = best[0, 0]
-        loop = (torch.randint(0, vocab, (2, batch, LOG_SLOTS), generator=gen), torch.tensor([LOG_SLOTS - 1]), eos)
+        loop = (torch.randint(0, vocab, (2, batch, LOG_SLOTS), generator=gen), torch.tensor([LOG_SLOTS - 1]))
 
     def run(fn):
-        state = [t.clone() for t in (draft, active, committed, summary)]
+        state = [t.clone() for t in (draft, active, committed, remaining, summary)]
         ring = None if loop is None else tuple(t.clone() for t in loop)
         ancestors = ancestor_mask_device(parents) if shape == "tree_with_ancestors" else None
-        path, counts = fn(state[0], logits, ancestors, state[1], state[2], state[3], ring)
+        path, counts = fn(state[0], logits, ancestors, state[1], state[2], state[3], eos, state[4], ring)
         return [path, counts, *state, *(ring or ())]
 
     eager = run(accept_pass_)
     compiled = run(torch.compile(accept_pass_, backend="inductor", dynamic=False, fullgraph=True))
     assert len(eager) == len(compiled) and all(torch.equal(a, b) for a, b in zip(eager, compiled))
-    counts = eager[1]
-    assert counts[1] == 0 and counts[[0, 2]].min() >= 1 and (n == 1 or counts.max() > 1)  # (the draft was accepted in part)
+    path, counts, _, active_after, committed_after, remaining_after, written = eager[:7]
+    for b in range(batch):
+        row = emitted[b][: int(remaining[b])]
+        row = row[: row.index(eos[0].item()) + 1] if eos[0].item() in row else row
+        kept = len(row) if active[b] else 0
+        assert counts[b] == kept and written[b, n] == kept and committed_after[b] == committed[b] + kept, b
+        assert remaining_after[b] == remaining[b] - kept, b
+        ends = bool(row) and (row[-1] == eos[0].item() or len(row) == remaining[b])
+        assert bool(active_after[b]) == bool(written[b, n + 2]) == (bool(active[b]) and not ends), b
+        if kept:
+            assert written[b, n + 1] == row[-1], b  # the next pending token: the last one kept
+    assert counts[1] == 0 and not active_after[0]  # row 1 was not active; row 0 emitted EOS and stopped
+    if n > 1:  # row 0 cut inside its draft at EOS; row 2 ends at its budget
+        assert counts[0] == 1 < host.num_accepted[0] and counts[2] == 2 and not active_after[2]
     if shape == "loop":
-        assert eager[-2].item() == 0 and not eager[3][0]  # the ring wrapped; row 0 emitted EOS and stopped
+        assert eager[-1].item() == 0  # the ring wrapped

@@ -306,15 +306,26 @@ def test_eagle_drafter_gets_features_from_the_verify_pass(family):
     assert seen and all(tokens == features for tokens, features in seen)
 
 
-def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits():
+def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits(monkeypatch):
     """With static shapes the EAGLE drafter drafts every iteration but the first from the verify pass's
-    device outputs, queued behind the pass (SpecConfig.pipelined), and is never told a commit: a ragged
-    batch with a row stopping at EOS gets plain decoding's tokens and GDN states, as the host loop
+    device outputs, queued behind the pass (SpecConfig.pipelined), and is never told a commit; the next pass
+    is queued before the host reads the one before (the device stops rows at EOS and budget itself): a
+    ragged batch with a row stopping at EOS gets plain decoding's tokens and GDN states, as the host loop
     (pipelined=False, a commit per iteration) does. (Trees: chains differ only in the drafter's plan, which
     test_eagle.py checks for both.)"""
     import dataclasses
 
+    from specla_compile.runtime import generator as generator_module
     from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+    from specla_compile.runtime.engine import StaticEngine
+
+    events: list[str] = []
+    for owner, name in ((StaticEngine, "launch"), (StaticEngine, "collect"), (generator_module._StaticRun, "_conclude")):
+        def logged(*args, real=getattr(owner, name), name=name, **kwargs):
+            events.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, logged)
 
     model = tiny_model("fla")
     torch.manual_seed(7)
@@ -324,6 +335,7 @@ def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits():
     eos = refs[1][5]
     expected = [plain(model, p, 12, eos)[0][0, p.numel() :].tolist() for p in prompts]
     for pipelined in (None, False):
+        events.clear()
         drafter = EagleDrafter(head, model, static_shapes=True, compiled=False)
         calls = {"commit": 0, "after": 0}
         real_commit, real_after = drafter.commit, drafter.propose_after
@@ -348,10 +360,14 @@ def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits():
         for b, p in enumerate(prompts):
             theirs = [s.get() for s in cache_slots(plain(model, p, len(expected[b]), eos)[1]) if s.kind == "state"]
             assert max((mine[b] - ref[0]).abs().max().item() for mine, ref in zip(ours, theirs)) <= 1e-5
+        # passes queued before the host read the pass before them: after the first, all but the last
+        ahead = " ".join(events).count("collect launch _conclude")
         if pipelined is None:
             assert calls["commit"] == 0 and calls["after"] >= out.stats.iterations - 1 > 2, calls
+            assert ahead == out.stats.iterations - 1, events
         else:
             assert calls["after"] == 0 and calls["commit"] == out.stats.iterations, calls
+            assert ahead == 0 and events.count("launch") == out.stats.iterations, events
 
 
 def test_drafts_over_64_nodes_on_fla():

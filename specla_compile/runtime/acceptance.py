@@ -205,3 +205,22 @@ def greedy_accept_device(tokens: torch.Tensor, parents: torch.Tensor, target_log
     path = path[:, :n]
     last = path.gather(1, (count - 1)[:, None])
     return Acceptance(path, count, best.gather(1, last)[:, 0])
+
+
+def cut_at_stop(tokens: torch.Tensor, acceptance: Acceptance, remaining: torch.Tensor, eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each row's emitted tokens end, on the device: a row emits its accepted drafts, then
+    ``acceptance.next_token``, cut after its first EOS (``eos [E]``, padded with -1) and at its budget
+    ``remaining [B]`` (tokens it may still emit). Returns ``(kept [B], last [B], stops [B])``: tokens kept
+    (>= 1 where ``remaining`` is), the last of them (the row's next pending token) and whether the row ends
+    with them. ``tokens [B, N]`` is the verified draft."""
+    path, accepted = acceptance.path, acceptance.num_accepted
+    n = path.shape[1]
+    index = torch.arange(n, device=path.device)
+    # emitted token j: the path's node j + 1, and the target's token after the last accepted node
+    following = tokens.gather(1, path.roll(-1, dims=1).clamp(min=0))
+    emitted = torch.where(index == accepted[:, None] - 1, acceptance.next_token[:, None], following)
+    is_eos = (emitted[..., None] == eos).any(-1) & (index < accepted[:, None])
+    through_eos = torch.where(is_eos, index + 1, n + 1).amin(1)  # tokens up to the first EOS (n + 1: none)
+    kept = torch.minimum(torch.minimum(accepted, through_eos), remaining)
+    last = emitted.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
+    return kept, last, (through_eos <= kept) | (kept >= remaining)

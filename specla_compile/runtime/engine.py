@@ -33,7 +33,7 @@ from torch.fx.experimental import _config as fx_config
 from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.session import VerifySession
 from ..tree import PAD, ancestor_mask_device
-from .acceptance import Acceptance, greedy_accept_device
+from .acceptance import Acceptance, cut_at_stop, greedy_accept_device
 from .cache_layout import (
     cache_argument,
     cache_slots,
@@ -65,6 +65,7 @@ PLAIN_STEPS = 16
 PLAIN_LOOKAHEAD = 4
 LOG_SLOTS = 2 * PLAIN_STEPS
 EOS_SLOTS = 8
+NO_BUDGET = 1 << 62  # a row's budget until begin_generation sets one
 
 # Prompts run through the engine (StaticEngine.prefill): first, tokens that every row has, as chunks of these
 # lengths (longest first), each one replay of the model's own forward (fla's kernels: the chunked recurrence past
@@ -94,31 +95,36 @@ ACCEPT_PROGRAMS = 64
 
 
 def accept_pass_(draft: torch.Tensor, logits: torch.Tensor, ancestors: torch.Tensor | None, active: torch.Tensor,
-                 committed: torch.Tensor, summary: torch.Tensor,
-                 loop: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 committed: torch.Tensor, remaining: torch.Tensor, eos: torch.Tensor, summary: torch.Tensor,
+                 loop: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The end of a greedy pass on the device, in place: accept the draft ``draft [2, B, N]`` (tokens, parents)
-    against ``logits [B, N, V]``, advance ``committed`` by the rows' counts (0 for rows not ``active``) and write
-    path, count and next token into ``summary [B, N + 2]``. ``ancestors``: the inclusive ancestor mask, or None
-    (built here, by a walk up the parents that inductor fuses). ``loop``: plain decoding's ``(log, step, eos)``:
-    log the token and the count at ``step`` of the ring ``log [2, B, S]``, feed the token to the next pass and
-    stop the rows that emitted EOS. Returns ``(path [B, N], counts [B])`` for the commit of the records."""
+    against ``logits [B, N, V]``, cut each row's tokens after its first EOS (``eos [E]``, -1 padded) and at its
+    budget ``remaining [B]`` (:func:`cut_at_stop`), advance ``committed`` and lower ``remaining`` by the rows'
+    counts (0 for rows not ``active``), stop the rows that ended and write path, count, next token and whether
+    the row is still active into ``summary [B, N + 3]``: the host never has to trim a pass, so the next one can
+    be queued before the host reads this one. ``ancestors``: the inclusive ancestor mask, or None (built here,
+    by a walk up the parents that inductor fuses). ``loop``: plain decoding's ``(log, step)``: log the token
+    and the count at ``step`` of the ring ``log [2, B, S]`` and feed the token to the next pass. Returns
+    ``(path [B, N], counts [B])`` for the commit of the records."""
     tokens, parents = draft[0], draft[1]
     if ancestors is None:
         ancestors = ancestor_mask_device(parents, height=parents.shape[1])
     acceptance = greedy_accept_device(tokens, parents, logits, ancestors)
-    token = acceptance.next_token
-    counts = torch.where(active, acceptance.num_accepted, 0)
+    kept, token, stops = cut_at_stop(tokens, acceptance, remaining, eos)
+    counts = torch.where(active, kept, 0)
     committed += counts
+    remaining -= counts
+    active &= ~stops
     n = parents.shape[1]
     summary[:, :n] = acceptance.path
     summary[:, n] = counts
     summary[:, n + 1] = token
+    summary[:, n + 2] = active
     if loop is not None:
-        log, step, eos = loop
+        log, step = loop
         log.index_copy_(2, step, torch.stack([token, counts])[..., None])
         step.copy_((step + 1) % log.shape[2])
         draft[0, :, 0] = token
-        active &= ~(token[:, None] == eos).any(-1)
     return acceptance.path, counts
 
 
@@ -151,12 +157,12 @@ class _Bucket:
         self.draft = torch.zeros(2, batch, nodes, dtype=torch.long, device=device)  # tokens, parents
         self.draft[1] = PAD
         self.draft[1, :, 0] = -1
-        self.summary = torch.zeros(batch, nodes + 2, dtype=torch.long, device=device)  # path, count, next token
+        self.summary = torch.zeros(batch, nodes + 3, dtype=torch.long, device=device)  # path, count, next token, active
         # on CUDA, page-locked host sides of the draft (in, and back with the summary) and the summary: one DMA each
         self.staged: torch.cuda.Event | None = None  # the last draft copy has left host_draft
         if device.type == "cuda":
             self.host_draft = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=True)
-            self.host_summary = torch.zeros(batch, nodes + 2, dtype=torch.long, pin_memory=True)
+            self.host_summary = torch.zeros(batch, nodes + 3, dtype=torch.long, pin_memory=True)
             self.host_verified = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=True)  # the draft, read back
             self.read = torch.cuda.Event()  # both copies to the host are done
             self.staged = torch.cuda.Event()
@@ -210,6 +216,7 @@ class StaticEngine:
         self.last: _Bucket | None = None
         self.verified_draft: torch.Tensor | None = None  # [2, B, N] host tokens and parents of the last accepting pass
         self.launched: _Bucket | None = None  # the bucket of a launch() not collected yet
+        self.active_rows: list[bool] = []  # per row, still active after the last collected pass
         self.buckets: dict[tuple[int, bool, str], _Bucket] = {}
         self.chunks: dict[int, _Chunk] = {}  # prefill chunks by length, over the current static cache
         self.chunk_error = ""  # why a chunk's capture failed: prefills then run passes only
@@ -244,6 +251,7 @@ class StaticEngine:
             self.committed = torch.zeros_like(committed)
             self.active = torch.ones(committed.shape[0], dtype=torch.bool, device=committed.device)
             self.eos = torch.full((EOS_SLOTS,), -1, dtype=torch.long, device=committed.device)
+            self.remaining = torch.empty_like(committed)  # tokens each row may still emit
             self.kv_valid = None if kv_valid is None else torch.zeros(committed.shape[0], capacity, dtype=torch.bool, device=committed.device)
         self.user_cache = cache
         self.last = self.launched = None
@@ -253,6 +261,8 @@ class StaticEngine:
         self.columns = load_static(self.cache, cache, self.static_states, self.user_states)
         self.committed.copy_(committed)
         self.active.fill_(True)
+        self.eos.fill_(-1)  # (no stop before begin_generation says where)
+        self.remaining.fill_(NO_BUDGET)
         if self.kv_valid is not None:
             self.kv_valid.zero_()
             self.kv_valid[:, : kv_valid.shape[1]] = kv_valid
@@ -296,7 +306,8 @@ class StaticEngine:
     def collect(self) -> Acceptance:
         """The accepted paths, counts and next tokens of the pass :meth:`launch` queued, on the host: waits for
         that pass (the one synchronisation of an iteration), not for the work queued after it. The draft's
-        host copy goes to ``verified_draft`` (``[2, B, N]`` tokens and parents: a device draft is not read apart)."""
+        host copy goes to ``verified_draft`` (``[2, B, N]`` tokens and parents: a device draft is not read apart),
+        whether each row is still active after it to ``active_rows``."""
         bucket, self.launched = self.launched, None
         if bucket is None:
             raise RuntimeError("StaticEngine.collect() needs a launch() first")
@@ -307,6 +318,7 @@ class StaticEngine:
             summary, self.verified_draft = bucket.host_summary.clone(), bucket.host_verified.clone()
         n = bucket.nodes
         self.columns += max(summary[:, n].tolist())
+        self.active_rows = summary[:, n + 2].bool().tolist()
         return Acceptance(summary[:, :n], summary[:, n], summary[:, n + 1])
 
     def _begin_pass(self, tokens: torch.Tensor, parents: torch.Tensor, mode: str, chain: bool | None) -> _Bucket:
@@ -332,18 +344,25 @@ class StaticEngine:
         bucket.draft.copy_(bucket.host_draft, non_blocking=True)
         bucket.staged.record()
 
-    def begin_decoding(self, pending: torch.Tensor, eos: list[int]) -> None:
-        """Start plain greedy decoding on the device from the tokens ``pending [B]``: each pass that
-        :meth:`queue_steps` queues verifies the token the pass before it emitted, and a row that emits one of
-        ``eos`` commits nothing more."""
+    def begin_generation(self, eos: list[int], budgets: list[int], finished: list[bool]) -> None:
+        """Where the rows of a call stop, checked on the device by every accepting pass: after one of ``eos``
+        and after ``budgets[b]`` more tokens; ``finished`` rows commit nothing."""
         if len(eos) > EOS_SLOTS:
             raise ValueError(f"at most {EOS_SLOTS} EOS ids are checked on the device, got {len(eos)}")
+        device = self.committed.device
+        self.eos.fill_(-1)
+        self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
+        self.remaining.copy_(torch.tensor(budgets))
+        self.active.copy_(~torch.tensor(finished).to(device))
+
+    def begin_decoding(self, pending: torch.Tensor) -> None:
+        """Start plain greedy decoding on the device from the tokens ``pending [B]``: each pass that
+        :meth:`queue_steps` queues verifies the token the pass before it emitted, and a row stops where
+        :meth:`begin_generation` said."""
         batch = self.committed.shape[0]
         bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop", chain=True)
         if not bucket.prepared:
             self._prepare(bucket, accept=True)  # (before the inputs are set: its capture runs feed tokens back)
-        self.eos.fill_(-1)
-        self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
         bucket.draft[0, :, 0].copy_(pending, non_blocking=True)
         bucket.step.zero_()
         bucket.snapshots += [block.snapshot for block in bucket.queued]  # (a call whose rows all ended left passes unread)
@@ -555,10 +574,10 @@ class StaticEngine:
     def _step(self, bucket: _Bucket, accept: bool) -> StepResult:
         result = self._forward(bucket)
         if accept:
-            loop = (bucket.log, bucket.step, self.eos) if bucket.loop else None
+            loop = (bucket.log, bucket.step) if bucket.loop else None
             with torch._dynamo.config.patch(recompile_limit=ACCEPT_PROGRAMS):
-                path, counts = self.accept_pass(bucket.draft, result.logits, bucket.ancestors, self.active,
-                                                self.committed, bucket.summary, loop)
+                path, counts = self.accept_pass(bucket.draft, result.logits, bucket.ancestors, self.active, self.committed,
+                                                self.remaining, self.eos, bucket.summary, loop)
             self._keep(bucket, path, counts)
         return result
 

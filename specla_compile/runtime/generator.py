@@ -11,6 +11,7 @@ plain decoding of the same tokens.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import weakref
 from contextlib import contextmanager
@@ -38,13 +39,15 @@ from .cache_layout import (
 )
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
-from .drafting import Draft, Drafter, DraftRequest, output_vocab_size
+from .drafting import Draft, Drafter, DraftRequest, PassOutputs, output_vocab_size
 from .engine import EOS_SLOTS, PLAIN_LOOKAHEAD, PLAIN_STEPS, StaticEngine
 from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .graph_capture import capturable_experts
 from .token_rows import TokenRows
 from .topology import PAD, ancestor_mask, depth
+
+log = logging.getLogger("specla_compile")
 
 
 @dataclass
@@ -252,8 +255,12 @@ class SpeculativeGenerator:
         try:
             drafter = _PlainDrafter() if _plain else self.drafter
             engine = self.engine(input_ids.device, self.engine_features(drafter))
+            if engine is not None and not args.do_sample and len(args.eos_token_ids) > EOS_SLOTS:
+                log.warning("specla: %d EOS ids, more than the %d that the engine's passes check on the device: "
+                            "decoding without the static engine", len(args.eos_token_ids), EOS_SLOTS)
+                engine = None
             run_type = _Run if engine is None else _StaticRun
-            if engine is not None and _plain and not args.do_sample and len(args.eos_token_ids) <= EOS_SLOTS:
+            if engine is not None and _plain and not args.do_sample:
                 run_type = _PlainDeviceRun
             run = run_type(self, drafter, rows, args, streamer, generator)
             return run.run(input_ids, past_key_values)
@@ -650,36 +657,53 @@ class _StaticRun(_Run):
             # attention columns: powers of two from 256, so that calls of similar lengths share graphs
             capacity = max(256, 1 << (columns + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0
             self.engine.start(self.cache, self.committed, self.kv_valid if self.attention else None, capacity)
-        self.engine_finished = [False] * self.batch
+        self.engine_finished = [False] * self.batch  # (sampling: the host trims the passes)
+        if not self.do_sample:  # greedy passes stop rows on the device (EOS, budget): the host never trims them
+            self.engine.begin_generation(list(self.eos), [self.max_new_tokens - len(t) for t in self.new_tokens], self.finished)
         # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
         self.device = torch.device("cpu")
         self.max_length = max(r.numel() for r in self.rows) + 1 + self.max_new_tokens  # (prompt, pending, new tokens)
         self.history = TokenRows(self.rows, self.max_length)  # (each row's history from here on; self.rows keeps the prompts)
         self.pending = self.pending.cpu()
-        self.next_draft: Draft | None = None
+        self.next_draft: Draft | None = None  # drafted on the device behind the pass in flight
+        self.in_flight: tuple[PassOutputs, bool | None] | None = None  # a launched pass not collected: outputs, chain
         self.pipelined = not self.do_sample and self.owner.tp_mesh is None and self.config.pipelined is not False
 
     def _iteration(self) -> None:
         """Greedy: the pass is queued and, where the drafter can, the next draft behind it (pipelined:
-        ``SpecConfig.pipelined``); then the host waits for the pass alone and reads its result while the
-        device drafts. Sampling accepts on the host (:meth:`_pass`)."""
+        ``SpecConfig.pipelined``); the host waits for the pass alone and, with a next draft, queues the next
+        pass before it reads the result of this one: the device stopped its rows at EOS and at their budgets
+        itself, so the device never waits for the host's bookkeeping. Sampling accepts on the host (:meth:`_pass`)."""
         if self.do_sample:
             super()._iteration()
             return
         active = [b for b in range(self.batch) if not self.finished[b]]
-        draft, self.next_draft = self.next_draft, None
-        if draft is None:
+        if self.in_flight is None:
             with self._timed("draft_seconds"):
                 draft = self._draft(active)
+            self._launch(draft, [self.max_new_tokens - len(self.new_tokens[b]) for b in active])
+        last, chain = self.in_flight
         with self._timed("verify_seconds"):
-            last = self.engine.launch(draft.tokens, draft.parents, draft.chain)
-        if self.pipelined and any(self.max_new_tokens - len(self.new_tokens[b]) > 1 for b in active):  # (else all end now)
+            acceptance = self.engine.collect()
+        verified = Draft(*self.engine.verified_draft, chain=chain)
+        self.in_flight = None
+        if self.next_draft is not None and any(self.engine.active_rows):
+            counts = acceptance.num_accepted.tolist()
+            alive = [b for b, on in enumerate(self.engine.active_rows) if on]
+            self._launch(self.next_draft, [self.max_new_tokens - len(self.new_tokens[b]) - counts[b] for b in alive])
+        self._conclude(acceptance, last.hidden, verified, active)
+
+    def _launch(self, draft: Draft, budgets: list[int]) -> None:
+        """Queue the pass over ``draft`` and, where the drafter can and a row has ``budgets`` (tokens left before
+        this pass) for more than this pass, the next draft behind it."""
+        with self._timed("verify_seconds"):
+            self.in_flight = (self.engine.launch(draft.tokens, draft.parents, draft.chain), draft.chain)
+        self.next_draft = None
+        if self.pipelined and any(budget > 1 for budget in budgets):  # (else every row ends with this pass)
             with self._timed("draft_seconds"):
-                proposed = self.drafter.propose_after(last, self.config, self.max_length)
+                proposed = self.drafter.propose_after(self.in_flight[0], self.config, self.max_length)
                 self.next_draft = None if proposed is None else self._placed(proposed, list(range(self.batch)))
             self.pipelined = self.drafter_on_device = proposed is not None
-        acceptance = self.engine.collect()
-        self._conclude(acceptance, last.hidden, Draft(*self.engine.verified_draft, chain=draft.chain), active)
 
     def _sequences(self, active: list[int]) -> list[torch.Tensor]:
         pending = self.pending.tolist()
@@ -702,8 +726,11 @@ class _StaticRun(_Run):
         return Acceptance(acceptance.path.cpu(), counts, acceptance.next_token.cpu()), result.hidden, host
 
     def _commit(self, acceptance: Acceptance, emitted, hidden) -> None:
-        kept = [len(e) for e in emitted]
-        if kept != acceptance.num_accepted.tolist() or self.finished != self.engine_finished:
+        kept, counts = [len(e) for e in emitted], acceptance.num_accepted.tolist()
+        if not self.do_sample:  # (the device cut the pass: a disagreement is a bug, not something to trim)
+            if kept != counts:
+                raise RuntimeError(f"specla: the engine kept {counts} tokens per row where the host kept {kept}")
+        elif kept != counts or self.finished != self.engine_finished:
             self.engine.trim(acceptance.num_accepted, kept, self.finished)
             self.engine_finished = list(self.finished)
         self._advance(acceptance, emitted, hidden)
@@ -723,15 +750,13 @@ class _PlainDeviceRun(_StaticRun):
 
     def _start(self) -> None:
         super()._start()
-        # a row whose first token (the prefill's) was EOS enters no pass; later EOS stop rows on the device
-        self.engine.active.copy_(~torch.tensor(self.finished, device=self.engine.active.device))
         self.unread: int | None = None  # passes queued and not read yet (None: decoding has not begun)
 
     def _iteration(self) -> None:
         """Queue passes up to a block of ``PLAIN_STEPS`` and ``PLAIN_LOOKAHEAD`` more behind it, then read the
         block: the device runs the lookahead while the host reads."""
         if self.unread is None:
-            self.engine.begin_decoding(self.pending, self.eos)
+            self.engine.begin_decoding(self.pending)
             self.unread = 0
         emitted_so_far = max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
         left = self.max_new_tokens - emitted_so_far - self.unread  # passes not queued yet
