@@ -34,7 +34,7 @@ import traceback
 import numpy as np
 import torch
 
-from specla_compile.runtime.drafting import Drafter
+from specla_compile.runtime.drafting import Draft, Drafter
 
 FLA_1P3B = dict(hidden_size=2048, num_hidden_layers=24, num_heads=8, head_dim=256, expand_v=1, vocab_size=32000)
 QWEN3_5_SMALL = dict(  # a Qwen3.5 0.8B-class text config: 3 GDN layers to 1 full-attention layer
@@ -46,6 +46,7 @@ P_VALUES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CHAIN_LENGTHS = (2, 4, 8, 12)
 TREES = ((2, 16), (4, 16), (2, 32), (4, 32))  # (top_k, nodes)
 BACKEND_OPTIONS: dict = {}  # --backend: the specla backend's options for every compile of this process
+ORACLE = {"device": True}  # --oracle: the controlled routes' drafts made on the device (else on the host)
 SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile", "fla_passes")
 
 
@@ -94,20 +95,52 @@ def peaked_logits(model: torch.nn.Module, seed: int = 1) -> None:
 
 class OracleDrafter(Drafter):
     """Drafts the known greedy continuation of every row, each token wrong with probability 1 - p
-    (see the module docstring for trees), on the host."""
+    (see the module docstring for trees): the first draft of a call on the host, and with ``device`` every
+    later one on the device, from the pass's outputs (``propose_after``), as a drafter on the GPU does: the
+    generator then queues each pass before it reads the one before."""
 
     vocab_size = None
     needs_features = False
 
-    def __init__(self, truth: list[list[int]], p: float, depth: int, top_k: int = 1, vocab: int = 32000, seed: int = 0):
+    def __init__(self, truth: list[list[int]], p: float, depth: int, top_k: int = 1, vocab: int = 32000, seed: int = 0,
+                 device: bool = False):
         self.truth, self.p, self.depth, self.top_k, self.vocab = truth, p, depth, top_k, vocab
         self.rng = random.Random(seed)
+        self.device = device
+        self.generator: torch.Generator | None = None  # the device's draws, seeded from ``seed``
 
     def check_vocab(self, vocab_size: int) -> None:
         self.vocab = vocab_size
 
     def begin(self, sequences, features=None):
         self.prompt_lengths = [s.numel() for s in sequences]
+        self.done = [0] * len(sequences)  # per row, tokens emitted when its last host draft was made
+        self.truth_on_device: torch.Tensor | None = None
+
+    def propose_after(self, last, config, max_length):
+        if not self.device:
+            return None
+        rows, device = last.tokens.shape[0], last.tokens.device
+        if self.truth_on_device is None:  # the first draft after the host's: each row's truth, padded, and its position
+            width = max(len(t) for t in self.truth) + self.depth
+            def upload(rows) -> torch.Tensor:  # (on CUDA from page-locked memory: no wait for the pass queued before)
+                host = torch.as_tensor(rows)
+                return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+            self.truth_on_device = upload([t + [0] * (width - len(t)) for t in self.truth])
+            self.emitted = upload(self.done)
+            self.parents_on_device = upload(_sibling_chain_parents(self.depth, self.top_k))
+            if self.generator is None or self.generator.device != device:
+                self.generator = torch.Generator(device).manual_seed(self.rng.randrange(1 << 62))
+        self.emitted += last.counts  # tokens emitted once this pass is committed, the new pending one included
+        columns = (self.emitted[:, None] + torch.arange(self.depth, device=device)).clamp(max=self.truth_on_device.shape[1] - 1)
+        truth = self.truth_on_device.gather(1, columns)[..., None]  # [B, depth, 1]
+        hit = torch.rand(rows, self.depth, self.top_k, device=device, generator=self.generator) < self.p
+        right = hit & (hit.cumsum(-1) == 1)  # the chain token, else the first sibling that drew the truth
+        wrong = (truth + 1 + torch.randint(self.vocab - 1, right.shape, device=device, generator=self.generator)) % self.vocab
+        nodes = torch.where(right, truth, wrong).flatten(1)
+        tokens = torch.cat([last.next_token[:, None], nodes], dim=1)
+        return Draft(tokens, self.parents_on_device.expand(rows, -1), chain=self.top_k == 1)
 
     def commit(self, rows, tokens, features=None):
         pass
@@ -118,7 +151,7 @@ class OracleDrafter(Drafter):
     def propose(self, request, config):
         rows = []
         for b, seq in zip(request.rows, request.sequences):
-            done = seq.numel() - self.prompt_lengths[b]  # tokens emitted so far, the pending one included
+            done = self.done[b] = seq.numel() - self.prompt_lengths[b]  # tokens emitted so far, the pending one included
             truth = self.truth[b][done : done + self.depth] + [0] * self.depth
             nodes = [int(seq[-1])]
             for d in range(self.depth):
@@ -135,8 +168,6 @@ class OracleDrafter(Drafter):
 def _pack(rows: list[list[int]], depth: int, top_k: int):
     """Tokens of sibling-augmented chains -> Draft: node 0, then per depth the chain node (parent: the
     previous chain node) and its ``top_k - 1`` siblings (same parent, leaves)."""
-    from specla_compile.runtime.drafting import Draft
-
     parents = _sibling_chain_parents(depth, top_k)
     # (numpy builds the tensor from nested lists 4x faster than torch.tensor; a chain says so, and the engine need not read parents)
     return Draft(torch.from_numpy(np.array(rows, dtype=np.int64)), parents.expand(len(rows), -1), chain=top_k == 1)
@@ -198,6 +229,8 @@ def run_route(gen, prompts, new_tokens: int, drafter=None, config=None, plain: b
     warm_gpu(gen, prompts[0])
     if drafter is not None:
         gen.drafter, gen.config = drafter, config
+        drafter.truth = truths[0]
+        gen.generate(prompts[0], 16)  # the route's own first use (a device drafter's first draws took 0.1 s), untimed
     decode, e2e, tokens, passes, accepted, sequences = 0.0, 0.0, 0, 0, [], []
     phases = dict.fromkeys(("draft_seconds", "verify_seconds", "commit_seconds"), 0.0)
     for i, prompt in enumerate(prompts):
@@ -376,11 +409,14 @@ def truth_of(plain: dict, prompts) -> list[list[list[int]]]:
     return [[row[prompt.shape[1]:].tolist() for row in seq] for seq, prompt in zip(plain["sequences"], prompts)]
 
 
-def controlled_route(gen, prompts, new_tokens: int, plain: dict, truths, p: float, depth: int, top_k: int = 1, config=None) -> dict:
+def controlled_route(gen, prompts, new_tokens: int, plain: dict, truths, p: float, depth: int, top_k: int = 1, config=None,
+                     device: bool | None = None) -> dict:
     """One controlled-acceptance route on ``gen`` (its bucket already captured), timed and checked
-    against the ``plain`` run of the same prompts: adds ``identical`` and ``speedup``."""
+    against the ``plain`` run of the same prompts: adds ``identical`` and ``speedup``. ``device``: the oracle
+    drafts on the device (None: ``--oracle``)."""
     config = config or chain_config(depth)
-    r = run_route(gen, prompts, new_tokens, OracleDrafter(None, p, depth, top_k), config, truths=truths)
+    device = ORACLE["device"] if device is None else device
+    r = run_route(gen, prompts, new_tokens, OracleDrafter(None, p, depth, top_k, device=device), config, truths=truths)
     r["identical"] = all(torch.equal(a, b) for a, b in zip(r.pop("sequences"), plain["sequences"]))
     r["speedup"] = plain["decode_s"] / r["decode_s"]
     return r
@@ -558,8 +594,9 @@ def fla_profile(args, results: dict) -> None:
 def fla_batch(args, results: dict) -> None:
     """B=4 and B=16, p=0.8 L=8 against plain decoding of the same rows: the chains in the pass size ``SpecConfig``
     gives by default (the target's route: 16 nodes at 4 rows, 9 from 8 rows, see ``SpecConfig.pass_nodes``) and
-    in the other of 9 (the pending token and 8 drafts, no padding) and 16 nodes, the passes' replay times and
-    what the batch x 16-node pass spends its time on."""
+    in the other of 9 (the pending token and 8 drafts, no padding) and 16 nodes, the target's route with the oracle
+    drafting where ``--oracle`` does not say, the passes' replay times and what the batch x 16-node pass spends its
+    time on."""
     model = build("fla", torch.bfloat16, args.layers)
     section = results.setdefault("fla_batch", {})
     for batch in (4, 16):
@@ -570,11 +607,14 @@ def fla_batch(args, results: dict) -> None:
         truths = truth_of(plain, prompts)
         figures = section[f"B{batch}"] = {"plain": plain}
         other = 16 if chain_config(8, None).pass_nodes(batch) == 9 else 9
-        for key, bucket in (("p0.8_L8", None), (f"p0.8_L8_bucket{other}", other)):
+        elsewhere = "host" if ORACLE["device"] else "device"  # (the oracle drafting where --oracle does not say)
+        routes = (("p0.8_L8", None, None), (f"p0.8_L8_{elsewhere}_drafts", None, not ORACLE["device"]),
+                  (f"p0.8_L8_bucket{other}", other, None))
+        for key, bucket, device in routes:
             config = chain_config(8, bucket)
             gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, 8), config
             gen.generate(prompts[0], 2)  # compiles and captures the bucket outside the timed runs
-            spec = figures[key] = controlled_route(gen, prompts, args.new_tokens, plain, truths, 0.8, 8, config=config)
+            spec = figures[key] = controlled_route(gen, prompts, args.new_tokens, plain, truths, 0.8, 8, config=config, device=device)
             print(f"B={batch}: plain {plain['tokens_per_s']:.0f} tok/s, {key} {spec['tokens_per_s']:.0f} tok/s = {spec['speedup']:.2f}x",
                   flush=True)
         plain.pop("sequences")
@@ -813,7 +853,8 @@ def write_report(results: dict, out_dir: str) -> None:
     for batch, r in results.get("fla_batch", {}).items():
         lines.append(f"- fla {batch}, p=0.8 L=8: plain {r['plain']['tokens_per_s']:.0f} tok/s, speculative "
                      f"{r['p0.8_L8']['tokens_per_s']:.0f} tok/s" + (f" (not valid: {r['invalid']})" if "invalid" in r else f" = {r['speedup']:.2f}x")
-                     + "".join(f"; in a {key.split('bucket')[1]}-node bucket {r[key]['speedup']:.2f}x" for key in r if key.startswith("p0.8_L8_bucket")))
+                     + "".join(f"; in a {key.split('bucket')[1]}-node bucket {r[key]['speedup']:.2f}x" for key in r if key.startswith("p0.8_L8_bucket"))
+                     + "".join(f"; the oracle's drafts on the {key.split('_')[2]} {r[key]['speedup']:.2f}x" for key in r if key.endswith("_drafts")))
     routes = [r for section in ("fla_b1", "qwen") for r in [*results.get(section, {}).get("chain", {}).values(),
                                                            *results.get(section, {}).get("tree", {}).values(), *results.get(section, {}).values()]
               if isinstance(r, dict) and "identical" in r]
@@ -984,9 +1025,13 @@ def main() -> None:
                              "for independent pointwise kernels): an A/B of inductor's options against a run without")
     parser.add_argument("--backend", nargs="+", metavar="KEY=VALUE", default=[],
                         help="options of the specla backend for every compile, e.g. fold_norms=True: an A/B against a run without")
+    parser.add_argument("--oracle", choices=("device", "host"), default="device",
+                        help="where the controlled routes' oracle drafts after a call's first pass (default: the device, "
+                             "as a GPU drafter does; fla_batch also times the host's at its target route)")
     parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    ORACLE["device"] = args.oracle == "device"
     try:
         set_inductor_config(args.inductor)
         from specla_compile.backend import OPTIONS
@@ -1003,7 +1048,8 @@ def main() -> None:
         parser.error("this benchmark needs a CUDA GPU")
     logging.basicConfig(format="%(asctime)s %(message)s")
     logging.getLogger("specla_compile").setLevel(logging.INFO)  # compile times of every graph
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(["python", *sys.argv])}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(["python", *sys.argv]),
+               "oracle": args.oracle}
     run_sections(args, results, globals(), lambda: None if args.child else write_report(results, args.out))
 
 

@@ -253,3 +253,37 @@ def test_oracle_drafts_follow_the_truth_with_the_controlled_acceptance(top_k):
         right += (draft.tokens[:, 1:].view(rows, depth, top_k) == expected[..., None]).float().mean(0) / 40
     chance = torch.tensor([p * (1 - p) ** j for j in range(top_k)])  # the j-th candidate is the first right one
     torch.testing.assert_close(right, chance.expand(depth, -1), atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_oracle_drafts_on_the_device_in_step_with_the_passes(top_k):
+    """The benchmark's oracle with ``device=True`` drafts every pass but the first from the pass before it
+    (``propose_after``): at p = 1 its drafts hold the true continuation exactly where each row stands (every
+    draft accepted, as many passes as the host-drafting oracle needs), and at p = 0.6 the output is still plain
+    decoding's (tiny fla model on CPU, the static engine)."""
+    from models import VOCAB, tiny_model
+
+    from specla_compile import SpecConfig, SpeculativeGenerator
+
+    model = tiny_model("fla")
+    prompts = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(4))
+    config = SpecConfig(mode="chain" if top_k == 1 else "tree", depth=3, tree_top_k=top_k, budget=3 * top_k, bucket=8,
+                        engine="static")
+    gen = SpeculativeGenerator(model, e2e_gpu.OracleDrafter([[0]], 1.0, 1), config, compile_options={"inner": "aot_eager"})
+    plain = gen.decode(prompts, max_new_tokens=14).sequences
+    truths = [row[5:].tolist() for row in plain]
+    runs = {}
+    for p in (1.0, 0.6):
+        for device in (False, True):
+            gen.drafter = drafter = e2e_gpu.OracleDrafter(truths, p, 3, top_k, vocab=VOCAB, seed=1, device=device)
+            after = []
+            real = drafter.propose_after
+            drafter.propose_after = lambda *args: after.append(real(*args)) or after[-1]
+            out = runs[p, device] = gen.generate(prompts, max_new_tokens=14)
+            assert out.sequences.tolist() == plain.tolist(), (p, device)
+            if device:  # (the host oracle says once that it cannot, and the generator stops asking)
+                assert len(after) >= out.stats.iterations - 1 and all(d is not None for d in after)
+            else:
+                assert after == [None]
+    assert runs[1.0, True].stats.iterations == runs[1.0, False].stats.iterations == 4  # 1 + 4 + 4 + 4 + 1 tokens
+    assert runs[0.6, True].stats.iterations > 4
