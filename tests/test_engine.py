@@ -147,6 +147,22 @@ def test_the_device_loop_refuses_misuse_in_one_line():
     assert tokens.shape == counts.shape == (1, PLAIN_STEPS) and counts.tolist() == [[1] * PLAIN_STEPS]
 
 
+def test_more_eos_ids_than_the_device_checks_decode_without_the_engine(caplog):
+    """Greedy passes stop rows at EOS on the device, which checks EOS_SLOTS ids: with more, generate() says so
+    in one line and decodes on the dynamic path, still stopping at every EOS id."""
+    from specla_compile.runtime.engine import EOS_SLOTS
+
+    model = tiny_model("fla")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(6))
+    ref = plain(model, prompt[0], 10)[0][0, 5:].tolist()
+    eos = [ref[4]] + [t for t in range(VOCAB) if t not in ref][:EOS_SLOTS]  # the one met first, then ids never met
+    config = SpecConfig(**{**CONFIGS["chain"].__dict__, "engine": "static"})
+    gen = SpeculativeGenerator(model, OracleDrafter([ref + [0] * 16], error_rate=0.25, seed=3), config, compile_options=COMPILE)
+    out = gen.generate(prompt, max_new_tokens=10, eos_token_id=eos)
+    assert f"{EOS_SLOTS + 1} EOS ids, more than the {EOS_SLOTS}" in caplog.text
+    assert out.sequences[0, 5:].tolist() == ref[: ref.index(ref[4]) + 1]
+
+
 def test_chain_and_tree_drafts_of_one_size_use_separate_buckets_and_stay_exact():
     """A tree drafter whose drafts are sometimes chains: chain drafts take the chain bucket (prefix
     acceptance, no gather), trees the tree bucket; switching flushes the other bucket's pending records."""
