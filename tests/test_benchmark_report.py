@@ -287,3 +287,31 @@ def test_the_oracle_drafts_on_the_device_in_step_with_the_passes(top_k):
                 assert after == [None]
     assert runs[1.0, True].stats.iterations == runs[1.0, False].stats.iterations == 4  # 1 + 4 + 4 + 4 + 1 tokens
     assert runs[0.6, True].stats.iterations > 4
+
+
+def test_a_call_ending_at_eos_with_a_pass_queued_behind_leaves_the_engine_exact():
+    """With device drafts the next pass is queued before the host reads the one before; where every row then
+    ends at EOS, that pass commits nothing: the call's tokens and final cache are plain decoding's with EOS,
+    and the next call on the same engine is exact again."""
+    from cache_utils import max_cache_diff
+    from models import VOCAB, tiny_model
+
+    from specla_compile import SpecConfig, SpeculativeGenerator
+    from specla_compile.runtime.baseline import autoregressive_generate
+
+    model = tiny_model("fla")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
+    config = SpecConfig(mode="chain", depth=3, bucket=4, engine="static")
+    truth = autoregressive_generate(model, prompt, 30)[0][0, 5:].tolist()
+    eos = truth[9]
+    expected, expected_cache = autoregressive_generate(model, prompt, 30, eos_token_id=eos)
+    assert len(expected[0]) - 5 < 30  # (EOS ends the row before its budget: 4 nodes a pass leave passes queued)
+    drafter = e2e_gpu.OracleDrafter([truth], 1.0, 3, vocab=VOCAB, device=True)
+    gen = SpeculativeGenerator(model, drafter, config, compile_options={"inner": "aot_eager"})
+    out = gen.generate(prompt, max_new_tokens=30, eos_token_id=eos)
+    assert out.sequences.tolist() == expected.tolist()
+    assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
+    engine = next(iter(gen._engines.values()))
+    assert len(engine.launched) == 1  # the pass queued behind the last one, never read
+    again = gen.generate(prompt, max_new_tokens=30)
+    assert again.sequences[0].tolist() == prompt[0].tolist() + truth and not engine.launched

@@ -8,7 +8,9 @@ compacts attention K/V and advances the committed lengths. On CUDA that step is 
 at its first use and replayed afterwards; a smaller tree replays its bucket's graph with inert padding.
 The host synchronises once per pass, to read the accepted path, and waits for that pass alone
 (:meth:`StaticEngine.launch`, :meth:`StaticEngine.collect`): a drafter can queue the next draft behind it
-first, from the pass's device outputs, and draft while the host reads. Plain greedy decoding runs the loop on
+first, from the pass's device outputs, and the next pass can be queued behind that draft before the host reads
+(every accepting pass stops rows at EOS and at their budgets itself), so the device runs pass after pass while
+the host reads. Plain greedy decoding runs the loop on
 the device (:meth:`StaticEngine.queue_steps`, :meth:`StaticEngine.read_steps`): each replay of the 1-node
 graph feeds its token to the next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per
 synchronisation while the device runs the ``PLAIN_LOOKAHEAD`` passes queued behind them. Where graphs are
@@ -66,6 +68,7 @@ PLAIN_LOOKAHEAD = 4
 LOG_SLOTS = 2 * PLAIN_STEPS
 EOS_SLOTS = 8
 NO_BUDGET = 1 << 62  # a row's budget until begin_generation sets one
+MAX_IN_FLIGHT = 2  # accepting passes launched and not collected (StaticEngine.launch)
 
 # Prompts run through the engine (StaticEngine.prefill): first, tokens that every row has, as chunks of these
 # lengths (longest first), each one replay of the model's own forward (fla's kernels: the chunked recurrence past
@@ -158,13 +161,15 @@ class _Bucket:
         self.draft[1] = PAD
         self.draft[1, :, 0] = -1
         self.summary = torch.zeros(batch, nodes + 3, dtype=torch.long, device=device)  # path, count, next token, active
-        # on CUDA, page-locked host sides of the draft (in, and back with the summary) and the summary: one DMA each
+        # on CUDA, page-locked host sides of the draft (in, and back with the summary) and the summary: one DMA each;
+        # the copies back in MAX_IN_FLIGHT slots, one per pass that may be launched and not collected
         self.staged: torch.cuda.Event | None = None  # the last draft copy has left host_draft
+        self.next_slot = 0
         if device.type == "cuda":
             self.host_draft = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=True)
-            self.host_summary = torch.zeros(batch, nodes + 3, dtype=torch.long, pin_memory=True)
-            self.host_verified = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=True)  # the draft, read back
-            self.read = torch.cuda.Event()  # both copies to the host are done
+            self.host_summary = torch.zeros(MAX_IN_FLIGHT, batch, nodes + 3, dtype=torch.long, pin_memory=True)
+            self.host_verified = torch.zeros(MAX_IN_FLIGHT, 2, batch, nodes, dtype=torch.long, pin_memory=True)  # the drafts, read back
+            self.read = [torch.cuda.Event() for _ in range(MAX_IN_FLIGHT)]  # a slot's copies to the host are done
             self.staged = torch.cuda.Event()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.flush_graph: torch.cuda.CUDAGraph | None = None  # commits the pending records (end of a call)
@@ -172,6 +177,17 @@ class _Bucket:
         self.ancestors: torch.Tensor | None = None  # the pass's ancestor mask where attention needs it before the model
         self.hint: TopologyHint | None = None
         self.prepared = False
+
+
+@dataclass
+class _Launched:
+    """A pass :meth:`StaticEngine.launch` queued and :meth:`StaticEngine.collect` has not read: its bucket, the host
+    copies of its summary and draft, and (CUDA) the event after which they hold them."""
+
+    bucket: _Bucket
+    summary: torch.Tensor
+    draft: torch.Tensor
+    read: torch.cuda.Event | None
 
 
 @dataclass
@@ -215,7 +231,7 @@ class StaticEngine:
         self.capacity = 0
         self.last: _Bucket | None = None
         self.verified_draft: torch.Tensor | None = None  # [2, B, N] host tokens and parents of the last accepting pass
-        self.launched: _Bucket | None = None  # the bucket of a launch() not collected yet
+        self.launched: deque[_Launched] = deque()  # passes launched and not collected, oldest first
         self.active_rows: list[bool] = []  # per row, still active after the last collected pass
         self.buckets: dict[tuple[int, bool, str], _Bucket] = {}
         self.chunks: dict[int, _Chunk] = {}  # prefill chunks by length, over the current static cache
@@ -254,7 +270,8 @@ class StaticEngine:
             self.remaining = torch.empty_like(committed)  # tokens each row may still emit
             self.kv_valid = None if kv_valid is None else torch.zeros(committed.shape[0], capacity, dtype=torch.bool, device=committed.device)
         self.user_cache = cache
-        self.last = self.launched = None
+        self.last = None
+        self.launched.clear()  # (a call that ended at EOS may have left a pass of no work uncollected)
         for bucket in self.buckets.values():  # a call that failed may have left records pending: drop them
             if bucket.session.num_pending is not None:
                 bucket.session.num_pending.zero_()
@@ -291,32 +308,37 @@ class StaticEngine:
         """Queue one pass over a draft (as :meth:`verify`) with greedy acceptance and the commit of the
         accepted paths in the same step, and the copy of its result to the host, without waiting for either:
         returns the pass's device outputs, from which a drafter may queue the next draft before
-        :meth:`collect` waits for this pass alone."""
+        :meth:`collect` waits for this pass alone. Up to ``MAX_IN_FLIGHT`` passes may wait to be collected:
+        the next pass can be queued before the host reads the one before it."""
+        if len(self.launched) == MAX_IN_FLIGHT:
+            raise RuntimeError(f"{MAX_IN_FLIGHT} passes launched and not collected: collect() first")
         bucket = self._begin_pass(tokens, parents, "accept", chain)
         self._run(bucket, accept=True)
         if bucket.staged is not None:
-            bucket.host_summary.copy_(bucket.summary, non_blocking=True)
-            bucket.host_verified.copy_(bucket.draft, non_blocking=True)
-            bucket.read.record()
-        self.launched = bucket
+            slot, bucket.next_slot = bucket.next_slot, (bucket.next_slot + 1) % MAX_IN_FLIGHT
+            bucket.host_summary[slot].copy_(bucket.summary, non_blocking=True)
+            bucket.host_verified[slot].copy_(bucket.draft, non_blocking=True)
+            bucket.read[slot].record()
+            launched = _Launched(bucket, bucket.host_summary[slot], bucket.host_verified[slot], bucket.read[slot])
+        else:  # (a CPU engine: the pass has run, and the next one overwrites its buffers)
+            launched = _Launched(bucket, bucket.summary.clone(), bucket.draft.clone(), None)
+        self.launched.append(launched)
         n = bucket.nodes
         summary = bucket.summary
         return PassOutputs(bucket.draft[0], summary[:, :n], summary[:, n], summary[:, n + 1], bucket.result.hidden)
 
     def collect(self) -> Acceptance:
-        """The accepted paths, counts and next tokens of the pass :meth:`launch` queued, on the host: waits for
-        that pass (the one synchronisation of an iteration), not for the work queued after it. The draft's
+        """The accepted paths, counts and next tokens of the oldest pass :meth:`launch` queued, on the host: waits
+        for that pass (the one synchronisation of an iteration), not for the work queued after it. The draft's
         host copy goes to ``verified_draft`` (``[2, B, N]`` tokens and parents: a device draft is not read apart),
         whether each row is still active after it to ``active_rows``."""
-        bucket, self.launched = self.launched, None
-        if bucket is None:
+        if not self.launched:
             raise RuntimeError("StaticEngine.collect() needs a launch() first")
-        if bucket.staged is None:  # (a CPU engine: the buffers are the next pass's)
-            summary, self.verified_draft = bucket.summary.clone(), bucket.draft.clone()
-        else:
-            bucket.read.synchronize()
-            summary, self.verified_draft = bucket.host_summary.clone(), bucket.host_verified.clone()
-        n = bucket.nodes
+        launched = self.launched.popleft()
+        if launched.read is not None:
+            launched.read.synchronize()
+        summary, self.verified_draft = launched.summary.clone(), launched.draft.clone()
+        n = launched.bucket.nodes
         self.columns += max(summary[:, n].tolist())
         self.active_rows = summary[:, n + 2].bool().tolist()
         return Acceptance(summary[:, :n], summary[:, n], summary[:, n + 1])
@@ -324,7 +346,7 @@ class StaticEngine:
     def _begin_pass(self, tokens: torch.Tensor, parents: torch.Tensor, mode: str, chain: bool | None) -> _Bucket:
         """The draft's bucket, prepared (compiled, captured) and holding the draft."""
         nodes = tokens.shape[1]
-        if self.kv_valid is not None and self.columns + nodes > self.capacity:
+        if self.kv_valid is not None and self.columns + nodes * (1 + len(self.launched)) > self.capacity:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
         bucket = self._switch_to(nodes, parents, mode, chain)
         self._load_draft(bucket, tokens, parents)

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import weakref
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -666,28 +667,32 @@ class _StaticRun(_Run):
         self.history = TokenRows(self.rows, self.max_length)  # (each row's history from here on; self.rows keeps the prompts)
         self.pending = self.pending.cpu()
         self.next_draft: Draft | None = None  # drafted on the device behind the pass in flight
-        self.in_flight: tuple[PassOutputs, bool | None] | None = None  # a launched pass not collected: outputs, chain
+        self.in_flight: deque[tuple[PassOutputs, bool | None, int]] = deque()  # passes launched, not collected: outputs, chain, nodes
         self.pipelined = not self.do_sample and self.owner.tp_mesh is None and self.config.pipelined is not False
 
     def _iteration(self) -> None:
         """Greedy: the pass is queued and, where the drafter can, the next draft behind it (pipelined:
-        ``SpecConfig.pipelined``); the host waits for the pass alone and, with a next draft, queues the next
-        pass before it reads the result of this one: the device stopped its rows at EOS and at their budgets
-        itself, so the device never waits for the host's bookkeeping. Sampling accepts on the host (:meth:`_pass`)."""
+        ``SpecConfig.pipelined``), then the next pass behind that draft, before the host reads the first: every
+        pass stops rows at EOS and at their budgets on the device, so the device runs pass after pass while the
+        host does its bookkeeping. The next pass is queued that early only where the pass before it cannot end
+        every row by its budget (a row's EOS can: the pass queued after it then commits nothing), else once the
+        host has read that some row goes on. Sampling accepts on the host (:meth:`_pass`)."""
         if self.do_sample:
             super()._iteration()
             return
         active = [b for b in range(self.batch) if not self.finished[b]]
-        if self.in_flight is None:
+        left = [self.max_new_tokens - len(self.new_tokens[b]) for b in active]  # tokens each row may still emit
+        if not self.in_flight:
             with self._timed("draft_seconds"):
                 draft = self._draft(active)
-            self._launch(draft, [self.max_new_tokens - len(self.new_tokens[b]) for b in active])
-        last, chain = self.in_flight
+            self._launch(draft, left)
+        if self.next_draft is not None and len(self.in_flight) == 1 and max(left) > self.in_flight[0][2]:
+            self._launch(self.next_draft, [n - 1 for n in left])  # (the pass in flight emits at least one token a row)
+        last, chain, _ = self.in_flight.popleft()
         with self._timed("verify_seconds"):
             acceptance = self.engine.collect()
         verified = Draft(*self.engine.verified_draft, chain=chain)
-        self.in_flight = None
-        if self.next_draft is not None and any(self.engine.active_rows):
+        if self.next_draft is not None and not self.in_flight and any(self.engine.active_rows):
             counts = acceptance.num_accepted.tolist()
             alive = [b for b, on in enumerate(self.engine.active_rows) if on]
             self._launch(self.next_draft, [self.max_new_tokens - len(self.new_tokens[b]) - counts[b] for b in alive])
@@ -697,11 +702,12 @@ class _StaticRun(_Run):
         """Queue the pass over ``draft`` and, where the drafter can and a row has ``budgets`` (tokens left before
         this pass) for more than this pass, the next draft behind it."""
         with self._timed("verify_seconds"):
-            self.in_flight = (self.engine.launch(draft.tokens, draft.parents, draft.chain), draft.chain)
+            outputs = self.engine.launch(draft.tokens, draft.parents, draft.chain)
+        self.in_flight.append((outputs, draft.chain, draft.tokens.shape[1]))
         self.next_draft = None
         if self.pipelined and any(budget > 1 for budget in budgets):  # (else every row ends with this pass)
             with self._timed("draft_seconds"):
-                proposed = self.drafter.propose_after(self.in_flight[0], self.config, self.max_length)
+                proposed = self.drafter.propose_after(outputs, self.config, self.max_length)
                 self.next_draft = None if proposed is None else self._placed(proposed, list(range(self.batch)))
             self.pipelined = self.drafter_on_device = proposed is not None
 
