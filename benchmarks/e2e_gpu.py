@@ -832,6 +832,11 @@ def end_to_end_markdown(b1: dict) -> list[str]:
     return lines
 
 
+def differs(route: dict) -> str:
+    """What a report says after a route whose output was not plain decoding's."""
+    return "" if route.get("identical", True) else " (output differs from plain decoding's)"
+
+
 def write_report(results: dict, out_dir: str) -> None:
     results["targets"] = targets(results)
     os.makedirs(out_dir, exist_ok=True)
@@ -853,8 +858,8 @@ def write_report(results: dict, out_dir: str) -> None:
     for batch, r in results.get("fla_batch", {}).items():
         lines.append(f"- fla {batch}, p=0.8 L=8: plain {r['plain']['tokens_per_s']:.0f} tok/s, speculative "
                      f"{r['p0.8_L8']['tokens_per_s']:.0f} tok/s" + (f" (not valid: {r['invalid']})" if "invalid" in r else f" = {r['speedup']:.2f}x")
-                     + "".join(f"; in a {key.split('bucket')[1]}-node bucket {r[key]['speedup']:.2f}x" for key in r if key.startswith("p0.8_L8_bucket"))
-                     + "".join(f"; the oracle's drafts on the {key.split('_')[2]} {r[key]['speedup']:.2f}x" for key in r if key.endswith("_drafts")))
+                     + "".join(f"; in a {key.split('bucket')[1]}-node bucket {r[key]['speedup']:.2f}x{differs(r[key])}" for key in r if key.startswith("p0.8_L8_bucket"))
+                     + "".join(f"; the oracle's drafts on the {key.split('_')[2]} {r[key]['speedup']:.2f}x{differs(r[key])}" for key in r if key.endswith("_drafts")))
     routes = [r for section in ("fla_b1", "qwen") for r in [*results.get(section, {}).get("chain", {}).values(),
                                                            *results.get(section, {}).get("tree", {}).values(), *results.get(section, {}).values()]
               if isinstance(r, dict) and "identical" in r]

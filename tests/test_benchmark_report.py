@@ -313,5 +313,6 @@ def test_a_call_ending_at_eos_with_a_pass_queued_behind_leaves_the_engine_exact(
     assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
     engine = next(iter(gen._engines.values()))
     assert len(engine.launched) == 1  # the pass queued behind the last one, never read
+    assert out.stats.accepted_drafts == [3] * out.stats.iterations  # (what passes accepted, before the EOS cut)
     again = gen.generate(prompt, max_new_tokens=30)
     assert again.sequences[0].tolist() == prompt[0].tolist() + truth and not engine.launched

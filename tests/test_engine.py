@@ -163,6 +163,49 @@ def test_more_eos_ids_than_the_device_checks_decode_without_the_engine(caplog):
     assert out.sequences[0, 5:].tolist() == ref[: ref.index(ref[4]) + 1]
 
 
+def test_a_bucket_captured_while_a_pass_is_in_flight_keeps_that_pass_s_attention_columns(monkeypatch):
+    """With CUDA graphs a new bucket is captured at its first pass; with device drafts a pass may still be in flight
+    then, its attention columns not yet counted by the host: the capture must leave them be. (CPU: a capture that
+    runs the step, as graphs do at warm-up; the device drafts are flagged as trees, so the second pass opens a new
+    bucket; hybrid model.)"""
+    import sys
+    from pathlib import Path
+
+    from specla_compile.runtime import engine as engine_module
+    from specla_compile.runtime.baseline import autoregressive_generate
+    from specla_compile.runtime.drafting import Draft
+    from specla_compile.runtime.engine import StaticEngine, accept_pass_
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import e2e_gpu
+
+    class Replayed:
+        def __init__(self, step):
+            self.replay = step
+
+    def capture(step, warmups=2):
+        for _ in range(warmups):
+            step()
+        return Replayed(step), step()
+
+    class TreesOnTheDevice(e2e_gpu.OracleDrafter):
+        def propose_after(self, last, config, max_length):
+            draft = super().propose_after(last, config, max_length)
+            return Draft(draft.tokens, draft.parents, chain=False)
+
+    monkeypatch.setattr(engine_module, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    model = tiny_model("qwen3_5")
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    truth = autoregressive_generate(model, prompt, 20)[0][0, 6:].tolist()
+    config = SpecConfig(mode="chain", depth=3, bucket=4, engine="static")
+    gen = SpeculativeGenerator(model, TreesOnTheDevice([truth], 1.0, 3, vocab=VOCAB, device=True), config, compile_options=COMPILE)
+    gen._engines[False] = engine = StaticEngine(gen.compiled, model.config, graphs=True)
+    engine.accept_pass = accept_pass_  # (inductor's program is what graphs replay on CUDA; eager here)
+    assert gen.generate(prompt, max_new_tokens=20).sequences[0, 6:].tolist() == truth
+    assert {key[1] for key in engine.buckets} == {True, False}  # the chain's bucket, then the trees'
+
+
 def test_chain_and_tree_drafts_of_one_size_use_separate_buckets_and_stay_exact():
     """A tree drafter whose drafts are sometimes chains: chain drafts take the chain bucket (prefix
     acceptance, no gather), trees the tree bucket; switching flushes the other bucket's pending records."""
@@ -468,7 +511,7 @@ def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
     remaining = torch.tensor([50, 50, 2, 50])  # row 2 at its budget (when it accepted more), row 1 not active
     active = torch.tensor([True, False, True, True])
     committed = torch.randint(0, 50, (batch,), generator=gen)
-    summary = torch.zeros(batch, n + 3, dtype=torch.long)
+    summary = torch.zeros(batch, n + 4, dtype=torch.long)
     loop = None
     if shape == "loop":
         loop = (torch.randint(0, vocab, (2, batch, LOG_SLOTS), generator=gen), torch.tensor([LOG_SLOTS - 1]))
@@ -494,6 +537,7 @@ def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
         assert bool(active_after[b]) == bool(written[b, n + 2]) == (bool(active[b]) and not ends), b
         if kept:
             assert written[b, n + 1] == row[-1], b  # the next pending token: the last one kept
+        assert written[b, n + 3] == host.num_accepted[b], b  # what was accepted before the cut (the stats')
     assert counts[1] == 0 and not active_after[0]  # row 1 was not active; row 0 emitted EOS and stopped
     if n > 1:  # row 0 cut inside its draft at EOS; row 2 ends at its budget
         assert counts[0] == 1 < host.num_accepted[0] and counts[2] == 2 and not active_after[2]

@@ -25,11 +25,14 @@ class Acceptance:
 
     ``path [B, N]``: accepted node indices from node 0 on, padded with -1; ``num_accepted [B]`` (>= 1);
     ``next_token [B]``: the token the target emits after the last accepted node (the next pending token).
+    ``accepted_before_cut [B]``: where the engine already cut rows at EOS and budget (``num_accepted`` then
+    counts the nodes kept), the nodes accepted before that cut; None where nothing was cut.
     """
 
     path: torch.Tensor
     num_accepted: torch.Tensor
     next_token: torch.Tensor
+    accepted_before_cut: torch.Tensor | None = None
 
 
 def _check_draft(tokens: torch.Tensor, parents: torch.Tensor, dist: torch.Tensor, name: str) -> torch.Tensor:
@@ -211,7 +214,7 @@ def cut_at_stop(tokens: torch.Tensor, acceptance: Acceptance, remaining: torch.T
     """Where each row's emitted tokens end, on the device: a row emits its accepted drafts, then
     ``acceptance.next_token``, cut after its first EOS (``eos [E]``, padded with -1) and at its budget
     ``remaining [B]`` (tokens it may still emit). Returns ``(kept [B], last [B], stops [B])``: tokens kept
-    (>= 1 where ``remaining`` is), the last of them (the row's next pending token) and whether the row ends
+    (>= 1 where ``remaining`` is >= 1), the last of them (the row's next pending token) and whether the row ends
     with them. ``tokens [B, N]`` is the verified draft."""
     path, accepted = acceptance.path, acceptance.num_accepted
     n = path.shape[1]

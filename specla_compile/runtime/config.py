@@ -35,8 +35,9 @@ class SpecConfig:
     ``"eager"`` prefills with the eager model (fla's chunk kernels), as hybrids and calls that continue a cache
     always do; None (default): the engine where it replays CUDA graphs. ``pipelined``: in greedy
     static runs, a drafter that can (:meth:`~.drafting.Drafter.propose_after`: ``EagleDrafter``) drafts the
-    next iteration from the verify pass's device outputs, queued behind the pass, while the host reads
-    the pass's result; None (default) or True: wherever the drafter can; False: never (the drafter waits
+    next iteration from the verify pass's device outputs, queued behind the pass, and the next pass is
+    queued behind that draft before the host reads the pass's result (the device stops rows at EOS and at
+    their budgets itself); None (default) or True: wherever the drafter can; False: never (the drafter waits
     for the host's commit, as in sampling and tensor-parallel runs).
     """
 

@@ -103,8 +103,8 @@ def accept_pass_(draft: torch.Tensor, logits: torch.Tensor, ancestors: torch.Ten
     """The end of a greedy pass on the device, in place: accept the draft ``draft [2, B, N]`` (tokens, parents)
     against ``logits [B, N, V]``, cut each row's tokens after its first EOS (``eos [E]``, -1 padded) and at its
     budget ``remaining [B]`` (:func:`cut_at_stop`), advance ``committed`` and lower ``remaining`` by the rows'
-    counts (0 for rows not ``active``), stop the rows that ended and write path, count, next token and whether
-    the row is still active into ``summary [B, N + 3]``: the host never has to trim a pass, so the next one can
+    counts (0 for rows not ``active``), stop the rows that ended and write path, count, next token, whether
+    the row is still active and the nodes it accepted before the cut into ``summary [B, N + 4]``: the host never has to trim a pass, so the next one can
     be queued before the host reads this one. ``ancestors``: the inclusive ancestor mask, or None (built here,
     by a walk up the parents that inductor fuses). ``loop``: plain decoding's ``(log, step)``: log the token
     and the count at ``step`` of the ring ``log [2, B, S]`` and feed the token to the next pass. Returns
@@ -123,6 +123,7 @@ def accept_pass_(draft: torch.Tensor, logits: torch.Tensor, ancestors: torch.Ten
     summary[:, n] = counts
     summary[:, n + 1] = token
     summary[:, n + 2] = active
+    summary[:, n + 3] = acceptance.num_accepted
     if loop is not None:
         log, step = loop
         log.index_copy_(2, step, torch.stack([token, counts])[..., None])
@@ -160,14 +161,14 @@ class _Bucket:
         self.draft = torch.zeros(2, batch, nodes, dtype=torch.long, device=device)  # tokens, parents
         self.draft[1] = PAD
         self.draft[1, :, 0] = -1
-        self.summary = torch.zeros(batch, nodes + 3, dtype=torch.long, device=device)  # path, count, next token, active
+        self.summary = torch.zeros(batch, nodes + 4, dtype=torch.long, device=device)  # path, count, next token, active, accepted
         # on CUDA, page-locked host sides of the draft (in, and back with the summary) and the summary: one DMA each;
         # the copies back in MAX_IN_FLIGHT slots, one per pass that may be launched and not collected
         self.staged: torch.cuda.Event | None = None  # the last draft copy has left host_draft
         self.next_slot = 0
         if device.type == "cuda":
             self.host_draft = torch.zeros(2, batch, nodes, dtype=torch.long, pin_memory=True)
-            self.host_summary = torch.zeros(MAX_IN_FLIGHT, batch, nodes + 3, dtype=torch.long, pin_memory=True)
+            self.host_summary = torch.zeros(MAX_IN_FLIGHT, batch, nodes + 4, dtype=torch.long, pin_memory=True)
             self.host_verified = torch.zeros(MAX_IN_FLIGHT, 2, batch, nodes, dtype=torch.long, pin_memory=True)  # the drafts, read back
             self.read = [torch.cuda.Event() for _ in range(MAX_IN_FLIGHT)]  # a slot's copies to the host are done
             self.staged = torch.cuda.Event()
@@ -341,12 +342,17 @@ class StaticEngine:
         n = launched.bucket.nodes
         self.columns += max(summary[:, n].tolist())
         self.active_rows = summary[:, n + 2].bool().tolist()
-        return Acceptance(summary[:, :n], summary[:, n], summary[:, n + 1])
+        return Acceptance(summary[:, :n], summary[:, n], summary[:, n + 1], accepted_before_cut=summary[:, n + 3])
+
+    def has_room(self, nodes: int) -> bool:
+        """Whether a pass of ``nodes`` nodes fits the attention cache behind the passes launched and not collected
+        (each may take all its nodes' columns)."""
+        return self.kv_valid is None or self.columns + nodes * (1 + len(self.launched)) <= self.capacity
 
     def _begin_pass(self, tokens: torch.Tensor, parents: torch.Tensor, mode: str, chain: bool | None) -> _Bucket:
         """The draft's bucket, prepared (compiled, captured) and holding the draft."""
         nodes = tokens.shape[1]
-        if self.kv_valid is not None and self.columns + nodes * (1 + len(self.launched)) > self.capacity:
+        if not self.has_room(nodes):
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
         bucket = self._switch_to(nodes, parents, mode, chain)
         self._load_draft(bucket, tokens, parents)
@@ -369,6 +375,7 @@ class StaticEngine:
     def begin_generation(self, eos: list[int], budgets: list[int], finished: list[bool]) -> None:
         """Where the rows of a call stop, checked on the device by every accepting pass: after one of ``eos``
         and after ``budgets[b]`` more tokens; ``finished`` rows commit nothing."""
+        eos = sorted(set(eos))
         if len(eos) > EOS_SLOTS:
             raise ValueError(f"at most {EOS_SLOTS} EOS ids are checked on the device, got {len(eos)}")
         device = self.committed.device
@@ -672,14 +679,15 @@ class StaticEngine:
         started = time.perf_counter()
         active = self.active.clone()
         self.active.fill_(False)
-        columns = self.columns
+        # (the device's attention length: a pass launched and not collected yet has advanced it past self.columns)
+        length = self._attention_length().clone() if self.kv_valid is not None else None
         bucket.graph, bucket.result = capture(lambda: self._step(bucket, accept))
         # the flush too (about 100 launches, once per call): nothing is pending yet, so its warm-up
         # only compiles its kernels
         bucket.flush_graph, _ = capture(bucket.session.flush, warmups=1)
         self.active.copy_(active)
-        if self.kv_valid is not None:
-            self._set_attention_length(columns)
+        if length is not None:
+            self._set_attention_length(length)
         torch.cuda.synchronize()
         self.compile_seconds[name] = time.perf_counter() - started
 

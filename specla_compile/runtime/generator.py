@@ -256,9 +256,9 @@ class SpeculativeGenerator:
         try:
             drafter = _PlainDrafter() if _plain else self.drafter
             engine = self.engine(input_ids.device, self.engine_features(drafter))
-            if engine is not None and not args.do_sample and len(args.eos_token_ids) > EOS_SLOTS:
+            if engine is not None and not args.do_sample and len(set(args.eos_token_ids)) > EOS_SLOTS:
                 log.warning("specla: %d EOS ids, more than the %d that the engine's passes check on the device: "
-                            "decoding without the static engine", len(args.eos_token_ids), EOS_SLOTS)
+                            "decoding without the static engine", len(set(args.eos_token_ids)), EOS_SLOTS)
                 engine = None
             run_type = _Run if engine is None else _StaticRun
             if engine is not None and _plain and not args.do_sample:
@@ -487,6 +487,7 @@ class _Run:
         """New tokens per row: the accepted drafts then the target's token, cut at EOS and at the budget."""
         paths, counts = acceptance.path.tolist(), acceptance.num_accepted.tolist()
         drafted, next_tokens = tokens.tolist(), acceptance.next_token.tolist()
+        raw = counts if acceptance.accepted_before_cut is None else acceptance.accepted_before_cut.tolist()
         emitted = []
         for b in range(self.batch):
             if self.finished[b]:
@@ -494,7 +495,7 @@ class _Run:
                 continue
             row = [drafted[b][j] for j in paths[b][1 : counts[b]]] + [next_tokens[b]]
             row = self._cut_at_eos(row[: self.max_new_tokens - len(self.new_tokens[b])])
-            self.stats.accepted_drafts.append(counts[b] - 1)
+            self.stats.accepted_drafts.append(raw[b] - 1)
             emitted.append(row)
         return emitted
 
@@ -686,7 +687,8 @@ class _StaticRun(_Run):
             with self._timed("draft_seconds"):
                 draft = self._draft(active)
             self._launch(draft, left)
-        if self.next_draft is not None and len(self.in_flight) == 1 and max(left) > self.in_flight[0][2]:
+        early = self.next_draft is not None and len(self.in_flight) == 1 and max(left) > self.in_flight[0][2]
+        if early and self.engine.has_room(self.next_draft.tokens.shape[1]):
             self._launch(self.next_draft, [n - 1 for n in left])  # (the pass in flight emits at least one token a row)
         last, chain, _ = self.in_flight.popleft()
         with self._timed("verify_seconds"):
@@ -700,7 +702,7 @@ class _StaticRun(_Run):
 
     def _launch(self, draft: Draft, budgets: list[int]) -> None:
         """Queue the pass over ``draft`` and, where the drafter can and a row has ``budgets`` (tokens left before
-        this pass) for more than this pass, the next draft behind it."""
+        this pass, or a bound on them) for more than this pass, the next draft behind it."""
         with self._timed("verify_seconds"):
             outputs = self.engine.launch(draft.tokens, draft.parents, draft.chain)
         self.in_flight.append((outputs, draft.chain, draft.tokens.shape[1]))
@@ -709,6 +711,8 @@ class _StaticRun(_Run):
             with self._timed("draft_seconds"):
                 proposed = self.drafter.propose_after(outputs, self.config, self.max_length)
                 self.next_draft = None if proposed is None else self._placed(proposed, list(range(self.batch)))
+            if proposed is None and self.drafter_on_device:  # (its state follows the device: it cannot go back)
+                raise RuntimeError(f"{type(self.drafter).__name__}.propose_after returned None after drafting on the device")
             self.pipelined = self.drafter_on_device = proposed is not None
 
     def _sequences(self, active: list[int]) -> list[torch.Tensor]:

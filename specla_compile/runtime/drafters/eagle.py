@@ -337,8 +337,8 @@ class EagleDrafter(Drafter):
             self._device_cached = self._cached_counts
             self._device_cached.copy_(torch.tensor(self._cached))
         beam = self._beam(config)
-        # the whole call's room, once: a row's count runs up to depth + 1 pairs past its budget in its last pass
-        # (the host trims it; the device state does not), and each later propose writes width padding pairs
+        # the whole call's room, once: room for a row's last pass (depth + 1 pairs) past its budget, and each
+        # later propose writes width padding pairs
         if self._buffers.reserve(max_length + 2 * width, (config.depth - 1) * beam):
             self._graphs.clear()
         with torch.no_grad():
