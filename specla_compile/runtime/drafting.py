@@ -42,8 +42,8 @@ class PassOutputs:
     """What an accepting verify pass leaves on the device, for every row of the batch, before the host has
     read any of it: the verified draft's ``tokens [B, N]``, the accepted ``path [B, N]`` (node indices from
     node 0 on, -1 padded), ``counts [B]`` (tokens each row committed: its accepted nodes up to its EOS and
-    budget, 0 for a finished row), the new pending token ``next_token [B]`` and the target's last hidden state at every node
-    ``hidden [B, N, D]`` (None unless the engine returns features). The next pass overwrites them."""
+    budget, 0 for a finished row), the new pending token ``next_token [B]`` and the target's last hidden state at
+    every node ``hidden [B, N, D]`` (None unless the engine returns features). The next pass overwrites them."""
 
     tokens: torch.Tensor
     path: torch.Tensor

@@ -70,6 +70,12 @@ EOS_SLOTS = 8
 NO_BUDGET = 1 << 62  # a row's budget until begin_generation sets one
 MAX_IN_FLIGHT = 2  # accepting passes launched and not collected (StaticEngine.launch)
 
+
+def eos_fits(eos: list[int]) -> bool:
+    """Whether the device can check these EOS ids in every pass (at most ``EOS_SLOTS`` distinct ones)."""
+    return len(set(eos)) <= EOS_SLOTS
+
+
 # Prompts run through the engine (StaticEngine.prefill): first, tokens that every row has, as chunks of these
 # lengths (longest first), each one replay of the model's own forward (fla's kernels: the chunked recurrence past
 # 64 tokens) captured per length; the rest as chains of PREFILL_NODES tokens through the verify pass (the bucket
@@ -104,11 +110,11 @@ def accept_pass_(draft: torch.Tensor, logits: torch.Tensor, ancestors: torch.Ten
     against ``logits [B, N, V]``, cut each row's tokens after its first EOS (``eos [E]``, -1 padded) and at its
     budget ``remaining [B]`` (:func:`cut_at_stop`), advance ``committed`` and lower ``remaining`` by the rows'
     counts (0 for rows not ``active``), stop the rows that ended and write path, count, next token, whether
-    the row is still active and the nodes it accepted before the cut into ``summary [B, N + 4]``: the host never has to trim a pass, so the next one can
-    be queued before the host reads this one. ``ancestors``: the inclusive ancestor mask, or None (built here,
-    by a walk up the parents that inductor fuses). ``loop``: plain decoding's ``(log, step)``: log the token
-    and the count at ``step`` of the ring ``log [2, B, S]`` and feed the token to the next pass. Returns
-    ``(path [B, N], counts [B])`` for the commit of the records."""
+    the row is still active and the nodes it accepted before the cut into ``summary [B, N + 4]``: the host never
+    has to trim a pass, so the next one can be queued before the host reads this one. ``ancestors``: the
+    inclusive ancestor mask, or None (built here, by a walk up the parents that inductor fuses). ``loop``: plain
+    decoding's ``(log, step)``: log the token and the count at ``step`` of the ring ``log [2, B, S]`` and feed the
+    token to the next pass. Returns ``(path [B, N], counts [B])`` for the commit of the records."""
     tokens, parents = draft[0], draft[1]
     if ancestors is None:
         ancestors = ancestor_mask_device(parents, height=parents.shape[1])
@@ -375,9 +381,9 @@ class StaticEngine:
     def begin_generation(self, eos: list[int], budgets: list[int], finished: list[bool]) -> None:
         """Where the rows of a call stop, checked on the device by every accepting pass: after one of ``eos``
         and after ``budgets[b]`` more tokens; ``finished`` rows commit nothing."""
+        if not eos_fits(eos):
+            raise ValueError(f"at most {EOS_SLOTS} EOS ids are checked on the device, got {len(set(eos))}")
         eos = sorted(set(eos))
-        if len(eos) > EOS_SLOTS:
-            raise ValueError(f"at most {EOS_SLOTS} EOS ids are checked on the device, got {len(eos)}")
         device = self.committed.device
         self.eos.fill_(-1)
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)

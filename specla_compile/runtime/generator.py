@@ -41,7 +41,7 @@ from .cache_layout import (
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, PassOutputs, output_vocab_size
-from .engine import EOS_SLOTS, PLAIN_LOOKAHEAD, PLAIN_STEPS, StaticEngine
+from .engine import EOS_SLOTS, PLAIN_LOOKAHEAD, PLAIN_STEPS, StaticEngine, eos_fits
 from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .graph_capture import capturable_experts
@@ -256,7 +256,7 @@ class SpeculativeGenerator:
         try:
             drafter = _PlainDrafter() if _plain else self.drafter
             engine = self.engine(input_ids.device, self.engine_features(drafter))
-            if engine is not None and not args.do_sample and len(set(args.eos_token_ids)) > EOS_SLOTS:
+            if engine is not None and not args.do_sample and not eos_fits(args.eos_token_ids):
                 log.warning("specla: %d EOS ids, more than the %d that the engine's passes check on the device: "
                             "decoding without the static engine", len(set(args.eos_token_ids)), EOS_SLOTS)
                 engine = None
