@@ -206,6 +206,26 @@ def test_a_bucket_captured_while_a_pass_is_in_flight_keeps_that_pass_s_attention
     assert {key[1] for key in engine.buckets} == {True, False}  # the chain's bucket, then the trees'
 
 
+def test_room_in_the_attention_cache_counts_each_pass_in_flight_by_its_own_nodes():
+    """An early launch must fit behind the passes in flight, whatever their sizes (a 16-node pass then a 9-node one)."""
+    from types import SimpleNamespace
+
+    from specla_compile.runtime.engine import StaticEngine, _Launched
+
+    def engine(columns, capacity, in_flight):
+        launched = [_Launched(SimpleNamespace(nodes=n), None, None, None) for n in in_flight]
+        return SimpleNamespace(kv_valid=torch.ones(1, capacity, dtype=torch.bool), columns=columns, capacity=capacity,
+                               launched=launched)
+
+    assert StaticEngine.has_room(engine(100, 125, [16]), 9)
+    assert not StaticEngine.has_room(engine(101, 125, [16]), 9)  # (two 9-node passes would fit: 101 + 18 <= 125)
+    assert StaticEngine.has_room(engine(100, 125, []), 25)
+    assert not StaticEngine.has_room(engine(100, 125, [9, 9]), 8)
+    no_attention = engine(10**6, 0, [16])
+    no_attention.kv_valid = None
+    assert StaticEngine.has_room(no_attention, 32)
+
+
 def test_chain_and_tree_drafts_of_one_size_use_separate_buckets_and_stay_exact():
     """A tree drafter whose drafts are sometimes chains: chain drafts take the chain bucket (prefix
     acceptance, no gather), trees the tree bucket; switching flushes the other bucket's pending records."""

@@ -353,7 +353,8 @@ class StaticEngine:
     def has_room(self, nodes: int) -> bool:
         """Whether a pass of ``nodes`` nodes fits the attention cache behind the passes launched and not collected
         (each may take all its nodes' columns)."""
-        return self.kv_valid is None or self.columns + nodes * (1 + len(self.launched)) <= self.capacity
+        in_flight = sum(launched.bucket.nodes for launched in self.launched)
+        return self.kv_valid is None or self.columns + in_flight + nodes <= self.capacity
 
     def _begin_pass(self, tokens: torch.Tensor, parents: torch.Tensor, mode: str, chain: bool | None) -> _Bucket:
         """The draft's bucket, prepared (compiled, captured) and holding the draft."""
@@ -384,11 +385,10 @@ class StaticEngine:
         if not eos_fits(eos):
             raise ValueError(f"at most {EOS_SLOTS} EOS ids are checked on the device, got {len(set(eos))}")
         eos = sorted(set(eos))
-        device = self.committed.device
         self.eos.fill_(-1)
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
         self.remaining.copy_(torch.tensor(budgets))
-        self.active.copy_(~torch.tensor(finished).to(device))
+        self.active.copy_(~torch.tensor(finished))
 
     def begin_decoding(self, pending: torch.Tensor) -> None:
         """Start plain greedy decoding on the device from the tokens ``pending [B]``: each pass that
