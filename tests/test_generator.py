@@ -181,7 +181,8 @@ def test_continue_from_returned_cache():
     expected, _ = plain(model, prompt[0], 12)
     spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[2], compile_options=COMPILE)
     first = spec.generate(prompt, max_new_tokens=6)
-    # the cache holds all but the last emitted token: feed that one to continue
+    # the cache holds all but the last emitted token, and says so to transformers: feed that one to continue
+    assert first.past_key_values.get_seq_length() == first.sequences.shape[1] - 1
     second = spec.generate(first.sequences[:, -1:], max_new_tokens=6, past_key_values=first.past_key_values)
     assert torch.cat([first.sequences, second.sequences[:, 1:]], 1).tolist() == expected.tolist()
 

@@ -181,14 +181,24 @@ def compact_attention(cache, past: int, path: torch.Tensor, width: int) -> None:
 
 
 def set_seen_tokens(cache, count: int) -> None:
-    """Keep fla's token counters in line with what the cache holds (drafts are not 'seen')."""
+    """Keep the token counters in line with what the cache holds (drafts are not 'seen'): fla's, and the
+    linear-attention layers' of transformers >= 5.25 (``get_seq_length()`` reads layer 0, a GDN layer)."""
     for owner in (cache, *getattr(cache, "layers", ())):
         if hasattr(owner, "_seen_tokens"):
             owner._seen_tokens = count
+        linear_count = getattr(owner, "cumulative_length_linear", None)
+        if isinstance(linear_count, torch.Tensor):
+            linear_count.fill_(count)  # (in place: a compiled graph may hold its address)
 
 
 def has_attention(cache) -> bool:
     return any(slot.kind == "kv" for slot in cache_slots(cache))
+
+
+def attention_width(cache) -> int:
+    """Attention columns the cache's K/V hold (0 without attention), read from the attention layers: a
+    hybrid cache's ``get_seq_length()`` may count a GDN layer's tokens instead (transformers >= 5.25)."""
+    return max((_attention_width(layer) for layer in getattr(cache, "layers", ()) if _is_attention_layer(layer)), default=0)
 
 
 def _is_attention_layer(layer) -> bool:

@@ -27,6 +27,7 @@ from ..lowering.fuse_projections import pack_projections
 from ..lowering.session import VerifySession
 from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
 from .cache_layout import (
+    attention_width,
     cache_argument,
     compact_attention,
     has_attention,
@@ -341,7 +342,7 @@ class _Run:
     def _past_columns(self, cache) -> torch.Tensor:
         """``[B, W]``: which attention columns of a cache to continue from hold tokens. A batched cache must
         come from this generator (rows of a batch leave gaps between their columns); one row's holds no gap."""
-        width = _committed_length(cache)
+        width = attention_width(cache)
         valid = _KV_VALID.get(cache)
         if valid is None and self.batch > 1:
             raise NotImplementedError(
@@ -351,7 +352,10 @@ class _Run:
         if valid is None:
             valid = torch.ones(1, width, dtype=torch.bool, device=self.device)
         if valid.shape != (self.batch, width):
-            raise ValueError(f"the cache holds {width} attention columns for {valid.shape[0]} rows, not {self.batch} rows")
+            raise ValueError(
+                f"the cache holds {width} attention columns, its call returned {valid.shape[1]} for "
+                f"{valid.shape[0]} rows, and this call has {self.batch} rows (was the cache changed after that call?)"
+            )
         return valid.to(self.device)
 
     def _model_kwargs(self) -> dict:
