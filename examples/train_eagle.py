@@ -65,10 +65,9 @@ from specla_compile.training import corpus as C
 from specla_compile.training.budget import TimeBudget
 from specla_compile.training.chunked_gdn import DEFAULT_CHUNK, plain_torch_fla
 from specla_compile.training.corpus import batch_indices, make_blocks
-from specla_compile.training.self_distill import TURN_MARKER, distill_contexts, greedy_continuations
+from specla_compile.training import TRAINER_STATE
+from specla_compile.training.self_distill import DISTILL_BLOCKS, TURN_MARKER, distill_contexts, greedy_continuations
 
-STATE_NAME = "trainer_state.pt"
-DISTILL_NAME = "distill_blocks.pt"  # the target's greedy continuations, kept for --resume
 LOG_NAME = "train_log.jsonl"
 REPORT_NAME = "report.json"
 CALIBRATION_POSITIONS = 8192  # held-out positions the acceptance temperature is fitted on (a [N, V] fp32 tensor)
@@ -96,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
-    p.add_argument("--resume", action="store_true", help=f"continue from {STATE_NAME} in --out")
+    p.add_argument("--resume", action="store_true", help=f"continue from {TRAINER_STATE} in --out")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="training time: stop (and save) once the steps after this run's first one (which compiles "
                         "or autotunes, and is not counted, nor is loading) have run this long")
@@ -281,7 +280,7 @@ def self_distillation(
 ) -> tuple[torch.Tensor, dict]:
     """The distilled training blocks (generated now, or an earlier run's from ``--out`` on ``--resume``) and
     their report."""
-    path = os.path.join(args.out, DISTILL_NAME)
+    path = os.path.join(args.out, DISTILL_BLOCKS)
     report = {"new_tokens": args.distill_new_tokens, "share": args.distill_share}
     if args.resume and os.path.isfile(path):
         saved = torch.load(path)
@@ -305,7 +304,7 @@ def self_distillation(
 
 def save_checkpoint(out: str, head: EagleHead, optimizer: torch.optim.Optimizer, step: int) -> None:
     head.save_pretrained(out)
-    torch.save({"step": step, "optimizer": optimizer.state_dict()}, os.path.join(out, STATE_NAME))
+    torch.save({"step": step, "optimizer": optimizer.state_dict()}, os.path.join(out, TRAINER_STATE))
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
@@ -319,9 +318,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     target.requires_grad_(False)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     os.makedirs(args.out, exist_ok=True)
-    state_file = os.path.join(args.out, STATE_NAME)
+    state_file = os.path.join(args.out, TRAINER_STATE)
     if args.resume and not os.path.isfile(state_file):  # (before the slow data preparation and distillation)
-        raise ValueError(f"--resume: no checkpoint in {args.out} ({STATE_NAME} missing)")
+        raise ValueError(f"--resume: no checkpoint in {args.out} ({TRAINER_STATE} missing)")
     heldout, distilled, distill_report, heldout_distilled = {}, None, None, None
     if args.data is not None:
         blocks = make_blocks(

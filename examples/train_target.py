@@ -53,12 +53,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 import specla_compile  # noqa: F401  (on CPU: routes fla's GPU-only entry points to PyTorch references)
+from specla_compile.training import TRAINER_STATE
 from specla_compile.training import corpus as C
 from specla_compile.training.budget import TimeBudget
 from specla_compile.training.chunked_gdn import torch_chunk_gdn
 from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
 
-STATE_NAME = "trainer_state.pt"
 LOG_NAME = "train_log.jsonl"
 REPORT_NAME = "report.json"
 PLOT_NAME = "loss_curve.png"
@@ -371,7 +371,7 @@ def save_checkpoint(
     model.save_pretrained(args.out)
     torch.save(
         {"step": step, "elapsed": elapsed, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
-        os.path.join(args.out, STATE_NAME),
+        os.path.join(args.out, TRAINER_STATE),
     )
 
 
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True  # the torch backend's fp32 recurrence matmuls
-    resume = not args.no_resume and os.path.isfile(os.path.join(args.out, STATE_NAME))
+    resume = not args.no_resume and os.path.isfile(os.path.join(args.out, TRAINER_STATE))
     tokenizer, streams = prepare_data(args, resume)
     token_bytes = token_byte_lengths(tokenizer)
     train_ids = C.training_stream(streams)
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if resume:
         model = GatedDeltaNetForCausalLM.from_pretrained(args.out, dtype=torch.float32)
-        state = torch.load(os.path.join(args.out, STATE_NAME), map_location="cpu", weights_only=False)
+        state = torch.load(os.path.join(args.out, TRAINER_STATE), map_location="cpu", weights_only=False)
     else:
         model = GatedDeltaNetForCausalLM(model_config(args, tokenizer))
         state = {"step": 0, "elapsed": 0.0}

@@ -226,6 +226,30 @@ def test_pipeline_plans_compilation_apart_and_refuses_a_plan_that_does_not_fit(p
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(work)) and env["TRITON_CACHE_DIR"].startswith(str(work))
 
 
+def test_pipeline_trains_an_earlier_head_on_with_its_own_blocks(prompt_files, tmp_path):
+    """--eagle-resume: a later call trains call 1's head on (its optimizer state and distilled blocks), plans no new
+    distillation, and refuses at once without that head or next to a new target."""
+    work = tmp_path / "work"
+    resume = ("--stages", "eagle", "--eagle-resume", "--eagle-minutes", "7.4", "--minutes", "9.35")
+    for folder in ("target", "eagle"):
+        (work / folder).mkdir(parents=True)
+    (work / "target" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="^error: --eagle-resume: no head to train on in .*trainer_state.pt missing"):
+        P.parse_args(_pipeline_args(prompt_files, work, *resume))
+    (work / "eagle" / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(SystemExit, match="^error: --eagle-resume needs the eagle stage without the target stage"):
+        P.parse_args(_pipeline_args(prompt_files, work, *resume, "--stages", "target", "eagle", "--target-minutes", "0.5",
+                                    "--eagle-minutes", "0.5"))
+    args = P.parse_args(_pipeline_args(prompt_files, work, *resume))
+    assert args.plan["eagle"]["total"] == pytest.approx(P.overhead("eagle") + 7.4)  # no distillation planned
+    eagle = P.stage_commands(args)["eagle"]
+    assert "--resume" in eagle and "--distill-blocks" not in eagle and "--distill-minutes" not in eagle  # (trained without)
+    (work / "eagle" / "distill_blocks.pt").write_bytes(b"")
+    eagle = P.stage_commands(args)["eagle"]
+    assert eagle[eagle.index("--distill-blocks") + 1] == "8192" and "--distill-minutes" not in eagle  # reused, not generated
+    assert eagle[eagle.index("--max-minutes") + 1] == "7.4"
+
+
 def test_default_work_folder_is_git_ignored_inside_the_repository(prompt_files, tmp_path):
     import subprocess
 

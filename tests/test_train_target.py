@@ -11,8 +11,10 @@ from safetensors.torch import load_file
 
 import specla_compile  # noqa: F401  (routes fla's GPU entry points to the references on CPU)
 from specla_compile.kernels.reference import gdn_chain_reference
+from specla_compile.training import TRAINER_STATE
 from specla_compile.training import corpus as C
 from specla_compile.training.chunked_gdn import chunked_gdn, torch_chunk_gdn
+from specla_compile.training.self_distill import DISTILL_BLOCKS
 from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,7 +331,7 @@ def test_resume_continues_from_the_saved_step(trained, script):
     steps = [json.loads(line)["step"] for line in log.splitlines() if '"loss"' in line]
     assert steps == list(range(1, 13))  # 1-7, then 8-12: nothing repeated, nothing skipped
     assert log.startswith(first_log)
-    assert torch.load(base / "split" / script.STATE_NAME, weights_only=False)["step"] == 12
+    assert torch.load(base / "split" / TRAINER_STATE, weights_only=False)["step"] == 12
     # the same batches, optimizer moments and schedule: the same weights as without the interruption
     a, b = load_file(base / "straight" / "model.safetensors"), load_file(base / "split" / "model.safetensors")
     assert a.keys() == b.keys()
@@ -487,7 +489,7 @@ def test_eagle_head_trains_on_the_targets_own_continuations(trained, corpus_dir,
     from specla_compile.runtime.baseline import autoregressive_generate
     from specla_compile.training.self_distill import TURN_MARKER
 
-    blocks = torch.load(out / eagle.DISTILL_NAME)["blocks"]
+    blocks = torch.load(out / DISTILL_BLOCKS)["blocks"]
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     assert blocks.shape == (6, 32)
     for block in blocks[:2]:  # each block: a context of 24 training tokens, then the target's 8 greedy tokens
@@ -495,7 +497,7 @@ def test_eagle_head_trains_on_the_targets_own_continuations(trained, corpus_dir,
     marker = AutoTokenizer.from_pretrained(target_dir)(TURN_MARKER, add_special_tokens=False)["input_ids"]
     assert any(block[24 - len(marker) : 24].tolist() == marker for block in blocks)  # conversation contexts
     # --resume trains on the saved blocks (here replaced by three others), not on new ones
-    torch.save({"blocks": blocks[:3].flip(0), "new_tokens": 8}, out / eagle.DISTILL_NAME)
+    torch.save({"blocks": blocks[:3].flip(0), "new_tokens": 8}, out / DISTILL_BLOCKS)
     again = eagle.main([*argv, "--resume", "--steps", "7"])
     resumed = json.loads((out / eagle.REPORT_NAME).read_text())["self_distillation"]
     assert [r["step"] for r in again] == [7] and resumed["blocks"] == 3 and resumed["reused"]
@@ -513,18 +515,18 @@ def test_eagle_head_trains_on_the_targets_own_continuations(trained, corpus_dir,
 def test_prepared_data_is_reused_and_a_time_budget_stops_after_saving(script, corpus_dir, tmp_path):
     out = tmp_path / "run"
     prepared = script.main(train_args(corpus_dir, out, 5, "--prepare-only"))
-    assert not (out / script.STATE_NAME).exists() and (out / "tokenizer.json").is_file()
+    assert not (out / TRAINER_STATE).exists() and (out / "tokenizer.json").is_file()
     stamp = (out / C.STREAMS_DIR / "code_train.npy").stat().st_mtime_ns
     report = script.main(train_args(corpus_dir, out, 5, "--no-resume", "--max-wall-minutes", "1e-6"))
     assert (out / C.STREAMS_DIR / "code_train.npy").stat().st_mtime_ns == stamp  # not tokenized again
     assert report["corpus_tokens"] == prepared["corpus"]
     assert report["steps"] == 1 and not report["complete"]  # the wall cap counts everything, the first step too
-    assert torch.load(out / script.STATE_NAME, weights_only=False)["step"] == 1
+    assert torch.load(out / TRAINER_STATE, weights_only=False)["step"] == 1
     # --max-minutes starts after the first (compiling) step: one step more, however short the budget
     report = script.main(train_args(corpus_dir, out, 5, "--no-resume", "--max-minutes", "1e-6"))
     assert report["steps"] == 2 and not report["complete"]
     assert report["time_budget"]["first_step_seconds"] > 0 and report["time_budget"]["seconds_after_first_step"] > 0
-    assert torch.load(out / script.STATE_NAME, weights_only=False)["step"] == 2
+    assert torch.load(out / TRAINER_STATE, weights_only=False)["step"] == 2
     with pytest.raises(ValueError, match="another corpus or tokenizer"):  # a checkpoint of other options
         script.main(train_args(corpus_dir, out, 5, "--vocab-size", "290"))
 
@@ -552,7 +554,7 @@ def test_eagle_time_budget_stops_after_saving(trained, corpus_dir, tmp_path):
         report = json.loads((out / eagle.REPORT_NAME).read_text())
         assert len(history) == steps and report["steps"] == steps and not report["complete"]
         assert report["heldout_top1"]["all"]["positions"] > 0 and report["features_backend"] == "torch"
-        assert torch.load(out / eagle.STATE_NAME)["step"] == steps
+        assert torch.load(out / TRAINER_STATE)["step"] == steps
 
 
 def test_time_budget_starts_its_training_clock_after_the_first_step():

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ..runtime.baseline import autoregressive_generate
 
+DISTILL_BLOCKS = "distill_blocks.pt"  # the target's greedy continuations in the head's --out, kept for --resume
 TURN_MARKER = "\nASSISTANT:"  # what a conversation context ends with (corpus.format_prompt's hand-over)
 
 
