@@ -66,7 +66,13 @@ def test_generate_stops_at_the_models_eos_and_pads_with_its_pad_token():
     assert len(plain(model, prompts[0], 10, eos)[0][0, 4:]) <= 4  # row 0 did stop early
 
 
-def test_hybrid_model_gets_its_cache_under_the_current_name():
+def test_hybrid_model_gets_and_reads_its_cache_under_the_current_name(monkeypatch):
+    """Neither passing the cache nor reading it from a forward's output uses the deprecated name (transformers
+    warns through Python's warnings, or from 5.25 through its logger's warning_once: recorded, not once)."""
+    from transformers.utils import generic
+
+    logged = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda message, *args, **kwargs: logged.append(str(message)))
     model = tiny_model("qwen3_5", layers=2)
     spec = SpeculativeGenerator(model, NgramDrafter(), SpecConfig(mode="chain", depth=3, bucket=4), compile_options=COMPILE)
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(22))
@@ -76,4 +82,19 @@ def test_hybrid_model_gets_its_cache_under_the_current_name():
             warnings.simplefilter("always")
             first = spec.generate(prompt, max_new_tokens=4)
             spec.generate(first.sequences[:, -1:], max_new_tokens=3, past_key_values=first.past_key_values)
-        assert not [w for w in caught if "past_key_values" in str(w.message)], engine
+        said = [str(w.message) for w in caught] + logged
+        assert not [m for m in said if "past_key_values" in m], engine
+
+
+def test_cache_is_past_key_values_under_its_current_name():
+    """generate(cache=...) and output.cache: transformers' names since 5.24, for the same cache."""
+    model = tiny_model("fla", layers=2)
+    spec = SpeculativeGenerator(model, NgramDrafter(), SpecConfig(mode="chain", depth=3, bucket=4), compile_options=COMPILE)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(23))
+    expected = plain(model, prompt[0], 9)[0]
+    first = spec.generate(prompt, max_new_tokens=4)
+    assert first.cache is first.past_key_values
+    second = spec.generate(first.sequences[:, -1:], max_new_tokens=5, cache=first.cache)
+    assert torch.cat([first.sequences, second.sequences[:, 1:]], 1).tolist() == expected.tolist()
+    with pytest.raises(ValueError, match="^pass the cache to continue from as cache= or as past_key_values=, not both"):
+        spec.generate(second.sequences[:, -1:], max_new_tokens=2, cache=second.cache, past_key_values=second.cache)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .acceptance import warp_probs
-from .cache_layout import cache_argument
+from .cache_layout import cache_argument, returned_cache
 
 
 @torch.no_grad()
@@ -34,7 +34,7 @@ def autoregressive_generate(
     cache = past_key_values
     for _ in range(max_new_tokens):
         out = model(input_ids=step_input, **{cache_argument(model): cache}, use_cache=True)
-        cache = out.past_key_values
+        cache = returned_cache(out)
         logits = out.logits[:, -1]
         if do_sample:
             token = torch.multinomial(warp_probs(logits, temperature, top_k, top_p), 1, generator=generator)

@@ -74,6 +74,13 @@ def cache_argument(model: torch.nn.Module) -> str:
     return _cache_argument_of(getattr(forward, "__func__", forward))
 
 
+def returned_cache(output):
+    """The cache a forward returned: its ``cache`` (transformers >= 5.24 names it so, and from 5.25 reading
+    ``past_key_values`` logs a deprecation), else its ``past_key_values`` (None: it returned none)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 @functools.cache
 def _cache_argument_of(forward) -> str:  # (once per forward: reading a signature costs 0.2 ms, every call did)
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

@@ -34,6 +34,7 @@ from .cache_layout import (
     left_padding_mask,
     past_columns_inputs,
     restore,
+    returned_cache,
     set_seen_tokens,
     snapshot,
     stack_rows,
@@ -126,6 +127,11 @@ class SpeculativeOutput:
     sequences: torch.Tensor
     stats: GenerationStats
     past_key_values: object
+
+    @property
+    def cache(self) -> object:
+        """The cache under the name transformers' outputs give it since 5.24."""
+        return self.past_key_values
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -236,6 +242,7 @@ class SpeculativeGenerator:
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
         past_key_values=None,
+        cache=None,
         _plain: bool = False,
         **kwargs,
     ) -> SpeculativeOutput:
@@ -246,7 +253,11 @@ class SpeculativeGenerator:
         ``num_return_sequences``, ``logits_processor``, ...) raises ``ValueError`` naming it. Without
         either, greedy decoding of 32 new tokens. ``attention_mask`` marks each row's real tokens (left or
         right padding). ``past_key_values`` continues from a cache that an earlier call returned (rows
-        then all have the same new length; a batched hybrid cache must come from this generator)."""
+        then all have the same new length; a batched hybrid cache must come from this generator); ``cache`` is
+        the same argument under the name transformers uses since 5.24."""
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the cache to continue from as cache= or as past_key_values=, not both")
+        past_key_values = cache if cache is not None else past_key_values
         explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                     "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
         rows = self._check_inputs(input_ids, attention_mask, streamer, past_key_values)
@@ -377,7 +388,7 @@ class _Run:
                 kwargs.update(past_columns_inputs(past_valid, new_tokens.shape[1]))
             out = self.owner.model(input_ids=new_tokens, **{self.cache_arg: past_key_values}, **kwargs)
             self.stats.prefill_passes = 1
-            self.cache = out.past_key_values
+            self.cache = returned_cache(out)
             if past_valid is not None:
                 before = past_valid.sum(-1)
             else:
@@ -388,7 +399,7 @@ class _Run:
             caches = []
             for row in self.rows:
                 out = self.owner.model(input_ids=row[None], **self._model_kwargs())
-                caches.append(out.past_key_values)
+                caches.append(returned_cache(out))
                 outs.append((out.logits[0, -1], out.hidden_states[-1][0] if self.drafter.needs_features else None))
             self.stats.prefill_passes = self.batch
             lengths = [r.numel() for r in self.rows]
@@ -654,7 +665,7 @@ class _StaticRun(_Run):
         template = self.engine.cache
         if template is None or self.engine.committed.shape[0] != self.batch:
             one = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
-            template = self.owner.model(input_ids=one, use_cache=True).past_key_values
+            template = returned_cache(self.owner.model(input_ids=one, use_cache=True))
         return None if has_attention(template) else zeroed_copy(template)
 
     def _start(self) -> None:

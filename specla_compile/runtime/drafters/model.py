@@ -21,7 +21,15 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from ..cache_layout import cache_argument, has_attention, left_padding_mask, past_columns_inputs, split_rows, stack_rows
+from ..cache_layout import (
+    cache_argument,
+    has_attention,
+    left_padding_mask,
+    past_columns_inputs,
+    returned_cache,
+    split_rows,
+    stack_rows,
+)
 from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest, output_vocab_size
 from ..tree_builder import Frontier, build_draft
@@ -72,7 +80,7 @@ class ModelDrafter(Drafter):
         if valid is not None:  # rows' K/V are left-padded to a common width
             kwargs.update(past_columns_inputs(valid, input_ids.shape[1]))
         out = self.model(input_ids=input_ids, **kwargs)
-        cache = getattr(out, "cache", None)
+        cache = returned_cache(out)
         if cache is None or not hasattr(cache, "reorder_cache"):
             raise ValueError(
                 f"{type(self.model).__name__} did not return a cache with reorder_cache(); ModelDrafter needs one"
