@@ -190,12 +190,19 @@ def compact_attention(cache, past: int, path: torch.Tensor, width: int) -> None:
 def set_seen_tokens(cache, count: int) -> None:
     """Keep the token counters in line with what the cache holds (drafts are not 'seen'): fla's, and the
     linear-attention layers' of transformers >= 5.25 (``get_seq_length()`` reads layer 0, a GDN layer)."""
+    set_fla_seen_tokens(cache, count)
+    for layer in getattr(cache, "layers", ()):
+        linear_count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(linear_count, torch.Tensor):
+            linear_count.fill_(count)  # (in place: a compiled graph may hold its address)
+
+
+def set_fla_seen_tokens(cache, count: int) -> None:
+    """fla's token counters only: host integers, free to set before every pass (transformers' are tensors,
+    a kernel each)."""
     for owner in (cache, *getattr(cache, "layers", ())):
         if hasattr(owner, "_seen_tokens"):
             owner._seen_tokens = count
-        linear_count = getattr(owner, "cumulative_length_linear", None)
-        if isinstance(linear_count, torch.Tensor):
-            linear_count.fill_(count)  # (in place: a compiled graph may hold its address)
 
 
 def has_attention(cache) -> bool:

@@ -42,6 +42,7 @@ from .cache_layout import (
     gdn_states,
     load_static,
     same_layout,
+    set_fla_seen_tokens,
     set_seen_tokens,
     static_twin,
     store_static,
@@ -525,7 +526,7 @@ class StaticEngine:
             if slot.get() is not static:
                 static.copy_(slot.get())
                 slot.set(static)
-        set_seen_tokens(self.cache, 0)
+        set_fla_seen_tokens(self.cache, 0)
         return out.hidden_states[-1] if self.features else None
 
     def commit(self, path: torch.Tensor, counts: torch.Tensor) -> None:
@@ -588,7 +589,7 @@ class StaticEngine:
             depth = ancestors.sum(-1) - 1
             kwargs["position_ids"] = self.committed[:, None] + depth
             tree_mask = self._tree_mask(ancestors)
-        set_seen_tokens(self.cache, 0)  # fla's token counter: a constant keeps Dynamo's guards on it stable
+        set_fla_seen_tokens(self.cache, 0)  # fla's token counter: a constant keeps Dynamo's guards on it stable
         one_graph = ONE_GRAPH and self.kv_valid is None
         if one_graph:
             # One graph for every bucket size, the 1-node pass included: the node dimension is dynamic from
