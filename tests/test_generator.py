@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -175,11 +176,12 @@ def test_acceptance_rate_counts_every_drafted_node_and_speed_the_whole_call():
     assert stats.summary()["acceptance_rate"] == 0.4 and GenerationStats().tokens_per_second == 0.0
 
 
-def test_continue_from_returned_cache():
+@pytest.mark.parametrize("engine", ["static", "dynamic"])
+def test_continue_from_returned_cache(engine):
     model = tiny_model("qwen3_next")
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
     expected, _ = plain(model, prompt[0], 12)
-    spec = SpeculativeGenerator(model, NgramDrafter(), SETTINGS[2], compile_options=COMPILE)
+    spec = SpeculativeGenerator(model, NgramDrafter(), dataclasses.replace(SETTINGS[2], engine=engine), compile_options=COMPILE)
     first = spec.generate(prompt, max_new_tokens=6)
     # the cache holds all but the last emitted token, and says so to transformers: feed that one to continue
     assert first.past_key_values.get_seq_length() == first.sequences.shape[1] - 1
@@ -314,8 +316,6 @@ def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits(monkeypatch):
     ragged batch with a row stopping at EOS gets plain decoding's tokens and GDN states, as the host loop
     (pipelined=False, a commit per iteration) does. (Trees: chains differ only in the drafter's plan, which
     test_eagle.py checks for both.)"""
-    import dataclasses
-
     from specla_compile.runtime import generator as generator_module
     from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
     from specla_compile.runtime.engine import StaticEngine

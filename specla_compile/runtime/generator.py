@@ -35,6 +35,7 @@ from .cache_layout import (
     past_columns_inputs,
     restore,
     returned_cache,
+    set_fla_seen_tokens,
     set_seen_tokens,
     snapshot,
     stack_rows,
@@ -543,7 +544,7 @@ class _Run:
             new_valid = torch.arange(width, device=self.device)[None] < counts[:, None]
             self.kv_valid = torch.cat([self.kv_valid, new_valid], dim=1)
         self.committed += counts
-        set_seen_tokens(self.cache, int(self.committed.max()))
+        set_fla_seen_tokens(self.cache, int(self.committed.max()))
         self._advance(acceptance, emitted, hidden)
 
     def _advance(self, acceptance: Acceptance, emitted: list[list[int]], hidden) -> None:
@@ -572,6 +573,7 @@ class _Run:
 
     def _finish(self) -> None:
         self.session.flush()
+        set_seen_tokens(self.cache, int(self.committed.max()))  # (transformers' counters too: once, not every pass)
 
     # --- the loop ------------------------------------------------------------------------------
 
