@@ -3,7 +3,7 @@
     python benchmarks/trained_pipeline.py --out $OUT/trained                    # one call: every stage, small budgets
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages target eagle --target-minutes 3.5 --eagle-minutes 1
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages bench     # the next call, same warm machine
-    python benchmarks/trained_pipeline.py --out $OUT/trained --stages eagle --eagle-resume --eagle-minutes 7.4  # train the head on
+    python benchmarks/trained_pipeline.py --out $OUT/trained --stages eagle --eagle-resume --eagle-minutes 5.5  # train the head on
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages bench --bench-resume   # go on with prompts left
 
 Stages (``--stages``, in this order), each a subprocess that prints its progress:
@@ -269,6 +269,15 @@ def latest_stages(calls: list[dict]) -> dict[str, dict]:
     return out
 
 
+def stage_seconds(calls: list[dict]) -> dict[str, float]:
+    """Seconds each stage ran, summed over the calls (a head trained on with --eagle-resume, a resumed study)."""
+    out: dict[str, float] = {}
+    for call in calls:
+        for name, stage in call["stages"].items():
+            out[name] = round(out.get(name, 0.0) + stage["seconds"], 1)
+    return out
+
+
 def collect(args: argparse.Namespace, calls: list[dict]) -> dict:
     """Write ``report.json`` (and the calls in ``--work``) and copy the small artefacts into ``--out``."""
     work, out = Path(args.work), Path(args.out)
@@ -318,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
             "calls": len(calls),
             "completed": set(last) == set(STAGES) and all(s["returncode"] == 0 for s in last.values()),
             "seconds": round(time.perf_counter() - started, 1),
-            "stages": {k: v["seconds"] for k, v in last.items()},
+            "stages": stage_seconds(calls),
         }
         e2e_trained.write_report(results, args.out)
         report["benchmark_targets"] = results["targets"]

@@ -277,6 +277,7 @@ def test_two_calls_share_the_work_folder_and_complete_the_pipeline(prompt_files,
         else:
             (folder / "config.json").write_text("{}")
             (folder / "report.json").write_text(json.dumps({"steps": 3}))
+            (folder / P.TRAINER_STATE).write_text("")  # what --eagle-resume looks for
         return {"returncode": 0, "seconds": 1.0, "command": " ".join(command)}
 
     monkeypatch.setattr(P, "run_stage", fake_stage)
@@ -291,6 +292,12 @@ def test_two_calls_share_the_work_folder_and_complete_the_pipeline(prompt_files,
     results = json.loads((out / "e2e_trained.json").read_text())
     assert results["pipeline"]["completed"] and results["pipeline"]["calls"] == 2
     assert results["pipeline"]["command"].count("trained_pipeline.py") == 2
+    assert results["pipeline"]["stages"] == {"target": 1.0, "eagle": 1.0, "bench": 1.0}
+    # the head trained on (call 1b) and the study run again: each stage's time is summed over its calls
+    P.main(_pipeline_args(prompt_files, work, "--stages", "eagle", "--eagle-resume", "--eagle-minutes", "0.9"))
+    P.main(_pipeline_args(prompt_files, work, "--stages", "bench"))
+    results = json.loads((out / "e2e_trained.json").read_text())
+    assert results["pipeline"]["stages"] == {"target": 1.0, "eagle": 2.0, "bench": 1.0 + 1.0} and results["pipeline"]["calls"] == 4
     assert {t["name"]: t for t in second["benchmark_targets"]}["the whole pipeline from a fresh GPU machine"]["met"]
     # a new target starts a new history: a bench-only call then no longer counts the old training calls
     P.main(_pipeline_args(prompt_files, work, "--stages", "target"))
