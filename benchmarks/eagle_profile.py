@@ -87,16 +87,17 @@ LOOP_ROUTES = ("plain", "eagle_chain", "eagle_tree", "eagle_tree_host")  # host:
 RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaGraphLaunch", "cudaLaunchKernel", "cudaEventRecord")
 
 
-def trained_shape_target(vocab: int, dtype: torch.dtype) -> torch.nn.Module:
-    """An fla GDN model of the trained study's config (random weights) on the GPU."""
+def trained_shape_target(vocab: int, dtype: torch.dtype, device: str = "cuda", **overrides) -> torch.nn.Module:
+    """An fla GDN model of the trained study's config (random weights; ``overrides``: config entries, e.g.
+    smaller ones for a CPU check) on ``device``."""
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
     config = json.loads(TRAINED_REPORT.read_text())["target"]["config"]
-    config.update(vocab_size=vocab, fuse_cross_entropy=False, eos_token_id=None)
+    config.update(vocab_size=vocab, fuse_cross_entropy=False, eos_token_id=None, **overrides)
     torch.manual_seed(0)
     model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig.from_dict(config))
     model.generation_config.eos_token_id = None  # random weights: every call decodes its full length
-    return model.to("cuda", dtype).eval()
+    return model.to(device, dtype).eval()
 
 
 def host_profile(call, top: int = 25) -> list[str]:

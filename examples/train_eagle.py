@@ -71,6 +71,7 @@ from specla_compile.training.self_distill import DISTILL_BLOCKS, TURN_MARKER, di
 LOG_NAME = "train_log.jsonl"
 REPORT_NAME = "report.json"
 CALIBRATION_POSITIONS = 8192  # held-out positions the acceptance temperature is fitted on (a [N, V] fp32 tensor)
+HEAD_PRECISIONS = ("fp32", "bf16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
+    p.add_argument("--head-precision", choices=HEAD_PRECISIONS, default="fp32",
+                   help="the head's forward and backward: fp32 (every trained study so far) or bf16 autocast (fp32 "
+                        "weights and optimizer, as train_target.py trains the target); the drafter runs the head in "
+                        "its own dtype either way (benchmarks/eagle_train_speed.py times both)")
     p.add_argument("--resume", action="store_true", help=f"continue from {TRAINER_STATE} in --out")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="training time: stop (and save) once the steps after this run's first one (which compiles "
@@ -302,6 +307,34 @@ def self_distillation(
     return blocks, {"blocks": len(blocks), **report}
 
 
+def head_optimizer(head: EagleHead, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95))
+
+
+def head_precision(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """The head's math in a training step: bf16 autocast (``--head-precision bf16``) or its fp32 weights as they are."""
+    if args.head_precision == "bf16":
+        return torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(head: EagleHead, target: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
+               args: argparse.Namespace) -> tuple[torch.Tensor, dict[str, float]]:
+    """One optimizer step of the head on the blocks ``ids [B, T]`` (on the device): the target's features and
+    logits (in the caller's ``features_backend``), EAGLE's loss in ``--head-precision``, its backward and the
+    clipped step. Returns the loss (a device tensor) and the step's statistics."""
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+    with head_precision(args):
+        loss, stats = eagle_loss(head, target.get_input_embeddings(), target.get_output_embeddings(), ids,
+                                 out.hidden_states[-1], out.logits, args.cls_weight, args.unroll)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+    optimizer.step()
+    return loss, stats
+
+
 def save_checkpoint(out: str, head: EagleHead, optimizer: torch.optim.Optimizer, step: int) -> None:
     head.save_pretrained(out)
     torch.save({"step": step, "optimizer": optimizer.state_dict()}, os.path.join(out, TRAINER_STATE))
@@ -316,7 +349,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     torch.manual_seed(args.seed)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     target.requires_grad_(False)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     os.makedirs(args.out, exist_ok=True)
     state_file = os.path.join(args.out, TRAINER_STATE)
     if args.resume and not os.path.isfile(state_file):  # (before the slow data preparation and distillation)
@@ -351,7 +383,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     # the training tokens by frequency (the target's own text included), saved with the head:
     # EagleDrafter(draft_vocab=N) drafts the first N
     head.set_token_ranking(rank_tokens(blocks if distilled is None else torch.cat([blocks, distilled]), head.config.vocab_size))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    optimizer = head_optimizer(head, args.lr)
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
 
@@ -368,15 +400,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             ids = blocks[batch_indices(len(blocks), step, args.batch_size - distill_rows, args.seed)]
             if distill_rows:
                 ids = torch.cat([ids, distilled[batch_indices(len(distilled), step, distill_rows, args.seed)]])
-            ids = ids.to(args.device)
-            with torch.no_grad():
-                out = target(input_ids=ids, output_hidden_states=True)
-            loss, stats = eagle_loss(head, embed, lm_head, ids, out.hidden_states[-1], out.logits, args.cls_weight,
-                                     args.unroll)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
-            optimizer.step()
+            loss, stats = train_step(head, target, optimizer, ids.to(args.device), args)
             record = {"step": step + 1, "loss": loss.item(), **stats}  # (.item() waits for the GPU)
             done = step + 1
             history.append(record)
@@ -408,7 +432,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             agreement = agreement or heldout_agreement(head, target, heldout, args)
             report = {"steps": done, "steps_planned": args.steps, "complete": done >= args.steps,
                       "wall_seconds": time.perf_counter() - launched, "time_budget": budget.report(),
-                      "features_backend": args.features_backend, "heldout_top1": agreement,
+                      "features_backend": args.features_backend, "head_precision": args.head_precision,
+                      "heldout_top1": agreement,
                       "last_step": history[-1] if history else None, "head": dataclasses.asdict(head.config),
                       "acceptance_temperature": calibration}
             if heldout_distilled is not None:  # whole blocks: held-out contexts and the target's continuations

@@ -316,3 +316,22 @@ def test_a_call_ending_at_eos_with_a_pass_queued_behind_leaves_the_engine_exact(
     assert out.stats.accepted_drafts == [3] * out.stats.iterations  # (what passes accepted, before the EOS cut)
     again = gen.generate(prompt, max_new_tokens=30)
     assert again.sequences[0].tolist() == prompt[0].tolist() + truth and not engine.launched
+
+
+def test_eagle_train_speed_times_each_head_precision_at_a_small_shape(tmp_path):
+    """The head-training benchmark on CPU at a tiny shape: every precision timed, its loss finite, the report
+    written (the figures themselves come from the H200)."""
+    import eagle_train_speed
+
+    results = eagle_train_speed.main(["--out", str(tmp_path), "--device", "cpu", "--layers", "1", "--hidden", "32",
+                                      "--vocab", "64", "--batch-size", "2", "--seq-len", "8", "--warmup", "0",
+                                      "--steps", "1"])
+    assert set(results["precisions"]) == {"fp32", "bf16"} and results["target_forward_ms"] > 0
+    for r in results["precisions"].values():
+        assert r["ms_per_step"] > 0 and torch.isfinite(torch.tensor(r["last_loss"]))
+    # bf16 autocast changes the head's numbers, not the batch: the two first losses are close but not equal
+    fp32, bf16 = results["precisions"]["fp32"]["first_loss"], results["precisions"]["bf16"]["first_loss"]
+    assert fp32 != bf16 and abs(fp32 - bf16) < 0.05 * abs(fp32)
+    assert "| bf16 |" in (tmp_path / "eagle_train_speed.md").read_text()
+    with pytest.raises(SystemExit):
+        eagle_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--steps", "0"])

@@ -123,3 +123,24 @@ def test_batches_cover_every_block_each_epoch():
     seen = torch.cat([script.batch_indices(10, step, 4, seed=3) for step in range(5)])  # 20 samples = 2 epochs
     assert sorted(seen[:10].tolist()) == list(range(10)) and sorted(seen[10:].tolist()) == list(range(10))
     assert torch.equal(script.batch_indices(10, 3, 4, seed=3), seen[12:16])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_step_runs_the_head_in_its_precision_and_keeps_fp32_weights(workdir, precision):
+    """--head-precision bf16: the head's GEMMs run in bf16 autocast, its weights and gradients stay fp32 and
+    the step lowers the loss on a batch it saw (fp32: every GEMM in fp32)."""
+    from specla_compile.runtime.drafters import EagleConfig, EagleHead
+
+    script = load_script()
+    step_args = script.parse_args(args(workdir, workdir / "head", 1, "--head-precision", precision))
+    target = tiny_lm(vocab=300, seed=0)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target))
+    optimizer = script.head_optimizer(head, 3e-3)
+    seen = []
+    head.q_proj.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    ids = torch.randint(2, 300, (4, 32), generator=torch.Generator().manual_seed(0))
+    losses = [script.train_step(head, target, optimizer, ids, step_args)[0].item() for _ in range(5)]
+    assert set(seen) == {torch.bfloat16 if precision == "bf16" else torch.float32}
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in head.parameters() if p.grad is not None)
+    assert losses[-1] < losses[0], losses
