@@ -1,8 +1,9 @@
 """How fast the EAGLE head trains, by ``--head-precision``: milliseconds per optimizer step of
 ``examples/train_eagle.py``'s ``train_step`` at the trained study's shape (a random target of the config in
 ``benchmarks/results/trained/report.json``, in bf16 as the pipeline loads it; batches of 16 blocks of 512 tokens;
-``--unroll 2``), next to the target's forward alone (the features and logits every step needs), so that a
-reader sees what bounds a step. Random weights: a step's cost does not depend on them.
+``--unroll 2``), with and without ``--cache-features`` (the distilled rows' features known: the pipeline's 12 of
+16 rows), next to the target's forward alone (the features and logits every step needs), so that a reader sees
+what bounds a step. Random weights: a step's cost does not depend on them.
 
     python benchmarks/eagle_train_speed.py --out DIR     # DIR/eagle_train_speed.{json,md}, a table on stdout
 """
@@ -10,6 +11,7 @@ reader sees what bounds a step. Random weights: a step's cost does not depend on
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -36,14 +38,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--unroll", type=int, default=2)
+    p.add_argument("--known-rows", type=int, default=12,
+                   help="rows of a batch whose features are cached in the --cache-features variants (the distilled ones)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, per precision")
     p.add_argument("--steps", type=int, default=10, help="timed steps per precision")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--layers", type=int, default=None, help="target layers (default: the trained config's)")
     p.add_argument("--hidden", type=int, default=None, help="target hidden size (default: the trained config's)")
     args = p.parse_args(argv)
-    if min(args.batch_size, args.seq_len - 2, args.unroll, args.warmup + 1, args.steps) < 1:
-        p.error("--batch-size, --unroll and --steps must be >= 1, --warmup >= 0 and --seq-len >= 3")
+    if min(args.batch_size, args.seq_len - 2, args.unroll, args.warmup + 1, args.steps, args.known_rows) < 1:
+        p.error("--batch-size, --unroll, --known-rows and --steps must be >= 1, --warmup >= 0 and --seq-len >= 3")
+    if args.known_rows > args.batch_size:
+        p.error(f"--known-rows {args.known_rows} is more than the batch's {args.batch_size} rows")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (pass --device cpu for a small-shape check)")
     return args
@@ -78,30 +84,32 @@ def measure(args: argparse.Namespace) -> dict:
                "command": "python benchmarks/eagle_train_speed.py " + " ".join(sys.argv[1:]),
                "shape": {"batch_size": args.batch_size, "seq_len": args.seq_len, "unroll": args.unroll,
                          "target_layers": target.config.num_hidden_layers, "hidden": target.config.hidden_size,
-                         "vocab": args.vocab}, "precisions": {}}
+                         "vocab": args.vocab, "known_rows": args.known_rows}, "variants": {}}
     with train_eagle.features_backend(step_args), torch.no_grad():
         results["target_forward_ms"] = median_ms(lambda: target(input_ids=ids, output_hidden_states=True), device,
                                                  args.warmup, args.steps)
-    for precision in args.precisions:
+    known = train_eagle.block_features(target, ids[args.batch_size - args.known_rows :], step_args)
+    for precision, cached in itertools.product(args.precisions, (False, True)):
         step_args.head_precision = precision
+        name = precision + (", cached features" if cached else "")
         torch.manual_seed(0)
         head = EagleHead(EagleConfig.for_target(target)).to(device)
         optimizer = train_eagle.head_optimizer(head, step_args.lr)
         losses = []
 
         def step():
-            loss, _ = train_eagle.train_step(head, target, optimizer, ids, step_args)
+            loss, _ = train_eagle.train_step(head, target, optimizer, ids, step_args, known if cached else None)
             losses.append(loss.item())
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with train_eagle.features_backend(step_args):
             ms = median_ms(step, device, args.warmup, args.steps)
-        results["precisions"][precision] = {
+        results["variants"][name] = {"head_precision": precision, "cache_features": cached,
             "ms_per_step": ms, "steps_per_second": 1e3 / ms, "target_share": results["target_forward_ms"] / ms,
             "first_loss": losses[0], "last_loss": losses[-1],
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
-        print(f"{precision}: {ms:.1f} ms per step ({1e3 / ms:.2f} steps/s), the target's forward "
+        print(f"{name}: {ms:.1f} ms per step ({1e3 / ms:.2f} steps/s), the target's forward "
               f"{results['target_forward_ms']:.1f} ms of it; loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return results
 
@@ -116,13 +124,13 @@ def write_report(results: dict, out: str) -> None:
              f"--unroll {s['unroll']}", f"command: `{results['command']}`", "",
              f"The target's forward alone (features and logits, plain PyTorch as in training): "
              f"{results['target_forward_ms']:.1f} ms", "",
-             "| --head-precision | ms per step | steps per second | target's forward, share of a step | peak memory, GiB |",
+             "| --head-precision, features | ms per step | steps per second | target's forward on every row, over a step | peak memory, GiB |",
              "| --- | --- | --- | --- | --- |"]
-    for name, r in results["precisions"].items():
+    for name, r in results["variants"].items():
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         lines.append(f"| {name} | {r['ms_per_step']:.1f} | {r['steps_per_second']:.2f} | {r['target_share']:.0%} | {peak} |")
     Path(out, "eagle_train_speed.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-2 - len(results["precisions"]):]))
+    print("\n".join(lines[-2 - len(results["variants"]):]))
 
 
 def main(argv: list[str] | None = None) -> dict:

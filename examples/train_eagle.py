@@ -120,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--distill-batch", type=int, default=512, help="rows per greedy decoding loop of the distillation")
     p.add_argument("--distill-minutes", type=float, default=None,
                    help="stop generating distilled blocks after this long (fewer than --distill-blocks)")
+    p.add_argument("--cache-features", action="store_true",
+                   help="keep the target's last hidden states of the distilled blocks on the device (computed once, "
+                        "before training; bf16 at the default shape: 1 MiB a block) and take their logits from its LM "
+                        "head: each step then runs the target on the corpus rows only")
     C.add_corpus_arguments(p)
     args = p.parse_args(argv)
     for name in ("seq_len", "batch_size", "steps", "save_every", "eval_every", "eval_blocks", "gdn_chunk",
@@ -135,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError("--distill-blocks needs the shared corpus (no --data): its contexts come from its training split")
     if args.distill_blocks and args.distill_share < 1 and args.batch_size < 2:
         raise ValueError("--distill-share below 1 mixes corpus and distilled rows in a batch: needs --batch-size >= 2")
+    if args.cache_features and not args.distill_blocks:
+        raise ValueError("--cache-features caches the distilled blocks' features: it needs --distill-blocks")
     if not 1 <= args.unroll < args.seq_len - 1:
         raise ValueError(f"--unroll must be in [1, {args.seq_len - 2}] for --seq-len {args.seq_len}, got {args.unroll}")
     for name in ("max_minutes", "max_wall_minutes", "distill_minutes"):
@@ -318,16 +324,41 @@ def head_precision(args: argparse.Namespace) -> contextlib.AbstractContextManage
     return contextlib.nullcontext()
 
 
+@torch.no_grad()
+def block_features(target: torch.nn.Module, blocks: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """The target's last hidden states of ``blocks [n, T]``, ``[n, T, D]`` on the device (``--cache-features``)."""
+    out = []
+    with features_backend(args):
+        for batch in tqdm(blocks.split(args.batch_size), desc="target features of the distilled blocks", unit="batch"):
+            result = target(input_ids=batch.to(args.device), output_hidden_states=True)
+            out.append(result.hidden_states[-1])
+            if len(out) == 1 and not torch.allclose(target.get_output_embeddings()(out[0]), result.logits, rtol=1e-2, atol=1e-2):
+                raise ValueError("--cache-features: this target's logits are not its LM head over its last hidden state "
+                                 "(a final scaling or soft cap?): train without --cache-features")
+    return torch.cat(out)
+
+
 def train_step(head: EagleHead, target: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
-               args: argparse.Namespace) -> tuple[torch.Tensor, dict[str, float]]:
+               args: argparse.Namespace, known: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One optimizer step of the head on the blocks ``ids [B, T]`` (on the device): the target's features and
     logits (in the caller's ``features_backend``), EAGLE's loss in ``--head-precision``, its backward and the
-    clipped step. Returns the loss (a device tensor) and the step's statistics."""
+    clipped step. ``known [k, T, D]``: the target's last hidden states of the last ``k`` rows, cached
+    (:func:`block_features`): the target runs on the other rows, and the LM head gives those rows' logits (the
+    target's own logits are its LM head over that state). Returns the loss (a device tensor) and the step's
+    statistics."""
+    lm_head = target.get_output_embeddings()
+    rows = ids.shape[0] - (0 if known is None else known.shape[0])
+    parts = []
     with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
+        if rows:
+            out = target(input_ids=ids[:rows], output_hidden_states=True)
+            parts.append((out.hidden_states[-1], out.logits))
+        if known is not None:
+            parts.append((known, lm_head(known)))
+    features, logits = (torch.cat(p) for p in zip(*parts))
     with head_precision(args):
-        loss, stats = eagle_loss(head, target.get_input_embeddings(), target.get_output_embeddings(), ids,
-                                 out.hidden_states[-1], out.logits, args.cls_weight, args.unroll)
+        loss, stats = eagle_loss(head, target.get_input_embeddings(), lm_head, ids, features, logits, args.cls_weight,
+                                 args.unroll)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
@@ -393,14 +424,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     # (a share below 1 leaves at least one corpus row; parse_args made sure there is room for both)
     distill_rows = 0 if distilled is None else min(args.batch_size - (args.distill_share < 1),
                                                    max(1, round(args.distill_share * args.batch_size)))
+    known = block_features(target, distilled, args) if args.cache_features else None  # (a distilled block's features)
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="train eagle head")
     with features_backend(args), open(os.path.join(args.out, LOG_NAME), "a") as log:
         for step in bar:
             tic = time.perf_counter()
-            ids = blocks[batch_indices(len(blocks), step, args.batch_size - distill_rows, args.seed)]
+            ids, cached = blocks[batch_indices(len(blocks), step, args.batch_size - distill_rows, args.seed)], None
             if distill_rows:
-                ids = torch.cat([ids, distilled[batch_indices(len(distilled), step, distill_rows, args.seed)]])
-            loss, stats = train_step(head, target, optimizer, ids.to(args.device), args)
+                rows = batch_indices(len(distilled), step, distill_rows, args.seed)
+                ids, cached = torch.cat([ids, distilled[rows]]), None if known is None else known[rows.to(known.device)]
+            loss, stats = train_step(head, target, optimizer, ids.to(args.device), args, cached)
             record = {"step": step + 1, "loss": loss.item(), **stats}  # (.item() waits for the GPU)
             done = step + 1
             history.append(record)
@@ -433,6 +466,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             report = {"steps": done, "steps_planned": args.steps, "complete": done >= args.steps,
                       "wall_seconds": time.perf_counter() - launched, "time_budget": budget.report(),
                       "features_backend": args.features_backend, "head_precision": args.head_precision,
+                      "cache_features": args.cache_features,
                       "heldout_top1": agreement,
                       "last_step": history[-1] if history else None, "head": dataclasses.asdict(head.config),
                       "acceptance_temperature": calibration}

@@ -325,13 +325,17 @@ def test_eagle_train_speed_times_each_head_precision_at_a_small_shape(tmp_path):
 
     results = eagle_train_speed.main(["--out", str(tmp_path), "--device", "cpu", "--layers", "1", "--hidden", "32",
                                       "--vocab", "64", "--batch-size", "2", "--seq-len", "8", "--warmup", "0",
-                                      "--steps", "1"])
-    assert set(results["precisions"]) == {"fp32", "bf16"} and results["target_forward_ms"] > 0
-    for r in results["precisions"].values():
-        assert r["ms_per_step"] > 0 and torch.isfinite(torch.tensor(r["last_loss"]))
-    # bf16 autocast changes the head's numbers, not the batch: the two first losses are close but not equal
-    fp32, bf16 = results["precisions"]["fp32"]["first_loss"], results["precisions"]["bf16"]["first_loss"]
+                                      "--steps", "1", "--known-rows", "1"])
+    variants = results["variants"]
+    assert set(variants) == {"fp32", "bf16", "fp32, cached features", "bf16, cached features"}
+    assert results["target_forward_ms"] > 0 and all(r["ms_per_step"] > 0 for r in variants.values())
+    # bf16 autocast changes the head's numbers, not the batch: the two first losses are close but not equal;
+    # cached features change nothing but where the features come from
+    fp32, bf16 = variants["fp32"]["first_loss"], variants["bf16"]["first_loss"]
     assert fp32 != bf16 and abs(fp32 - bf16) < 0.05 * abs(fp32)
-    assert "| bf16 |" in (tmp_path / "eagle_train_speed.md").read_text()
+    assert variants["fp32, cached features"]["first_loss"] == pytest.approx(fp32, rel=1e-3)
+    assert "| bf16, cached features |" in (tmp_path / "eagle_train_speed.md").read_text()
     with pytest.raises(SystemExit):
         eagle_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--steps", "0"])
+    with pytest.raises(SystemExit):
+        eagle_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--known-rows", "17"])

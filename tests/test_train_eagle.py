@@ -144,3 +144,41 @@ def test_train_step_runs_the_head_in_its_precision_and_keeps_fp32_weights(workdi
     assert set(seen) == {torch.bfloat16 if precision == "bf16" else torch.float32}
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in head.parameters() if p.grad is not None)
     assert losses[-1] < losses[0], losses
+
+
+def test_cached_features_give_the_step_of_the_target_run_on_every_row(workdir):
+    """--cache-features: with the last rows' features known, the target runs on the other rows and the LM head
+    gives the known rows' logits; the step's loss, statistics and updated head equal the uncached step's."""
+    from specla_compile.runtime.drafters import EagleConfig, EagleHead
+
+    script = load_script()
+    step_args = script.parse_args(args(workdir, workdir / "head", 1, "--unroll", "2"))
+    target = tiny_lm(vocab=300, seed=0)
+    ids = torch.randint(2, 300, (4, 32), generator=torch.Generator().manual_seed(0))
+    heads, results = [], []
+    for rows in (0, 3, 4):  # known rows: none, the last three, all
+        torch.manual_seed(0)
+        head = EagleHead(EagleConfig.for_target(target))
+        known = script.block_features(target, ids[4 - rows :], step_args) if rows else None
+        results.append(script.train_step(head, target, script.head_optimizer(head, 3e-3), ids, step_args, known))
+        heads.append(head)
+    for (loss, stats), head in zip(results[1:], heads[1:]):
+        assert torch.allclose(loss, results[0][0], rtol=1e-5) and stats == pytest.approx(results[0][1], rel=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(head.parameters(), heads[0].parameters()))
+    with pytest.raises(ValueError, match="needs --distill-blocks"):
+        script.parse_args(args(workdir, workdir / "head", 1, "--cache-features"))
+
+
+def test_cached_features_refuse_a_target_whose_logits_are_not_its_lm_head_over_the_last_state(workdir):
+    script = load_script()
+    target = tiny_lm(vocab=300, seed=0)
+    forward = target.forward
+
+    def soft_capped(*args, **kwargs):  # (as Gemma's final logit soft cap: logits past the LM head)
+        out = forward(*args, **kwargs)
+        out.logits = 30 * torch.tanh(out.logits / 30) + 1
+        return out
+
+    target.forward = soft_capped
+    with pytest.raises(ValueError, match="not its LM head over its last hidden state"):
+        script.block_features(target, torch.randint(2, 300, (2, 8)), script.parse_args(args(workdir, workdir / "h", 1)))

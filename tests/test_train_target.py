@@ -498,9 +498,11 @@ def test_eagle_head_trains_on_the_targets_own_continuations(trained, corpus_dir,
     assert any(block[24 - len(marker) : 24].tolist() == marker for block in blocks)  # conversation contexts
     # --resume trains on the saved blocks (here replaced by three others), not on new ones
     torch.save({"blocks": blocks[:3].flip(0), "new_tokens": 8}, out / DISTILL_BLOCKS)
-    again = eagle.main([*argv, "--resume", "--steps", "7"])
-    resumed = json.loads((out / eagle.REPORT_NAME).read_text())["self_distillation"]
-    assert [r["step"] for r in again] == [7] and resumed["blocks"] == 3 and resumed["reused"]
+    # (and with their features cached: the target runs on the corpus rows only)
+    again = eagle.main([*argv, "--resume", "--steps", "7", "--cache-features"])
+    report = json.loads((out / eagle.REPORT_NAME).read_text())
+    resumed = report["self_distillation"]
+    assert [r["step"] for r in again] == [7] and resumed["blocks"] == 3 and resumed["reused"] and report["cache_features"]
     with pytest.raises(ValueError, match="ending in 8 greedy ones, not --seq-len 32 and --distill-new-tokens 4"):
         eagle.main([*argv, "--resume", "--steps", "8", "--distill-new-tokens", "4"])
     for bad, message in ((["--distill-share", "0"], "--distill-share in"), (["--distill-new-tokens", "32"], r"\[1, 31\]")):
