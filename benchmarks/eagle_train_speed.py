@@ -14,9 +14,7 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 import train_eagle  # noqa: E402
-from eagle_profile import trained_shape_target  # noqa: E402
+from eagle_profile import median_call, trained_shape_target  # noqa: E402
 
 from specla_compile.runtime.drafters import EagleConfig, EagleHead  # noqa: E402
 
@@ -55,21 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def synchronized(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def median_ms(step, device: torch.device, warmup: int, steps: int) -> float:
+def median_ms(step, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(steps):
-        start = synchronized(device)
-        step()
-        times.append(1e3 * (synchronized(device) - start))
-    return statistics.median(times)
+    return 1e3 * median_call(step, steps)[1]
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -86,7 +73,7 @@ def measure(args: argparse.Namespace) -> dict:
                          "target_layers": target.config.num_hidden_layers, "hidden": target.config.hidden_size,
                          "vocab": args.vocab, "known_rows": args.known_rows}, "variants": {}}
     with train_eagle.features_backend(step_args), torch.no_grad():
-        results["target_forward_ms"] = median_ms(lambda: target(input_ids=ids, output_hidden_states=True), device,
+        results["target_forward_ms"] = median_ms(lambda: target(input_ids=ids, output_hidden_states=True),
                                                  args.warmup, args.steps)
     known = train_eagle.block_features(target, ids[args.batch_size - args.known_rows :], step_args)
     for precision, cached in itertools.product(args.precisions, (False, True)):
@@ -104,7 +91,7 @@ def measure(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with train_eagle.features_backend(step_args):
-            ms = median_ms(step, device, args.warmup, args.steps)
+            ms = median_ms(step, args.warmup, args.steps)
         results["variants"][name] = {"head_precision": precision, "cache_features": cached,
             "ms_per_step": ms, "steps_per_second": 1e3 / ms, "target_share": results["target_forward_ms"] / ms,
             "first_loss": losses[0], "last_loss": losses[-1],
