@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_gpu import kernel_profile, set_inductor_config, summarize_kernels, timed
+from e2e_gpu import kernel_profile, literal_pairs, set_inductor_config, summarize_kernels, timed
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
@@ -140,7 +140,8 @@ def loop_section(args, results: dict) -> None:
     tree_replays = {r["attention"]: r["replay_ms"] for name, r in results["routes"].items()
                     if name.startswith("tree") and "replay_ms" in r and not r.get("draft_vocab")}
     attention = min(tree_replays, key=tree_replays.get) if tree_replays else None
-    drafter = EagleDrafter(head, model, attention=attention, head_gemms=args.head_gemms[0])
+    drafter = EagleDrafter(head, model, attention=attention, head_gemms=args.head_gemms[0],
+                           inductor_options=args.propose_inductor)
     configs = {"eagle_chain": CONFIGS["chain_L8"], "eagle_tree": CONFIGS["tree_k4_d6_n16"],
                "eagle_tree_host": dataclasses.replace(CONFIGS["tree_k4_d6_n16"], pipelined=False)}
     gen = SpeculativeGenerator(model, drafter, configs["eagle_tree"], shared_features=True)
@@ -244,10 +245,19 @@ def main() -> None:
                         "token ranking: the cost does not depend on which tokens)")
     p.add_argument("--inductor", nargs="+", metavar="KEY=VALUE", default=[],
                    help="set torch._inductor.config entries for this process (the proposes' and the loop's compiles), "
-                        "e.g. combo_kernels=True: an A/B against a run without")
+                        "e.g. combo_kernels=True: an A/B against a run without (the proposes' own options win: "
+                        "--propose-inductor)")
+    p.add_argument("--propose-inductor", nargs="*", metavar="KEY=VALUE", default=None,
+                   help="the proposes' inductor options (EagleDrafter's inductor_options) in place of the drafter's "
+                        "default on CUDA (combo kernels and PDL); with no entries, inductor's defaults")
     args = p.parse_args()
     try:
         set_inductor_config(args.inductor)
+        if args.propose_inductor is not None:
+            import torch._inductor.config as inductor_config
+
+            args.propose_inductor = literal_pairs("--propose-inductor", args.propose_inductor,
+                                                  lambda key: hasattr(inductor_config, key), "torch._inductor.config")
     except ValueError as err:
         p.error(str(err))
     if not torch.cuda.is_available():
@@ -287,7 +297,8 @@ def propose_section(args, results: dict) -> None:
             if mode == "uncaptured" and (attention, draft_vocab, gemms) != (args.attention[0], None, args.head_gemms[0]):
                 continue  # (none of them changes a propose's launch count much)
             drafter = EagleDrafter(head, target, static_shapes=static, attention=attention, draft_vocab=draft_vocab,
-                                   head_gemms=gemms)
+                                   head_gemms=gemms, inductor_options=args.propose_inductor)
+            route["inductor_options"] = drafter.inductor_options
             route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden, dtype)
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph

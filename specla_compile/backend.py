@@ -73,7 +73,6 @@ def _inner_compiler(inner: str, mode: str | None, combo_kernels: bool = True) ->
     # CUDA graphs are the engine's job (runtime/engine.py captures whole passes, acceptance included);
     # inductor's own graphs would nest inside that capture
     patches["triton.cudagraphs"] = False
-    on_gpu = {**patches, "combo_kernels": combo_kernels}
 
     def compile_inner(gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         # on CUDA, one launch for independent pointwise kernels (a GDN layer's gate and beta): at B=1 a
@@ -84,7 +83,8 @@ def _inner_compiler(inner: str, mode: str | None, combo_kernels: bool = True) ->
             return compile_fx(gm, example_inputs, config_patches=patches)
         from .kernels import pdl  # (imports Triton, which CUDA implies)
 
-        return compile_fx(gm, example_inputs, config_patches={**on_gpu, "triton.enable_pdl": pdl.enabled(device)})
+        on_gpu = {**patches, **pdl.launch_bound_inductor_options(device), "combo_kernels": combo_kernels}
+        return compile_fx(gm, example_inputs, config_patches=on_gpu)
 
     return compile_inner
 

@@ -231,6 +231,20 @@ def test_cache_rollback_matches_recomputing_from_scratch(config, static):
         seqs = new
 
 
+def test_compiled_propose_asks_inductor_for_the_drafters_options(monkeypatch):
+    """The propose compiles with the drafter's ``inductor_options``: inductor's defaults off CUDA unless given
+    (on CUDA combo kernels and PDL, as the backend's passes), and the entries given otherwise."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs["options"]) or fn)
+    target, head = make(seed=4)
+    seq = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(1))
+    for options in (None, {"combo_kernels": False, "max_autotune": True}):
+        drafter = EagleDrafter(head, target, static_shapes=True, compiled=True, inductor_options=options)
+        drafter.begin([seq], [features_of(target, seq)])
+        drafter.propose(DraftRequest([0], [seq]), SpecConfig(mode="chain", depth=2))
+    assert seen == [{}, {"combo_kernels": False, "max_autotune": True}]
+
+
 @pytest.mark.parametrize(
     "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)]
 )

@@ -41,6 +41,13 @@ def launch_args(device: torch.device) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if enabled(device) else {"USE_PDL": False}
 
 
+def launch_bound_inductor_options(device: torch.device) -> dict:
+    """``torch._inductor.config`` entries for a launch-bound program on the CUDA ``device`` (a pass or a propose
+    at B=1, replayed from a CUDA graph): one launch for independent kernels (``combo_kernels``), and inductor's
+    kernels launched with PDL where specla's are (:func:`enabled`)."""
+    return {"combo_kernels": True, "triton.enable_pdl": enabled(device)}
+
+
 @triton.jit
 def wait_upstream(USE_PDL: tl.constexpr):
     """With PDL: wait for the kernel before this one (and so for all before it), then let the next one launch."""
