@@ -546,8 +546,8 @@ def test_attention_choice_changes_the_kernel_not_the_draft():
 def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     """``head_gemms="specla"`` runs the packed head's GEMMs as the fused specla ops (two
     linear_add, one norm_linear and one norm_gated_linear per head call), ``"pytorch"`` as PyTorch code with no
-    specla GEMM op, uncaptured and in the program inductor compiles (the default); both draft the same tree; an
-    unknown name is refused at construction."""
+    specla GEMM op, ``"mixed"`` only the linear_adds as specla ops, uncaptured and in the program inductor compiles
+    (the default); all draft the same tree; an unknown name is refused at construction."""
     from torch._inductor.utils import run_and_get_code
 
     target, head = make(seed=6)
@@ -555,26 +555,32 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(8))
     feats = features_of(target, seq)[:-1]
     drafts, fused_calls, gemm_calls = {}, {}, {}
-    for gemms in ("specla", "pytorch"):
+    for gemms in ("specla", "pytorch", "mixed"):
         drafter = EagleDrafter(head, target, static_shapes=True, compiled=compiled, head_gemms=gemms)
         drafter.begin([seq[:-1]], [feats])
         propose = functools.partial(drafter.propose, DraftRequest([0], [seq]), config)
         if compiled:
             drafts[gemms], code = run_and_get_code(propose)
             calls = [line for c in code for line in c.splitlines() if not line.lstrip().startswith("#")]
-            fused_calls[gemms] = sum(f"specla.{op}" in line for line in calls for op in HEAD_GEMMS["specla"]._fields)
+            fused_calls[gemms] = {op: sum(f"specla.{op}" in line for line in calls) for op in HEAD_GEMMS["specla"]._fields}
             gemm_calls[gemms] = sum("extern_kernels." in line for line in calls)
         else:
             counter = _Dispatches()
             with counter:
                 drafts[gemms] = propose()
-            fused_calls[gemms] = sum(counter.ops[f"specla.{op}"] for op in HEAD_GEMMS["specla"]._fields)
+            fused_calls[gemms] = {op: counter.ops[f"specla.{op}"] for op in HEAD_GEMMS["specla"]._fields}
             gemm_calls[gemms] = sum(counter.ops[op] for op in ("aten.mm", "aten.addmm", "aten.bmm"))
     # (fused ops in every head call, the catch-up's and each level's; the other way, their GEMMs are the
     # framework's, on top of the down projection and the LM head that both ways share)
-    assert fused_calls["pytorch"] == 0 and fused_calls["specla"] >= 4 * config.depth
-    assert gemm_calls["pytorch"] >= gemm_calls["specla"] + 4 * config.depth
+    assert set(fused_calls["pytorch"].values()) == {0}
+    assert fused_calls["specla"]["linear_add"] >= 2 * config.depth
+    assert min(fused_calls["specla"][op] for op in ("norm_linear", "norm_gated_linear")) >= config.depth
+    assert fused_calls["mixed"] == {"linear_add": fused_calls["specla"]["linear_add"], "norm_linear": 0,
+                                    "norm_gated_linear": 0}
+    assert gemm_calls["pytorch"] >= gemm_calls["mixed"] + 2 * config.depth
+    assert gemm_calls["mixed"] >= gemm_calls["specla"] + 2 * config.depth
     assert_same_draft(drafts["specla"], drafts["pytorch"])
+    assert_same_draft(drafts["mixed"], drafts["pytorch"])
     assert EagleDrafter(head, target).head_gemms == "pytorch"
     with pytest.raises(ValueError, match="head_gemms must be one of"):
         EagleDrafter(head, target, head_gemms="cublas")

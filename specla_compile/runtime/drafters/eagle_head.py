@@ -38,7 +38,10 @@ class HeadGemms(NamedTuple):
 
 # as specla ops (one Triton launch each on CUDA), or as the PyTorch code they stand for (which inductor fuses)
 HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear),
-              "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference)}
+              "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference),
+              # specla's linear_add for the two 1024-column GEMMs (the fuse, o_proj), where cuBLAS's kernel at 4 rows
+              # streams 2 MB in 7 us (its H200 propose profile) against linear_add's 4-5 us; PyTorch's for the norm ones
+              "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference)}
 # the default: PyTorch's drafted as fast or a little faster in the trained study (depth-4 tree, H200: 0.47 against
 # 0.48 ms per iteration; in a propose the norm-fused launches cost what cuBLAS and inductor's kernels cost together)
 DEFAULT_HEAD_GEMMS = "pytorch"
