@@ -4,6 +4,7 @@
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages target eagle --target-minutes 3.5 --eagle-minutes 1
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages bench     # the next call, same warm machine
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages eagle --eagle-resume --eagle-minutes 5.5  # train the head on
+    python benchmarks/trained_pipeline.py --out $OUT/trained --stages eagle --eagle-resume --warm-bench ...  # and warm the study up
     python benchmarks/trained_pipeline.py --out $OUT/trained --stages bench --bench-resume   # go on with prompts left
 
 Stages (``--stages``, in this order), each a subprocess that prints its progress:
@@ -35,6 +36,12 @@ the EAGLE head's held-out agreement, the benchmark's targets), ``loss_curve.png`
 ``e2e_trained.{json,md,png}``. ``report.json`` is rewritten after every stage, so a stage that fails or
 runs out of time leaves the figures of the stages before it. ``--target-args``, ``--eagle-args`` and
 ``--bench-args`` append options to a stage's command line (a later option wins).
+
+``--warm-bench`` (a call that trains an earlier head on): while the head trains, a second process runs the study's
+loading and warm-ups (``e2e_trained.py`` with ``--bench-args``, measuring nothing) on that call's head, so that its
+compilations, on the CPU while the head trains on the GPU, land in ``--work``'s caches and the next call's study
+starts warm (the sixteenth run's study spent 255 s of its call warming up from cold caches). The compiled programs
+depend on the head's shapes and options, not on its weights. Its log goes to ``--work``/``warm_bench.log``.
 """
 
 from __future__ import annotations
@@ -138,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eagle-resume", action="store_true",
                    help="train the EAGLE head of an earlier call in --work on for --eagle-minutes more (a call "
                         "after the target stage's, same warm machine): more steps, same data and distilled blocks")
+    p.add_argument("--warm-bench", action="store_true",
+                   help="with --eagle-resume: warm the study's routes up (pass the next call's --bench-args) in a second "
+                        "process while the head trains, compiling into --work's caches (module docstring)")
     p.add_argument("--bench-resume", action="store_true",
                    help="continue the benchmark of an earlier call (its JSON in --work/bench) with the prompts it has not measured")
     p.add_argument("--prompts-dir", default=str(e2e_trained.default_prompts_dir()))
@@ -174,6 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif args.eagle_resume and not Path(work, "eagle", TRAINER_STATE).is_file():
         problems.append(f"--eagle-resume: no head to train on in {work / 'eagle'} ({TRAINER_STATE} missing: run the "
                         "eagle stage first, on the same machine, with the same --work)")
+    if args.warm_bench and (not args.eagle_resume or "bench" in args.stages):
+        problems.append("--warm-bench needs --eagle-resume (an earlier head to warm up on) and no bench stage in the call "
+                        "(the next call's bench stage is what it warms up)")
     if args.bench_resume and "bench" not in args.stages:
         problems.append("--bench-resume needs the bench stage")
     if problems:  # one line, before anything slow
@@ -248,6 +261,38 @@ def run_stage(name: str, command: list[str], timeout_minutes: float, env: dict[s
     return {"returncode": code, "seconds": round(seconds, 1), "command": shlex.join(command)}
 
 
+WARM_NAME = "warm"  # in --work: the warm-up process's e2e_trained.json (its measuring stops at once)
+
+
+def start_warm_bench(args: argparse.Namespace, env: dict[str, str]) -> tuple[subprocess.Popen, list[str], float]:
+    """Start the study's warm-ups (``--warm-bench``) next to the eagle stage: the bench stage's command with
+    ``--out`` in ``--work``/``warm`` and a measuring budget that ends at once; its output to ``warm_bench.log``."""
+    command = stage_commands(args)["bench"]
+    command[command.index("--out") + 1] = str(Path(args.work, WARM_NAME))
+    for cap in ("--max-minutes", "--max-wall-minutes"):  # (the wall cap passed by the time the warm-ups end: no prompt)
+        command[command.index(cap) + 1] = "1e-6"
+    print(f"=== warm-up of the study, next to the eagle stage: {shlex.join(command)}", flush=True)
+    with open(Path(args.work, "warm_bench.log"), "w") as log:
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), command, time.perf_counter()
+
+
+def finish_warm_bench(args: argparse.Namespace, warm: tuple[subprocess.Popen, list[str], float]) -> dict:
+    """Wait for the warm-up process (killed at the eagle stage's planned end plus grace: the caches it wrote stay)."""
+    process, command, started = warm
+    try:
+        code = process.wait(timeout=max(1.0, started + 60 * (args.plan["eagle"]["total"] + GRACE_MINUTES) - time.perf_counter()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        code = None
+    warmed = _json(Path(args.work, WARM_NAME, "e2e_trained.json")) or {}
+    stage = {"returncode": code, "seconds": round(time.perf_counter() - started, 1), "command": shlex.join(command),
+             "warmup_total_s": warmed.get("warmup_total_s")}
+    print(f"=== warm-up of the study: {'timed out' if code is None else f'exit {code}'} after {stage['seconds']:.0f}s, "
+          f"warm-ups {stage['warmup_total_s']} s (log: {Path(args.work, 'warm_bench.log')})", flush=True)
+    return stage
+
+
 def _json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -305,11 +350,15 @@ def main(argv: list[str] | None = None) -> dict:
     stages: dict[str, dict] = {}
     calls = earlier + [{"command": command, "plan": args.plan, "stages": stages}]
     ok = True
+    warm = start_warm_bench(args, env) if args.warm_bench else None
     for name in ("target", "eagle"):
         if name in args.stages and ok:
             stages[name] = run_stage(name, stage_commands(args)[name], args.plan[name]["total"] + GRACE_MINUTES, env)
             ok = stages[name]["returncode"] == 0 or name == "eagle"  # (without a head the benchmark runs the other routes)
             collect(args, calls)
+    if warm is not None:
+        stages["warm_bench"] = finish_warm_bench(args, warm)
+        collect(args, calls)
     if "bench" in args.stages and ok:
         left = args.minutes - RESERVE_MINUTES - (time.perf_counter() - started) / 60
         o = OVERHEAD_MINUTES["bench"]
@@ -325,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["pipeline"] = {
             "command": " ; then ".join(c["command"] for c in calls),
             "calls": len(calls),
-            "completed": set(last) == set(STAGES) and all(s["returncode"] == 0 for s in last.values()),
+            "completed": all(last.get(s, {}).get("returncode") == 0 for s in STAGES),  # (a warm-up's exit aside)
             "seconds": round(time.perf_counter() - started, 1),
             "stages": stage_seconds(calls),
         }

@@ -304,6 +304,60 @@ def test_two_calls_share_the_work_folder_and_complete_the_pipeline(prompt_files,
     assert [set(c["stages"]) for c in json.loads((work / P.CALLS_NAME).read_text())] == [{"target"}]
 
 
+def test_warm_bench_warms_the_next_calls_study_up_while_the_head_trains(prompt_files, tmp_path, monkeypatch):
+    """--warm-bench: next to a resumed eagle stage, the bench stage's command (with --bench-args) runs with its own
+    --out in --work and a measuring budget that ends at once; its exit and warm-up time are in the call's stages,
+    and the pipeline still counts as complete once the study has run. Refused without --eagle-resume or next to
+    a bench stage."""
+    work = tmp_path / "work"
+    for folder in ("target", "eagle"):
+        (work / folder).mkdir(parents=True)
+        (work / folder / "config.json").write_text("{}")
+    (work / "eagle" / P.TRAINER_STATE).write_bytes(b"")
+    order, started = [], []
+
+    class FakeProcess:
+        def __init__(self, command, env, stdout, stderr):
+            started.append((command, env))
+            order.append("warm started")
+            out = Path(command[command.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "e2e_trained.json").write_text(json.dumps({"warmup_total_s": 12.5, "records": []}))
+
+        def wait(self, timeout):
+            order.append("warm waited")
+            return 0
+
+    def fake_stage(name, command, timeout_minutes, env):
+        order.append(name)
+        if name == "bench":
+            (work / "bench").mkdir(exist_ok=True)
+            (work / "bench" / "e2e_trained.json").write_text(json.dumps({"dtype": "bfloat16", "records": [_record(
+                "m0", ["mixed"], "qa", {"eagle_tree": 2.0})], "calls": [{"load_s": 1.0, "warmup_s": {"plain": 2.0}}]}))
+        return {"returncode": 0, "seconds": 1.0, "command": " ".join(command)}
+
+    monkeypatch.setattr(P.subprocess, "Popen", FakeProcess)
+    monkeypatch.setattr(P, "run_stage", fake_stage)
+    call = ("--stages", "eagle", "--eagle-resume", "--eagle-minutes", "5.5", "--minutes", "7.2", "--warm-bench",
+            "--bench-args", "--routes plain eagle_tree_fr")
+    with pytest.raises(SystemExit, match="^error: --warm-bench needs .* no bench stage"):
+        P.parse_args(_pipeline_args(prompt_files, work, *call, "--stages", "eagle", "bench", "--minutes", "20"))
+    with pytest.raises(SystemExit, match="^error: --warm-bench needs --eagle-resume"):
+        P.parse_args(_pipeline_args(prompt_files, work, "--stages", "eagle", "--warm-bench"))
+    P.main(_pipeline_args(prompt_files, work, "--stages", "target", "--target-minutes", "1"))  # (call 1, its head aside)
+    report = P.main(_pipeline_args(prompt_files, work, *call))
+    assert order == ["target", "warm started", "eagle", "warm waited"]
+    (command, env), = started
+    assert Path(command[command.index("--out") + 1]) == work / P.WARM_NAME  # (not the study's bench/ folder)
+    assert float(command[command.index("--max-wall-minutes") + 1]) < 1e-3 and command[-3:] == ["--routes", "plain", "eagle_tree_fr"]
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(work / "cache" / "inductor")  # the caches the next call reads
+    assert report["stages"]["warm_bench"]["returncode"] == 0 and report["stages"]["warm_bench"]["warmup_total_s"] == 12.5
+    P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", "--routes plain eagle_tree_fr"))
+    results = json.loads((work.parent / "out" / "e2e_trained.json").read_text())
+    assert results["pipeline"]["completed"] and results["pipeline"]["stages"]["warm_bench"] == pytest.approx(
+        report["stages"]["warm_bench"]["seconds"])
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A tiny fla GDN target with a byte-level BPE tokenizer, and an untrained EAGLE head for it."""
