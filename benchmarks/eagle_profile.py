@@ -298,7 +298,6 @@ def propose_section(args, results: dict) -> None:
                 continue  # (none of them changes a propose's launch count much)
             drafter = EagleDrafter(head, target, static_shapes=static, attention=attention, draft_vocab=draft_vocab,
                                    head_gemms=gemms, inductor_options=args.propose_inductor)
-            route["inductor_options"] = drafter.inductor_options
             route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden, dtype)
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph
@@ -308,6 +307,7 @@ def propose_section(args, results: dict) -> None:
                 route["profile"] = {k: v for k, v in profile.items() if k != "one_layer"}
                 route["profile"]["kernels_in_order"] = first_replay_kernels(trace, round(profile["kernels_per_pass"]))
                 os.remove(trace)
+        route["inductor_options"] = drafter.inductor_options  # (the same for both modes)
         route["host_ms"] = route["graphed"]["ms_per_propose"] - route["replay_ms"]
         print(f"{name}: graphed {route['graphed']['ms_per_propose']:.3f} ms per propose (replay {route['replay_ms']:.3f}, "
               f"{route['profile']['kernels_per_pass']:.0f} kernels, busy {route['profile']['busy_ms']:.3f}), "

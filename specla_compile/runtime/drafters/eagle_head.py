@@ -40,7 +40,7 @@ class HeadGemms(NamedTuple):
 HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear),
               "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference),
               # specla's linear_add for the two 1024-column GEMMs (the fuse, o_proj), where cuBLAS's kernel at 4 rows
-              # streams 2 MB in 7 us (its H200 propose profile) against linear_add's 4-5 us; PyTorch's for the norm ones
+              # streams their 2 MB in 5-8 us (H200 propose profile) against linear_add's 4-5 us; PyTorch's for the rest
               "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference)}
 # the default: PyTorch's drafted as fast or a little faster in the trained study (depth-4 tree, H200: 0.47 against
 # 0.48 ms per iteration; in a propose the norm-fused launches cost what cuBLAS and inductor's kernels cost together)
