@@ -48,7 +48,9 @@ Metrics per suite and route: speedup = summed end-to-end latency of plain decodi
 (prefill included, synchronised), new tokens per verification pass (the accepted length: accepted
 drafts + the target's token), first-token match (share of passes whose first drafted token was
 accepted), the share of prompts whose output equals plain decoding's (SHA-1 of the new tokens), drafting
-time over verification time; 95% bootstrap intervals over prompts. A mismatch is examined in fp32: the
+time over verification time, the share of passes that accepted a draft token at every level of the
+route's depth (the JSON keeps the whole histogram of accepted draft tokens per pass); 95% bootstrap
+intervals over prompts. A mismatch is examined in fp32: the
 logit margin, at the first differing position, between the two tokens (a near-tie if below
 ``--near-tie``).
 
@@ -66,6 +68,7 @@ import dataclasses
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -220,8 +223,9 @@ def bootstrap_ratio(num: Sequence[float], den: Sequence[float], samples: int = 2
     return {"value": float(num.sum() / den.sum()), "ci": [float(low), float(high)]}
 
 
-def summarize(records: list[dict], route: str, samples: int = 2000) -> dict | None:
-    """Figures of ``route`` over the records where both it and plain decoding ran."""
+def summarize(records: list[dict], route: str, samples: int = 2000, depth: int | None = None) -> dict | None:
+    """Figures of ``route`` over the records where both it and plain decoding ran; with the route's draft
+    ``depth``, the share of its passes that accepted a draft token at every level (where deeper drafts could pay)."""
     pairs = [(r["routes"]["plain"], r["routes"][route]) for r in records if route in r["routes"] and "plain" in r["routes"]]
     if not pairs:
         return None
@@ -241,6 +245,11 @@ def summarize(records: list[dict], route: str, samples: int = 2000) -> dict | No
         out["draft_over_verify"] = sum(r["draft_s"] for r in run) / verify if verify > 0 else None
         if passes:  # (mean phase times per iteration, over the suite's prompts)
             out["draft_ms"], out["verify_ms"] = (1000 * sum(r[k] for r in run) / passes for k in ("draft_s", "verify_s"))
+        if all("accepted_histogram" in r for r in run):  # (not recorded before the seventeenth study)
+            hist = out["accepted_histogram"] = [sum(h) for h in itertools.zip_longest(*(r["accepted_histogram"] for r in run),
+                                                                                       fillvalue=0)]
+            if depth is not None and sum(hist):
+                out["whole_depth"] = sum(hist[depth:]) / sum(hist)
     return out
 
 
@@ -252,11 +261,13 @@ def summaries(results: dict) -> tuple[dict, dict]:
         records = [r for r in results.get("records", []) if suite in r["suites"]]
         if not records:
             continue
-        by_suite[suite] = {route: s for route in ROUTES if (s := summarize(records, route, samples))}
+        depth = {route: (config or {}).get("depth") for route, config in results.get("routes", {}).items()}
+        by_suite[suite] = {route: s for route in ROUTES if (s := summarize(records, route, samples, depth.get(route)))}
         cats = sorted({r["category"] for r in records})
         if len(cats) > 1:
             by_category[suite] = {c: {route: s for route in ROUTES
-                                      if (s := summarize([r for r in records if r["category"] == c], route, samples))}
+                                      if (s := summarize([r for r in records if r["category"] == c], route, samples,
+                                                         depth.get(route)))}
                                   for c in cats}
     return by_suite, by_category
 
@@ -377,13 +388,13 @@ def markdown(results: dict) -> str:
     for suite, routes in results.get("summary", {}).items():
         lines += ["", f"## {suite}", "", ("| route | prompts | speedup [95% CI] | accepted length [95% CI] | first-token match | "
                                           "identical to plain | ms/token | draft / verify | draft, verify ms per iteration | "
-                                          "prefill ms per prompt |"),
-                  "| --- |" + " --- |" * 9]
+                                          "prefill ms per prompt | passes accepting every level |"),
+                  "| --- |" + " --- |" * 10]
         for route, s in routes.items():
             phases = f"{s['draft_ms']:.2f}, {s['verify_ms']:.2f}" if "draft_ms" in s else "-"
             lines.append(f"| {route} | {s['prompts']} | {_fmt(s, 'speedup')} | {_fmt(s, 'accepted_length')} | "
                          f"{_fmt(s, 'first_token_match')} | {s['identical']}/{s['prompts']} | {s['ms_per_token']:.2f} | "
-                         f"{_fmt(s, 'draft_over_verify')} | {phases} | {_fmt(s, 'prefill_ms')} |")
+                         f"{_fmt(s, 'draft_over_verify')} | {phases} | {_fmt(s, 'prefill_ms')} | {_fmt(s, 'whole_depth')} |")
     for suite, cats in results.get("categories", {}).items():
         routes = [r for r in SPEC_ROUTES if any(r in c for c in cats.values())]
         lines += ["", f"Per category, {suite}: speedup / accepted length", "",
@@ -525,7 +536,10 @@ class Bench:
             self.gen.drafter, self.gen.config = self.drafters[route], self.configs[route]
             out, seconds = timed(lambda: self.gen.generate(ids, n, eos_token_id=self.eos_ids))
         st, tokens = out.stats, new_tokens(out.sequences, ids.shape[1], self.eos)
+        # passes by accepted draft tokens (0, 1, ...): how deep the drafts pay
+        histogram = [st.accepted_drafts.count(k) for k in range(max(st.accepted_drafts, default=-1) + 1)]
         return {"seconds": seconds, "tokens": len(tokens), "hash": token_hash(tokens), "passes": st.iterations,
+                "accepted_histogram": histogram,
                 "first_hits": sum(a > 0 for a in st.accepted_drafts), "draft_s": st.draft_seconds,
                 "verify_s": st.verify_seconds, "prefill_s": st.prefill_seconds, "commit_s": st.commit_seconds}, tokens
 

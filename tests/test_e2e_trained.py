@@ -112,6 +112,8 @@ def test_summary_and_targets_from_records():
     assert targets["the whole pipeline from a fresh GPU machine"]["measured"] is None
     assert not any(t["met"] for t in targets.values() if t["measured"] is None)
 
+    assert "whole_depth" not in mixed["eagle_tree"]  # (records without histograms, as before the seventeenth study)
+
     results["mismatches"] = results["mismatches"][:1] + results["mismatches"][2:]  # the eager loop's mismatch does not count
     for r in records:
         r["routes"]["eagle_chain"]["hash"] = "h"
@@ -123,6 +125,23 @@ def test_summary_and_targets_from_records():
     assert swapped["EAGLE tree (eagle_chain) speedup over graphed plain decoding, gsm8k"]["measured"] == pytest.approx(1.8)
     over = swapped["EAGLE tree (eagle_chain) over chain (eagle_tree), accepted length and speedup [tree, chain], every suite"]
     assert over["measured"]["gsm8k"]["speedup"] == [1.8, 1.5]
+
+
+def test_share_of_passes_accepting_the_whole_depth():
+    records = [_record(f"m{i}", ["mixed"], "qa", {"eagle_tree": 2.0, "eagle_chain": 1.5}) for i in range(2)]
+    hists = {"eagle_tree": ([1, 0, 2, 3], [0, 1, 0, 0, 2]), "eagle_chain": ([4, 1], [2, 2, 1])}  # passes by accepted drafts
+    for route, (first, second) in hists.items():
+        records[0]["routes"][route]["accepted_histogram"], records[1]["routes"][route]["accepted_histogram"] = first, second
+    results = {"records": records, "bootstrap_samples": 50,
+               "routes": {"plain": None, "eagle_tree": {"mode": "tree", "depth": 3}, "eagle_chain": {"mode": "chain", "depth": 2}}}
+    results["summary"], _ = E.summaries(results)
+    tree, chain = results["summary"]["mixed"]["eagle_tree"], results["summary"]["mixed"]["eagle_chain"]
+    assert tree["accepted_histogram"] == [1, 1, 2, 3, 2] and tree["whole_depth"] == pytest.approx(5 / 9)  # 3 or 4 of depth 3
+    assert chain["accepted_histogram"] == [6, 3, 1] and chain["whole_depth"] == pytest.approx(1 / 10)
+    assert "whole_depth" not in results["summary"]["mixed"]["plain"]
+    results["targets"] = E.targets(results)
+    row = next(line for line in E.markdown(results).splitlines() if line.startswith("| eagle_tree |"))
+    assert row.endswith("| 0.56 |")
 
 
 def test_exactness_of_the_other_dtype_from_another_study(tmp_path):
@@ -409,6 +428,10 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     for record in results["records"]:
         assert {r["tokens"] for r in record["routes"].values()} == {5}  # (EOS ignored by default) every route makes 5 tokens
         assert all(r["passes"] >= 1 and r["seconds"] > 0 for name, r in record["routes"].items() if name in E.SPEC_ROUTES)
+        for name, r in record["routes"].items():  # every pass in the histogram: the prefill's token, then per pass
+            if name in E.SPEC_ROUTES:                 # its accepted drafts and the target's own (the budget may cut some)
+                hist = r["accepted_histogram"]
+                assert sum(hist) == r["passes"] and 1 + sum((k + 1) * n for k, n in enumerate(hist)) >= r["tokens"]
         assert all(0 < r["prefill_s"] < r["seconds"] for name, r in record["routes"].items() if name != "eager")
     assert not results.get("mismatches")  # greedy fp32: every route emits plain decoding's tokens
     targets = {t["name"]: t for t in results["targets"]}
