@@ -257,11 +257,11 @@ def summaries(results: dict) -> tuple[dict, dict]:
     """``{suite: {route: summary}}`` and ``{suite: {category: {route: summary}}}``."""
     samples = results.get("bootstrap_samples", 2000)
     by_suite, by_category = {}, {}
+    depth = {route: (config or {}).get("depth") for route, config in results.get("routes", {}).items()}
     for suite in SUITES:
         records = [r for r in results.get("records", []) if suite in r["suites"]]
         if not records:
             continue
-        depth = {route: (config or {}).get("depth") for route, config in results.get("routes", {}).items()}
         by_suite[suite] = {route: s for route in ROUTES if (s := summarize(records, route, samples, depth.get(route)))}
         cats = sorted({r["category"] for r in records})
         if len(cats) > 1:

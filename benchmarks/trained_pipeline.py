@@ -40,8 +40,11 @@ runs out of time leaves the figures of the stages before it. ``--target-args``, 
 ``--warm-bench`` (a call that trains an earlier head on): while the head trains, a second process runs the study's
 loading and warm-ups (``e2e_trained.py`` with ``--bench-args``, measuring nothing) on that call's head, so that its
 compilations, on the CPU while the head trains on the GPU, land in ``--work``'s caches and the next call's study
-starts warm (the sixteenth run's study spent 255 s of its call warming up from cold caches). The compiled programs
-depend on the head's shapes and options, not on its weights. Its log goes to ``--work``/``warm_bench.log``.
+starts warm (the sixteenth run's study spent 255 s of its call warming up from cold caches; the seventeenth's, warm,
+20 s). The compiled programs depend on the head's shapes and options, not on its weights. It also runs on the GPU
+(its warm-up generations and graph captures), next to the training: inductor's autotuning choices made meanwhile are
+deleted when it ends, so that the study times its kernels' configurations again, alone on the GPU. Its log goes to
+``--work``/``warm_bench.log``.
 """
 
 from __future__ import annotations
@@ -266,7 +269,9 @@ WARM_NAME = "warm"  # in --work: the warm-up process's e2e_trained.json (its mea
 
 def start_warm_bench(args: argparse.Namespace, env: dict[str, str]) -> tuple[subprocess.Popen, list[str], float]:
     """Start the study's warm-ups (``--warm-bench``) next to the eagle stage: the bench stage's command with
-    ``--out`` in ``--work``/``warm`` and a measuring budget that ends at once; its output to ``warm_bench.log``."""
+    ``--out`` in ``--work``/``warm`` (an earlier call's emptied) and a measuring budget that ends at once; its
+    output to ``warm_bench.log``."""
+    shutil.rmtree(Path(args.work, WARM_NAME), ignore_errors=True)  # (its JSON would pass for this call's)
     command = stage_commands(args)["bench"]
     command[command.index("--out") + 1] = str(Path(args.work, WARM_NAME))
     for cap in ("--max-minutes", "--max-wall-minutes"):  # (the wall cap passed by the time the warm-ups end: no prompt)
@@ -277,7 +282,8 @@ def start_warm_bench(args: argparse.Namespace, env: dict[str, str]) -> tuple[sub
 
 
 def finish_warm_bench(args: argparse.Namespace, warm: tuple[subprocess.Popen, list[str], float]) -> dict:
-    """Wait for the warm-up process (killed at the eagle stage's planned end plus grace: the caches it wrote stay)."""
+    """Wait for the warm-up process (killed at the eagle stage's planned end plus grace: the programs it compiled
+    stay), then delete the autotuning choices in the inductor cache, timed on a GPU the training shared."""
     process, command, started = warm
     try:
         code = process.wait(timeout=max(1.0, started + 60 * (args.plan["eagle"]["total"] + GRACE_MINUTES) - time.perf_counter()))
@@ -285,6 +291,8 @@ def finish_warm_bench(args: argparse.Namespace, warm: tuple[subprocess.Popen, li
         process.kill()
         process.wait()
         code = None
+    for choice in Path(args.work, "cache", "inductor").rglob("*.best_config"):
+        choice.unlink()
     warmed = _json(Path(args.work, WARM_NAME, "e2e_trained.json")) or {}
     stage = {"returncode": code, "seconds": round(time.perf_counter() - started, 1), "command": shlex.join(command),
              "warmup_total_s": warmed.get("warmup_total_s")}
@@ -315,11 +323,13 @@ def latest_stages(calls: list[dict]) -> dict[str, dict]:
 
 
 def stage_seconds(calls: list[dict]) -> dict[str, float]:
-    """Seconds each stage ran, summed over the calls (a head trained on with --eagle-resume, a resumed study)."""
+    """Seconds each stage ran, summed over the calls (a head trained on with --eagle-resume, a resumed study); a
+    warm-up that ran beside the eagle stage (``--warm-bench``) stays in its call's stages only."""
     out: dict[str, float] = {}
     for call in calls:
         for name, stage in call["stages"].items():
-            out[name] = round(out.get(name, 0.0) + stage["seconds"], 1)
+            if name in STAGES:
+                out[name] = round(out.get(name, 0.0) + stage["seconds"], 1)
     return out
 
 
@@ -351,11 +361,17 @@ def main(argv: list[str] | None = None) -> dict:
     calls = earlier + [{"command": command, "plan": args.plan, "stages": stages}]
     ok = True
     warm = start_warm_bench(args, env) if args.warm_bench else None
-    for name in ("target", "eagle"):
-        if name in args.stages and ok:
-            stages[name] = run_stage(name, stage_commands(args)[name], args.plan[name]["total"] + GRACE_MINUTES, env)
-            ok = stages[name]["returncode"] == 0 or name == "eagle"  # (without a head the benchmark runs the other routes)
-            collect(args, calls)
+    try:
+        for name in ("target", "eagle"):
+            if name in args.stages and ok:
+                stages[name] = run_stage(name, stage_commands(args)[name], args.plan[name]["total"] + GRACE_MINUTES, env)
+                ok = stages[name]["returncode"] == 0 or name == "eagle"  # (without a head the benchmark runs the other routes)
+                collect(args, calls)
+    except BaseException:  # (the warm-up never outlives the call)
+        if warm is not None:
+            warm[0].kill()
+            warm[0].wait()
+        raise
     if warm is not None:
         stages["warm_bench"] = finish_warm_bench(args, warm)
         collect(args, calls)

@@ -129,14 +129,14 @@ def test_summary_and_targets_from_records():
 
 def test_share_of_passes_accepting_the_whole_depth():
     records = [_record(f"m{i}", ["mixed"], "qa", {"eagle_tree": 2.0, "eagle_chain": 1.5}) for i in range(2)]
-    hists = {"eagle_tree": ([1, 0, 2, 3], [0, 1, 0, 0, 2]), "eagle_chain": ([4, 1], [2, 2, 1])}  # passes by accepted drafts
+    hists = {"eagle_tree": ([1, 0, 2, 3], [0, 1, 0, 2]), "eagle_chain": ([4, 1], [2, 2, 1])}  # passes by accepted drafts
     for route, (first, second) in hists.items():
         records[0]["routes"][route]["accepted_histogram"], records[1]["routes"][route]["accepted_histogram"] = first, second
     results = {"records": records, "bootstrap_samples": 50,
                "routes": {"plain": None, "eagle_tree": {"mode": "tree", "depth": 3}, "eagle_chain": {"mode": "chain", "depth": 2}}}
     results["summary"], _ = E.summaries(results)
     tree, chain = results["summary"]["mixed"]["eagle_tree"], results["summary"]["mixed"]["eagle_chain"]
-    assert tree["accepted_histogram"] == [1, 1, 2, 3, 2] and tree["whole_depth"] == pytest.approx(5 / 9)  # 3 or 4 of depth 3
+    assert tree["accepted_histogram"] == [1, 1, 2, 5] and tree["whole_depth"] == pytest.approx(5 / 9)  # all 3 of depth 3
     assert chain["accepted_histogram"] == [6, 3, 1] and chain["whole_depth"] == pytest.approx(1 / 10)
     assert "whole_depth" not in results["summary"]["mixed"]["plain"]
     results["targets"] = E.targets(results)
@@ -326,29 +326,42 @@ def test_two_calls_share_the_work_folder_and_complete_the_pipeline(prompt_files,
 def test_warm_bench_warms_the_next_calls_study_up_while_the_head_trains(prompt_files, tmp_path, monkeypatch):
     """--warm-bench: next to a resumed eagle stage, the bench stage's command (with --bench-args) runs with its own
     --out in --work and a measuring budget that ends at once; its exit and warm-up time are in the call's stages,
-    and the pipeline still counts as complete once the study has run. Refused without --eagle-resume or next to
-    a bench stage."""
+    and the pipeline still counts as complete once the study has run. Autotuning choices timed meanwhile are deleted;
+    a warm-up past its time is killed, one left by a failing eagle stage too. Refused without --eagle-resume or next
+    to a bench stage."""
     work = tmp_path / "work"
     for folder in ("target", "eagle"):
         (work / folder).mkdir(parents=True)
         (work / folder / "config.json").write_text("{}")
     (work / "eagle" / P.TRAINER_STATE).write_bytes(b"")
     order, started = [], []
+    choice = work / "cache" / "inductor" / "ab" / "kernel.best_config"  # (an autotuning choice timed next to the training)
+    behaviour = {"finishes": True, "stage_fails": False}
 
     class FakeProcess:
         def __init__(self, command, env, stdout, stderr):
             started.append((command, env))
             order.append("warm started")
-            out = Path(command[command.index("--out") + 1])
-            out.mkdir(parents=True)
-            (out / "e2e_trained.json").write_text(json.dumps({"warmup_total_s": 12.5, "records": []}))
+            choice.parent.mkdir(parents=True, exist_ok=True)
+            choice.write_text("{}")
+            if behaviour["finishes"]:
+                out = Path(command[command.index("--out") + 1])
+                out.mkdir(parents=True)
+                (out / "e2e_trained.json").write_text(json.dumps({"warmup_total_s": 12.5, "records": []}))
 
-        def wait(self, timeout):
+        def wait(self, timeout=None):
             order.append("warm waited")
+            if not behaviour["finishes"] and timeout is not None:
+                raise P.subprocess.TimeoutExpired("e2e_trained.py", timeout)
             return 0
+
+        def kill(self):
+            order.append("warm killed")
 
     def fake_stage(name, command, timeout_minutes, env):
         order.append(name)
+        if behaviour["stage_fails"]:
+            raise KeyboardInterrupt
         if name == "bench":
             (work / "bench").mkdir(exist_ok=True)
             (work / "bench" / "e2e_trained.json").write_text(json.dumps({"dtype": "bfloat16", "records": [_record(
@@ -371,10 +384,21 @@ def test_warm_bench_warms_the_next_calls_study_up_while_the_head_trains(prompt_f
     assert float(command[command.index("--max-wall-minutes") + 1]) < 1e-3 and command[-3:] == ["--routes", "plain", "eagle_tree_fr"]
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(work / "cache" / "inductor")  # the caches the next call reads
     assert report["stages"]["warm_bench"]["returncode"] == 0 and report["stages"]["warm_bench"]["warmup_total_s"] == 12.5
+    assert not choice.exists()  # the study times its kernels' configurations again, alone on the GPU
     P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", "--routes plain eagle_tree_fr"))
     results = json.loads((work.parent / "out" / "e2e_trained.json").read_text())
-    assert results["pipeline"]["completed"] and results["pipeline"]["stages"]["warm_bench"] == pytest.approx(
-        report["stages"]["warm_bench"]["seconds"])
+    assert results["pipeline"]["completed"] and "warm_bench" not in results["pipeline"]["stages"]  # (it ran beside the eagle stage)
+
+    behaviour["finishes"] = False  # past its time: killed, and the earlier call's warm-up time is not reported as its own
+    order.clear()
+    report = P.main(_pipeline_args(prompt_files, work, *call))
+    assert order == ["warm started", "eagle", "warm waited", "warm killed", "warm waited"]
+    assert report["stages"]["warm_bench"]["returncode"] is None and report["stages"]["warm_bench"]["warmup_total_s"] is None
+    behaviour["stage_fails"] = True  # the eagle stage interrupted: the warm-up goes with it
+    order.clear()
+    with pytest.raises(KeyboardInterrupt):
+        P.main(_pipeline_args(prompt_files, work, *call))
+    assert order == ["warm started", "eagle", "warm killed", "warm waited"]
 
 
 @pytest.fixture(scope="module")

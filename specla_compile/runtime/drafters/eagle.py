@@ -191,7 +191,7 @@ class EagleDrafter(Drafter):
     :meth:`EagleHead.attend`): ``"pytorch"`` (default: PyTorch code, cuBLAS's GEMMs and inductor's fusions) or
     ``"specla"`` (one launch each, Triton on CUDA for up to 16 half-precision rows; on the H200 no faster in a
     propose, ``benchmarks/results/eagle_profile.md``) or ``"mixed"`` (specla's ``linear_add`` only: the fuse and
-    o_proj). The same drafts either way, up to rounding.
+    o_proj). The same drafts with any of the three, up to rounding.
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
     at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
     saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat
