@@ -6,7 +6,8 @@ not depend on them).
 - ``loop``: one ``generate`` iteration of the study's routes over a target of the trained shape
   (``benchmarks/results/trained/report.json``): wall time per iteration against the CUDA-event phase
   times, the GPU's kernel time per iteration (the rest is the GPU waiting for the host), the runtime
-  calls per iteration (synchronisations, copies, graph launches) and the host's costliest functions.
+  calls per iteration (synchronisations, copies, graph launches) and the host's costliest functions; with
+  ``--draft-vocab N``, also the tree drafting from N tokens, as the study's ``_fr`` routes do.
 
     python benchmarks/eagle_profile.py --out DIR     # writes DIR/eagle_profile.json and prints a table
 """
@@ -137,6 +138,7 @@ def loop_section(args, results: dict) -> None:
     model = trained_shape_target(args.vocab, dtype)
     hidden = model.config.hidden_size
     head = EagleHead(EagleConfig(hidden, args.vocab, args.heads, args.intermediate)).to("cuda", dtype)
+    head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
     tree_replays = {r["attention"]: r["replay_ms"] for name, r in results["routes"].items()
                     if name.startswith("tree") and "replay_ms" in r and not r.get("draft_vocab")}
     attention = min(tree_replays, key=tree_replays.get) if tree_replays else None
@@ -148,10 +150,16 @@ def loop_section(args, results: dict) -> None:
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     loop = results["loop"] = {"target_layers": model.config.num_hidden_layers, "hidden": hidden, "new_tokens": 128,
                               "attention": attention, "head_gemms": args.head_gemms[0]}
+    # the routes, then the tree drafting from each draft vocabulary (as the study's _fr routes), on its own drafter
+    runs = [(route, route, drafter) for route in LOOP_ROUTES]
+    runs += [(f"eagle_tree, draft vocabulary {vocab}", "eagle_tree", EagleDrafter(
+        head, model, attention=attention, head_gemms=args.head_gemms[0], inductor_options=args.propose_inductor,
+        draft_vocab=vocab)) for vocab in args.draft_vocab if vocab]
     sequences = {}
-    for route in LOOP_ROUTES:
+    for route, kind, route_drafter in runs:
+        gen.drafter = route_drafter
         if route != "plain":
-            gen.config = configs[route]
+            gen.config = configs[kind]
         call = (lambda: gen.decode(prompt, 128)) if route == "plain" else (lambda: gen.generate(prompt, 128))
         print(f"loop {route}: compiling, capturing and warming up (3 calls)", flush=True)
         started = time.perf_counter()
@@ -180,7 +188,7 @@ def loop_section(args, results: dict) -> None:
         if route in ("eagle_tree", "eagle_tree_host"):
             entry["host_top"] = host_profile(call)
         if route != "plain":  # (a propose that replays no graph launches its kernels from the host, ~10x slower)
-            entry["propose_graphs"], entry["propose_graph_error"] = drafter.captured_graphs, drafter.graph_error
+            entry["propose_graphs"], entry["propose_graph_error"] = gen.drafter.captured_graphs, gen.drafter.graph_error
         idle = entry["ms_per_iteration"] - entry["runtime"]["kernel_ms_per_iteration"]
         print(f"loop {route}: {entry['ms_per_iteration']:.3f} ms per iteration ({iters} iterations), phases "
               f"{ {k: round(v, 3) for k, v in entry['phase_ms_per_iteration'].items()} }, GPU kernels "
@@ -192,9 +200,10 @@ def loop_section(args, results: dict) -> None:
         save_json(results, args.out)  # (a call cut short keeps the routes before)
     # pipelined and host-loop drafting run the same passes over the same drafts: the same tokens, bit for bit
     loop["identical_to_host_loop"] = sequences["eagle_tree"] == sequences["eagle_tree_host"]
-    loop["identical_to_plain"] = {route: sequences[route] == sequences["plain"] for route in LOOP_ROUTES[1:]}
+    loop["identical_to_plain"] = {route: tokens == sequences["plain"] for route, tokens in sequences.items() if route != "plain"}
     print(f"loop outputs: pipelined tree == host-loop tree: {loop['identical_to_host_loop']}; "
           f"== plain ({args.dtype}, random weights: near-ties may differ): {loop['identical_to_plain']}", flush=True)
+    gen.drafter = drafter
     loop["one_token_calls"] = one_token_calls(gen, configs["eagle_tree"], prompt)
 
 
@@ -241,8 +250,9 @@ def main() -> None:
                    help="how the head's GEMMs run (EagleDrafter's head_gemms) in the propose section: the fused specla "
                         "ops, or PyTorch code that inductor compiles; the loop section drafts with the first")
     p.add_argument("--draft-vocab", nargs="+", type=int, default=[0],
-                   help="draft vocabularies to time in the propose section (0: the whole vocabulary; a random "
-                        "token ranking: the cost does not depend on which tokens)")
+                   help="draft vocabularies to time in the propose section, and in the loop section each one's tree "
+                        "beside the whole vocabulary's (0: the whole vocabulary; a random token ranking: the cost does "
+                        "not depend on which tokens)")
     p.add_argument("--inductor", nargs="+", metavar="KEY=VALUE", default=[],
                    help="set torch._inductor.config entries for this process (the proposes' and the loop's compiles), "
                         "e.g. combo_kernels=True: an A/B against a run without (the proposes' own options win: "
@@ -346,9 +356,8 @@ def write_markdown(results: dict, out_dir: str) -> None:
         header = ("| route | ms per iteration | draft / verify / commit phases, ms | GPU kernels, ms | GPU waiting, ms | "
                   "syncs | copies | graph launches | kernel launches |")
         lines += ["", title, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for route in LOOP_ROUTES:
-            r = loop.get(route)
-            if r is None:
+        for route, r in loop.items():
+            if not (isinstance(r, dict) and "phase_ms_per_iteration" in r):
                 continue
             ph, rt = r["phase_ms_per_iteration"], r["runtime"]
             calls = rt["per_iteration"]
