@@ -218,12 +218,14 @@ def test_tree_conv_and_commit(case, state_len, with_bias):
 
 
 @pytest.mark.parametrize("rows, k", [(1, 4), (16, 4), (4, 8)])
-def test_vocab_top_k_at_a_real_vocabulary(rows, k):
-    """A tree level's children on the GPU (32,000 bf16 scores per frontier node): the reference's ids and
-    log-probabilities, also through the op and with tied scores (the lower id first)."""
+@pytest.mark.parametrize("vocab", [32000, 8192])
+def test_vocab_top_k_at_a_real_vocabulary(rows, k, vocab):
+    """A tree level's children on the GPU (32,000 bf16 scores per frontier node, in chunks; a draft vocabulary's
+    8,192, one block per row): the reference's ids and log-probabilities, also through the op and with tied
+    scores (the lower id first)."""
     gen = torch.Generator().manual_seed(rows + k)
-    scores = (4 * torch.randn(rows, 32000, generator=gen)).bfloat16().cuda()
-    tied = torch.randint(0, 3, (rows, 32000), generator=gen).bfloat16().cuda()
+    scores = (4 * torch.randn(rows, vocab, generator=gen)).bfloat16().cuda()
+    tied = torch.randint(0, 3, (rows, vocab), generator=gen).bfloat16().cuda()
     for x in (scores, tied):
         log_probs, ids = ops.vocab_top_k(x, k)
         expected_lp, expected_ids = ref.vocab_top_k_reference(x, k)

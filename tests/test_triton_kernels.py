@@ -253,24 +253,27 @@ def test_benchmark_gemv_matches_linear(rows, split):
 @interpreted
 @pytest.mark.parametrize("rows, vocab, k, block", [(3, 100, 4, 32), (2, 64, 1, 64), (5, 70, 7, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_vocab_top_k(rows, vocab, k, block, dtype):
-    """The k best log-probabilities per row and their ids, against log_softmax + a stable sort: random
-    scores (several chunks, the last one partial, with fewer real tokens than k when k > vocab % block),
+@pytest.mark.parametrize("one_block", [False, True], ids=["chunks", "one block"])
+def test_vocab_top_k(rows, vocab, k, block, dtype, one_block):
+    """The k best log-probabilities per row and their ids, against log_softmax + a stable sort, per chunk of
+    ``block`` tokens and a merge, or a whole row in one block: random scores (several chunks, the last one
+    partial, with fewer real tokens than k when k > vocab % block; a row's block padded past the vocabulary),
     then scores with ties (the lower id first, across chunks too) and masked (-inf) entries."""
     gen = torch.Generator().manual_seed(rows * vocab + k)
     scores = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
     tied = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
     tied[:, ::5] = float("-inf")
+    blocks = {"block": block, "row_block": tk.ROW_BLOCK if one_block else 0}
     for x in (scores, tied):
-        log_probs, ids = tk.vocab_top_k(x, k, block=block)
+        log_probs, ids = tk.vocab_top_k(x, k, **blocks)
         expected_lp, expected_ids = ref.vocab_top_k_reference(x, k)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(log_probs, expected_lp, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="1 <= k <= V"):
-        tk.vocab_top_k(scores, vocab + 1)
-    if block < vocab:
+        tk.vocab_top_k(scores, vocab + 1, **blocks)
+    if block < vocab and not one_block:
         with pytest.raises(ValueError, match="at most 16 tokens per row"):
-            tk.vocab_top_k(scores, block + 1, block=16)
+            tk.vocab_top_k(scores, block + 1, block=16, row_block=0)
 
 
 @interpreted

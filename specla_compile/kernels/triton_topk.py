@@ -1,4 +1,4 @@
-"""Triton kernels: the ``k`` most likely tokens of each row of scores, as log-probabilities, in two launches.
+"""Triton kernels: the ``k`` most likely tokens of each row of scores, as log-probabilities, in one or two launches.
 
 Same result as ``reference.vocab_top_k_reference`` (``log_softmax`` then ``topk``; ties go to the lower
 token id). A drafter's tree level needs only the top ``k`` of 32,000+ log-probabilities per frontier node:
@@ -6,6 +6,9 @@ the framework writes them all and runs a radix select over them (4 kernels). Her
 into chunks of one block each, one program per (row, chunk): each finds its chunk's max, sum of exponentials
 and ``k`` best tokens from registers; a second kernel merges a row's chunks. (One program per row, reading
 its 32,000 scores ``k + 1`` times, took 20 us for a few rows on the H200: a few SMs busy, the rest idle.)
+A row that fits one block in registers (a draft vocabulary of up to ``ROW_BLOCK`` tokens) takes one program
+and one launch: at a few rows a level's two launches cost 7 us on the H200, each of them a few us whatever
+its work.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ def _pick_k(values, ids, alive, out_v, out_i, K: tl.constexpr):
         tl.store(out_v + j, best_v)
         tl.store(out_i + j, best_i)
         alive = alive & (ids != best_i)
+
+
+ROW_BLOCK = 8192  # the largest vocabulary that one program holds in registers (one launch)
+
+
+@triton.jit
+def _row_top_k_kernel(scores, out_lp, out_ids, V, K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid: (rows,). A whole row in one block: its log-sum-exp, then its K best tokens as log-probabilities."""
+    wait_upstream(USE_PDL)
+    row = tl.program_id(0)
+    idx = tl.arange(0, BLOCK)
+    valid = idx < V
+    x = tl.load(scores + row.to(tl.int64) * V + idx, mask=valid, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    lse = m + tl.log(tl.sum(tl.where(valid & (x > float("-inf")), tl.exp(x - m), 0.0), 0))
+    _pick_k(x - lse, idx, valid, out_lp + row * K, out_ids + row * K, K)
 
 
 @triton.jit
@@ -65,27 +84,34 @@ def _merge_top_k_kernel(part_m, part_s, part_v, part_i, out_lp, out_ids, CHUNKS:
     _pick_k(v - lse, i, real, out_lp + row * K, out_ids + row * K, K)
 
 
-def vocab_top_k(scores: torch.Tensor, k: int, *, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scores [N, V]`` (any float dtype) -> ``(log_probs [N, k] fp32, ids [N, k] int64)``, best first."""
+def vocab_top_k(scores: torch.Tensor, k: int, *, block: int = 2048,
+                row_block: int = ROW_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores [N, V]`` (any float dtype) -> ``(log_probs [N, k] fp32, ids [N, k] int64)``, best first: one
+    program per row where ``V`` fits ``row_block``, else one per (row, chunk of ``block`` tokens) and a merge."""
     if scores.dim() != 2 or not 1 <= k <= scores.shape[1]:
         raise ValueError(f"vocab_top_k takes scores [N, V] and 1 <= k <= V, got {tuple(scores.shape)} and k={k}")
     scores = scores.contiguous()
     rows, vocab = scores.shape
-    block = min(block, triton.next_power_of_2(vocab))
+    one_block = triton.next_power_of_2(vocab) <= row_block
+    block = triton.next_power_of_2(vocab) if one_block else min(block, triton.next_power_of_2(vocab))
     if k > block:
         raise ValueError(f"vocab_top_k picks at most {block} tokens per row (one block), got k={k}")
-    chunks = triton.cdiv(vocab, block)
     log_probs = torch.empty(rows, k, dtype=torch.float32, device=scores.device)
     ids = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
-    if rows:
-        f32 = {"dtype": torch.float32, "device": scores.device}
-        part_m, part_s = torch.empty(rows, chunks, **f32), torch.empty(rows, chunks, **f32)
-        part_v = torch.empty(rows, chunks, k, **f32)
-        part_i = torch.empty(rows, chunks, k, dtype=torch.int32, device=scores.device)
-        _chunk_top_k_kernel[(rows, chunks)](scores, part_m, part_s, part_v, part_i, vocab, K=k, BLOCK=block,
-                                            num_warps=4, **launch_args(scores.device))
-        _merge_top_k_kernel[(rows,)](part_m, part_s, part_v, part_i, log_probs, ids, CHUNKS=chunks,
-                                     CHUNKS_BLOCK=triton.next_power_of_2(chunks), K=k,
-                                     CANDIDATES_BLOCK=triton.next_power_of_2(chunks * k), num_warps=4,
-                                     **launch_args(scores.device))
+    if not rows:
+        return log_probs, ids
+    if one_block:
+        _row_top_k_kernel[(rows,)](scores, log_probs, ids, vocab, K=k, BLOCK=block, num_warps=8, **launch_args(scores.device))
+        return log_probs, ids
+    chunks = triton.cdiv(vocab, block)
+    f32 = {"dtype": torch.float32, "device": scores.device}
+    part_m, part_s = torch.empty(rows, chunks, **f32), torch.empty(rows, chunks, **f32)
+    part_v = torch.empty(rows, chunks, k, **f32)
+    part_i = torch.empty(rows, chunks, k, dtype=torch.int32, device=scores.device)
+    _chunk_top_k_kernel[(rows, chunks)](scores, part_m, part_s, part_v, part_i, vocab, K=k, BLOCK=block,
+                                        num_warps=4, **launch_args(scores.device))
+    _merge_top_k_kernel[(rows,)](part_m, part_s, part_v, part_i, log_probs, ids, CHUNKS=chunks,
+                                 CHUNKS_BLOCK=triton.next_power_of_2(chunks), K=k,
+                                 CANDIDATES_BLOCK=triton.next_power_of_2(chunks * k), num_warps=4,
+                                 **launch_args(scores.device))
     return log_probs, ids
