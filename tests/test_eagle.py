@@ -483,11 +483,12 @@ def test_propose_cost_does_not_grow_with_the_sequence(config, static):
 
 
 def test_a_prompt_catch_up_has_one_attention_shape_per_power_of_two():
-    """A row's first propose caches the prompt's pairs (all but the last depth + 1) in one uncaptured head
-    call padded to a power of two from 64: prompts of 20 and 60 tokens give its attention one query shape
-    and a prompt of 100 the next (on the H200 each new masked attention shape is a cuDNN plan of tens of
-    ms, which a per-length shape paid at almost every new prompt). The drafts are checked against the
-    scratch oracle in test_cache_rollback_matches_recomputing_from_scratch."""
+    """With static shapes, ``begin`` caches the prompt's pairs (queued behind the target's prefill, before the
+    host reads the first token) in one uncaptured head call padded to a power of two from 64: prompts of 20
+    and 60 tokens give its attention one query shape and a prompt of 100 the next (on the H200 each new masked
+    attention shape is a cuDNN plan of tens of ms, which a per-length shape paid at almost every new prompt).
+    The first propose then runs only its fixed shapes. The drafts are checked against the scratch oracle in
+    test_cache_rollback_matches_recomputing_from_scratch."""
     target, head = make(seed=5)
     drafter = EagleDrafter(head, target, static_shapes=True, compiled=False)
     config = SpecConfig(mode="chain", depth=4)
@@ -495,13 +496,15 @@ def test_a_prompt_catch_up_has_one_attention_shape_per_power_of_two():
     queries = {}
     for length in (20, 60, 100):
         seq = torch.randint(0, VOCAB, (length,), generator=gen)
-        drafter.begin([seq[:-1]], [torch.randn(length - 1, 32, dtype=torch.float64, generator=gen)])
-        counter = _Dispatches()
-        with counter:
+        begun, proposed = _Dispatches(), _Dispatches()
+        with begun:
+            drafter.begin([seq[:-1]], [torch.randn(length - 1, 32, dtype=torch.float64, generator=gen)])
+        assert drafter._cached == [length - 2]  # every pair the prompt holds
+        with proposed:
             drafter.propose(DraftRequest([0], [seq]), config)
-        queries[length] = {q[2] for q, _ in counter.attention}
-    # the catch-up's, then the propose's (depth + 1 new pairs) and its levels (one node each)
-    assert queries == {20: {64, 5, 1}, 60: {64, 5, 1}, 100: {128, 5, 1}}
+        queries[length] = ({q[2] for q, _ in begun.attention}, {q[2] for q, _ in proposed.attention})
+    # the catch-up's; then the propose's (its one new pair padded to depth + 1) and its levels (one node each)
+    assert queries == {20: ({64}, {5, 1}), 60: ({64}, {5, 1}), 100: ({128}, {5, 1})}
 
 
 def test_attention_choice_changes_the_kernel_not_the_draft():

@@ -14,9 +14,10 @@ one number back (the draft's width, in the tree builder). With static shapes (on
 ``SpecConfig(cuda_graphs=False)``) it reads nothing back: the new pairs are padded to ``depth + 1``
 (the most one iteration commits), a tree is padded to ``budget + 1`` nodes, and the device work of a
 propose (catch-up, every draft level, the tree's selection) is one program compiled by inductor (its
-elementwise work fused: the kernel count bounds a propose) and one captured CUDA graph, replayed. More
-new pairs than that (the prompt's, at a row's first propose) are cached first by one uncaptured head call,
-all but the last ``depth + 1``, so that every propose replays its graph.
+elementwise work fused: the kernel count bounds a propose) and one captured CUDA graph, replayed. The
+prompts' pairs are cached at ``begin`` by one uncaptured head call (queued behind the target's prefill,
+before the host waits for the first token); more new pairs than ``depth + 1`` at a propose (a host loop's
+rows) are cached first the same way, all but the last ``depth + 1``, so that every propose replays its graph.
 
 Pipelined (:meth:`EagleDrafter.propose_after`): after the first propose, each propose's inputs come from
 the verify pass's device outputs (the accepted path's tokens and features, the counts, the new pending
@@ -303,11 +304,20 @@ class EagleDrafter(Drafter):
         self._features = [feats.to(device, self._dtype) for feats in features]
         if self._buffers.fits(len(sequences), cfg.num_heads, cfg.head_dim, device, self._dtype):
             self._last_hidden.zero_()  # (the buffers' old pairs stay, masked, until overwritten)
-            return
-        self._buffers = _Buffers(len(sequences), cfg.num_heads, cfg.head_dim, device, self._dtype)
-        self._last_hidden = torch.zeros(len(sequences), cfg.hidden_size, device=device, dtype=self._dtype)
-        self._cached_counts = torch.zeros(len(sequences), dtype=torch.long, device=device)
-        self._graphs.clear()
+        else:
+            self._buffers = _Buffers(len(sequences), cfg.num_heads, cfg.head_dim, device, self._dtype)
+            self._last_hidden = torch.zeros(len(sequences), cfg.hidden_size, device=device, dtype=self._dtype)
+            self._cached_counts = torch.zeros(len(sequences), dtype=torch.long, device=device)
+            self._graphs.clear()
+        if self.static_shapes if self.static_shapes is not None else self._buffers.keys.is_cuda:
+            # the prompts' pairs now, queued behind the target's prefill (nothing here waits for the device): the
+            # host launches this uncaptured call while the device still runs the prefill, not at the first propose,
+            # after the host has read the first token (the seventeenth trained study drafted in 0.46 ms per pass
+            # plus about 3 ms per prompt, the eager catch-up's launches most likely)
+            prompts = [b for b, seq in enumerate(sequences) if seq.shape[0] > 1]
+            if prompts:
+                request = DraftRequest(prompts, [sequences[b] for b in prompts])
+                self._catch_up_uncaptured(request, self._buffers.scratch)
 
     def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         self._check_host_state()
@@ -328,7 +338,7 @@ class EagleDrafter(Drafter):
             static = self._static_shapes(config)
             if static:
                 self._catch_up_all_but(config.depth + 1, request, config)
-            plan = self._plan(request, config, static)
+            plan = self._plan(request, self._scratch(config), config.depth + 1 if static else None)
             features = self._new_features(plan)
             draft = self._run_plan(plan, features, config, static, fixed=static and plan.tokens.shape[1] == config.depth + 1)
             self._mark_cached(plan)
@@ -347,10 +357,9 @@ class EagleDrafter(Drafter):
             # (in one buffer for every call: the pipelined propose's graph reads it in place)
             self._device_cached = self._cached_counts
             self._device_cached.copy_(torch.tensor(self._cached))
-        beam = self._beam(config)
         # the whole call's room, once: room for a row's last pass (depth + 1 pairs) past its budget, and each
         # later propose writes width padding pairs
-        if self._buffers.reserve(max_length + 2 * width, (config.depth - 1) * beam):
+        if self._buffers.reserve(max_length + 2 * width, self._scratch(config)):
             self._graphs.clear()
         with torch.no_grad():
             draft = self._replay_after(last, config, width) if self._graphs_on(config) else None
@@ -405,6 +414,10 @@ class EagleDrafter(Drafter):
         scored = self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
         return 1 if config.mode == "chain" else min(config.tree_top_k, scored)
 
+    def _scratch(self, config: SpecConfig) -> int:
+        """Buffer columns for one propose's draft nodes (the levels after the first)."""
+        return (config.depth - 1) * self._beam(config)
+
     def _attention_kernels(self) -> contextlib.AbstractContextManager:
         """The chosen SDPA kernel, with math as its fallback."""
         if self.attention not in SDPA_BACKENDS:
@@ -429,19 +442,24 @@ class EagleDrafter(Drafter):
             raise RuntimeError("EagleDrafter: its rows follow the device since propose_after(); call begin() first")
 
     def _catch_up_all_but(self, last: int, request: DraftRequest, config: SpecConfig) -> None:
-        """Cache the new pairs of each row but its ``last`` ones, in one uncaptured head call: the
-        prompt's, at a row's first propose. The propose itself then keeps its fixed shapes and replays
-        its graph; uncaptured, a whole propose costs 10-17 ms of launches on the H200. The call's pairs are
-        padded to a power of two from 64: its masked attention's shape (a cuDNN plan built at each new
-        shape, tens of ms) follows the prompt length only in a few steps."""
+        """Cache the new pairs of each row but its ``last`` ones, in one uncaptured head call (a prompt's, where
+        ``begin`` did not cache it). The propose itself then keeps its fixed shapes and replays its graph;
+        uncaptured, a whole propose costs 10-17 ms of launches on the H200. The call's pairs are padded to a
+        power of two from 64: its masked attention's shape (a cuDNN plan built at each new shape, tens of ms)
+        follows the prompt length only in a few steps."""
         long = [(b, seq[: seq.shape[0] - last]) for b, seq in zip(request.rows, request.sequences)
                 if seq.shape[0] - 1 - self._cached[b] > last]
         if long:
-            plan = self._plan(DraftRequest([b for b, _ in long], [seq for _, seq in long]), config, static=False,
-                              round_up=True)
-            with self._attention_kernels():
-                self._catch_up(plan, self._new_features(plan))
-            self._mark_cached(plan)
+            request = DraftRequest([b for b, _ in long], [seq for _, seq in long])
+            self._catch_up_uncaptured(request, self._scratch(config))
+
+    def _catch_up_uncaptured(self, request: DraftRequest, scratch: int) -> None:
+        """Cache every pair of the request's sequences (the last token's too: no pending token follows) in one
+        uncaptured head call, its pairs padded to a power of two from 64 (:meth:`_catch_up_all_but`)."""
+        plan = self._plan(request, scratch, round_up=True)
+        with torch.no_grad(), self._attention_kernels():
+            self._catch_up(plan, self._new_features(plan))
+        self._mark_cached(plan)
 
     def _mark_cached(self, plan: _Plan) -> None:
         for b, n in zip(plan.row_ids, plan.new):
@@ -471,11 +489,11 @@ class EagleDrafter(Drafter):
             return self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
 
-    def _plan(self, request: DraftRequest, config: SpecConfig, static: bool, round_up: bool = False) -> _Plan:
-        """Check the rows' bookkeeping, make room in the buffers, and move what the device needs there in
-        one copy: per row its index, cached and new pair counts, new tokens and pending token. With
-        ``static`` shapes, the new pairs are padded to ``depth + 1`` when they fit; with ``round_up``, to a
-        power of two from 64."""
+    def _plan(self, request: DraftRequest, scratch: int, pad_to: int | None = None, round_up: bool = False) -> _Plan:
+        """Check the rows' bookkeeping, make room in the buffers (``scratch`` columns for draft nodes), and move
+        what the device needs there in one copy: per row its index, cached and new pair counts, new tokens and
+        pending token. The new pairs are padded to ``pad_to`` when they fit (a static propose's ``depth + 1``);
+        with ``round_up``, to a power of two from 64."""
         new = []
         for b, seq in zip(request.rows, request.sequences):
             self._check_row(b)
@@ -493,20 +511,21 @@ class EagleDrafter(Drafter):
                 )
             new.append(n)
         width = max(new)
-        if static and width <= config.depth + 1:
-            width = config.depth + 1
+        if pad_to is not None and width <= pad_to:
+            width = pad_to
         if round_up:
             width = _room(width, 64)
-        beam = self._beam(config)
-        if self._buffers.reserve(max(self._cached[b] for b in request.rows) + width, (config.depth - 1) * beam):
+        if self._buffers.reserve(max(self._cached[b] for b in request.rows) + width, scratch):
             self._graphs.clear()
         seqs = request.sequences
-        meta = torch.tensor([[b, self._cached[b], n] for b, n in zip(request.rows, new)], device=seqs[0].device)
+        # (non_blocking from pageable memory: the driver stages the data, no stream synchronisation as a blocking
+        # copy: sequences on the device, as at begin() behind the prefill, leave the host free to queue on)
+        meta = torch.tensor([[b, self._cached[b], n] for b, n in zip(request.rows, new)])
+        meta = meta.to(seqs[0].device, non_blocking=True)
         tokens = [
             torch.cat([seq[self._cached[b] + 1 :], seq.new_zeros(width - n), seq[-1:]])
             for b, seq, n in zip(request.rows, seqs, new)
         ]
-        # (non_blocking from pageable memory: the driver stages the data, no stream synchronisation as a blocking copy)
         inputs = torch.cat([meta, torch.stack(tokens)], dim=1).to(self._buffers.keys.device, non_blocking=True)
         return _Plan(list(request.rows), new, list(request.rows) == list(range(len(self._cached))), inputs)
 
