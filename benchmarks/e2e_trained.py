@@ -49,8 +49,9 @@ Metrics per suite and route: speedup = summed end-to-end latency of plain decodi
 drafts + the target's token), first-token match (share of passes whose first drafted token was
 accepted), the share of prompts whose output equals plain decoding's (SHA-1 of the new tokens), drafting
 time over verification time, the share of passes that accepted a draft token at every level of the
-route's depth (the JSON keeps the whole histogram of accepted draft tokens per pass); 95% bootstrap
-intervals over prompts. A mismatch is examined in fp32: the
+route's depth (the JSON keeps the whole histogram of accepted draft tokens per pass), and the drafting time
+split into a cost per pass and one per prompt (least squares over the prompts); 95% bootstrap intervals over
+prompts. A mismatch is examined in fp32: the
 logit margin, at the first differing position, between the two tokens (a near-tie if below
 ``--near-tie``).
 
@@ -245,6 +246,10 @@ def summarize(records: list[dict], route: str, samples: int = 2000, depth: int |
         out["draft_over_verify"] = sum(r["draft_s"] for r in run) / verify if verify > 0 else None
         if passes:  # (mean phase times per iteration, over the suite's prompts)
             out["draft_ms"], out["verify_ms"] = (1000 * sum(r[k] for r in run) / passes for k in ("draft_s", "verify_s"))
+        counts = np.array([r["passes"] for r in run], dtype=float)
+        if len(set(counts)) > 1:  # drafting = a per pass + b per prompt (least squares over the prompts)
+            fit = np.linalg.lstsq(np.stack([counts, np.ones_like(counts)], 1), [1000 * r["draft_s"] for r in run], rcond=None)[0]
+            out["draft_fit_ms"] = {"per_pass": float(fit[0]), "per_prompt": float(fit[1])}
         if all("accepted_histogram" in r for r in run):  # (not recorded before the seventeenth study)
             hist = out["accepted_histogram"] = [sum(h) for h in itertools.zip_longest(*(r["accepted_histogram"] for r in run),
                                                                                        fillvalue=0)]
@@ -395,6 +400,9 @@ def markdown(results: dict) -> str:
             lines.append(f"| {route} | {s['prompts']} | {_fmt(s, 'speedup')} | {_fmt(s, 'accepted_length')} | "
                          f"{_fmt(s, 'first_token_match')} | {s['identical']}/{s['prompts']} | {s['ms_per_token']:.2f} | "
                          f"{_fmt(s, 'draft_over_verify')} | {phases} | {_fmt(s, 'prefill_ms')} | {_fmt(s, 'whole_depth')} |")
+        fits = [f"{route} {f['per_pass']:.2f} ms per pass + {f['per_prompt']:.1f} ms per prompt"
+                for route, s in routes.items() if (f := s.get("draft_fit_ms"))]
+        lines += ["", "Drafting time, fitted over the prompts: " + "; ".join(fits)] if fits else []
     for suite, cats in results.get("categories", {}).items():
         routes = [r for r in SPEC_ROUTES if any(r in c for c in cats.values())]
         lines += ["", f"Per category, {suite}: speedup / accepted length", "",

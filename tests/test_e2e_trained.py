@@ -144,6 +144,19 @@ def test_share_of_passes_accepting_the_whole_depth():
     assert row.endswith("| 0.56 |")
 
 
+def test_drafting_time_splits_into_a_cost_per_pass_and_one_per_prompt():
+    records = [_record(f"m{i}", ["mixed"], "qa", {"eagle_tree": 2.0}, accepted=a) for i, a in enumerate((2.0, 4.0, 8.0))]
+    for r in records:  # 0.5 ms per pass and 3 ms per prompt
+        r["routes"]["eagle_tree"]["draft_s"] = (0.5 * r["routes"]["eagle_tree"]["passes"] + 3.0) / 1000
+    results = {"records": records, "bootstrap_samples": 50}
+    results["summary"], _ = E.summaries(results)
+    fit = results["summary"]["mixed"]["eagle_tree"]["draft_fit_ms"]
+    assert fit["per_pass"] == pytest.approx(0.5) and fit["per_prompt"] == pytest.approx(3.0)
+    assert "draft_fit_ms" not in results["summary"]["mixed"]["plain"]
+    results["targets"] = E.targets(results)
+    assert "eagle_tree 0.50 ms per pass + 3.0 ms per prompt" in E.markdown(results)
+
+
 def test_exactness_of_the_other_dtype_from_another_study(tmp_path):
     fp32 = {"dtype": "float32", "records": [_record(f"m{i}", ["mixed"], "qa", {"eagle_tree": 2.0}) for i in range(3)],
             "bootstrap_samples": 50}
