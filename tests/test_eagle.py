@@ -507,6 +507,65 @@ def test_a_prompt_catch_up_has_one_attention_shape_per_power_of_two():
     assert queries == {20: ({64}, {5, 1}), 60: ({64}, {5, 1}), 100: ({128}, {5, 1})}
 
 
+def test_a_graphed_catch_up_replays_one_graph_per_width_and_caches_what_the_eager_one_does(monkeypatch):
+    """Where graphs are on, ``begin``'s catch-up is captured once per rows and padded width (over the current
+    buffers) and replayed with each new prompt's inputs copied in: prompts of 50 and 60 tokens share a
+    64-wide graph, 100 tokens capture the 128-wide one (the 20-token prompt's went with the buffers that the
+    first propose grew); the cached pairs, the head's last hidden state and the drafts that follow equal an
+    eager drafter's. A capture that fails leaves the catch-up eager, and says why.
+    (A stand-in for CUDA graphs: its capture runs the step, its replay runs it again on the static inputs.)"""
+    from specla_compile.runtime.drafters import eagle
+
+    class Graph:
+        def __init__(self, step):
+            self.step, self.replays = step, 0
+
+        def replay(self):
+            self.replays += 1
+            self.step()
+
+    graphs = []
+
+    def fake_capture(step, warmups=2):
+        for _ in range(warmups):
+            step()
+        graphs.append(Graph(step))
+        return graphs[-1], step()
+
+    target, head = make(seed=5)
+    eager = EagleDrafter(head, target, static_shapes=True, compiled=False)
+    graphed = EagleDrafter(head, target, static_shapes=True, compiled=False)
+    monkeypatch.setattr(eagle, "capture", fake_capture)
+    monkeypatch.setattr(graphed, "_graphs_on", lambda config: config is None)  # (at begin only: the proposes eager)
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)
+    gen = torch.Generator().manual_seed(6)
+    for length in (20, 50, 100, 60):
+        seq = torch.randint(0, VOCAB, (length,), generator=gen)
+        feats = torch.randn(length - 1, 32, dtype=torch.float64, generator=gen)
+        for drafter in (eager, graphed):
+            drafter.begin([seq[:-1]], [feats])
+        assert graphed._cached == eager._cached == [length - 2]
+        cached = slice(0, length - 2)
+        torch.testing.assert_close(graphed._buffers.keys[..., cached, :], eager._buffers.keys[..., cached, :])
+        torch.testing.assert_close(graphed._buffers.values[..., cached, :], eager._buffers.values[..., cached, :])
+        torch.testing.assert_close(graphed._last_hidden, eager._last_hidden)
+        drafts = [drafter.propose(DraftRequest([0], [seq]), config) for drafter in (eager, graphed)]
+        assert_same_draft(*drafts)
+    assert [g.replays for g in graphs] == [1, 2, 1]  # (64 wide, dropped; 64 wide: the 50- and 60-token prompts; 128)
+    assert {key[2] for key in graphed._graphs if key[0] == "catch_up"} == {64, 128}
+
+    def failing_capture(step, warmups=2):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(eagle, "capture", failing_capture)
+    failing = EagleDrafter(head, target, static_shapes=True, compiled=False)
+    monkeypatch.setattr(failing, "_graphs_on", lambda config: True)
+    for drafter in (failing, eager):
+        drafter.begin([seq[:-1]], [feats])
+    assert failing.graph_error == "operation not permitted when stream is capturing" and failing.captured_graphs == 0
+    torch.testing.assert_close(failing._last_hidden, eager._last_hidden)
+
+
 def test_attention_choice_changes_the_kernel_not_the_draft():
     """``attention="math"`` runs the head's attention as matrix products (``"pytorch"``, the default on a
     CPU, is PyTorch's fused flash kernel there) and ``"specla"`` as ``specla::draft_attention``, in the prompt's catch-up and
@@ -584,7 +643,7 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     assert gemm_calls["mixed"] >= gemm_calls["specla"] + 2 * config.depth
     assert_same_draft(drafts["specla"], drafts["pytorch"])
     assert_same_draft(drafts["mixed"], drafts["pytorch"])
-    assert EagleDrafter(head, target).head_gemms == "pytorch"
+    assert EagleDrafter(head, target).head_gemms == "mixed"
     with pytest.raises(ValueError, match="head_gemms must be one of"):
         EagleDrafter(head, target, head_gemms="cublas")
 

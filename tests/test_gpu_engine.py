@@ -4,6 +4,8 @@ and trees, a batch with EOS). Skipped without CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from models import FAMILIES, VOCAB, left_padded_batch, tiny_model
@@ -66,8 +68,10 @@ def test_graphed_prefill_chunks_give_plain_eager_decoding():
     "config", [SpecConfig(mode="chain", depth=4), SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)]
 )
 def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
-    """An EAGLE propose replayed from its CUDA graph drafts what the same fixed shapes draft uncaptured,
-    over propose/commit rounds that accept different lengths, and two rows drafted alone (other keys)."""
+    """An EAGLE propose replayed from its CUDA graph drafts what the same fixed shapes draft uncaptured
+    (``cuda_graphs=False``), over propose/commit rounds that accept different lengths, and two rows drafted
+    alone (other keys); then on new prompts, whose catch-up at ``begin`` replays a captured graph where the
+    last propose replayed graphs, and captures nothing where it was told not to."""
     from tiny_lm import features_of, tiny_lm
 
     from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
@@ -77,6 +81,7 @@ def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
     torch.manual_seed(3)
     head = EagleHead(EagleConfig.for_target(target, intermediate_size=48)).cuda()
     graphed, uncaptured = EagleDrafter(head, target), EagleDrafter(head, target, static_shapes=True)
+    off = dataclasses.replace(config, cuda_graphs=False)
     gen = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, VOCAB, (n,), generator=gen).cuda() for n in (12, 7)]
     for d in (graphed, uncaptured):
@@ -86,7 +91,7 @@ def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
         for b in rows:  # the pending tokens
             seqs[b] = torch.cat([seqs[b], torch.randint(0, VOCAB, (1,), generator=gen).cuda()])
         request = DraftRequest(rows, [seqs[b] for b in rows])
-        draft, expected = graphed.propose(request, config), uncaptured.propose(request, config)
+        draft, expected = graphed.propose(request, config), uncaptured.propose(request, off)
         assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
         kept = round % (config.depth + 1)
         for b, i in zip(rows, range(len(rows))):
@@ -95,6 +100,14 @@ def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
                 d.commit([b], [new[len(seqs[b]) - 1 :]], [features_of(target, new)[len(seqs[b]) - 1 :]])
             seqs[b] = new
     assert graphed.captured_graphs and not graphed.graph_error, "the proposes were replayed from captured graphs"
+    assert uncaptured.captured_graphs == 0
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).cuda() for n in (70, 40)]  # (one 128-wide catch-up)
+    for d in (graphed, uncaptured):
+        d.begin([s[:-1] for s in seqs], [features_of(target, s[:-1]) for s in seqs])
+    assert ("catch_up", (0, 1), 128) in graphed._graphs and uncaptured.captured_graphs == 0
+    request = DraftRequest([0, 1], seqs)
+    draft, expected = graphed.propose(request, config), uncaptured.propose(request, off)
+    assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
 
 
 def test_bf16_experts_keep_grouped_mm_inside_the_cuda_graphs():

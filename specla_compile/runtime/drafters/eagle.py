@@ -15,9 +15,12 @@ one number back (the draft's width, in the tree builder). With static shapes (on
 (the most one iteration commits), a tree is padded to ``budget + 1`` nodes, and the device work of a
 propose (catch-up, every draft level, the tree's selection) is one program compiled by inductor (its
 elementwise work fused: the kernel count bounds a propose) and one captured CUDA graph, replayed. The
-prompts' pairs are cached at ``begin`` by one uncaptured head call (queued behind the target's prefill,
-before the host waits for the first token); more new pairs than ``depth + 1`` at a propose (a host loop's
-rows) are cached first the same way, all but the last ``depth + 1``, so that every propose replays its graph.
+prompts' pairs are cached at ``begin`` by one head call over them, padded to a power of two from 64 and, where
+the last propose replayed graphs, replayed as that width's captured graph: eager, its launches cost ~2.9 ms of
+host time per prompt on the H200, which queueing it behind the target's (equally host-bound) eager prefill
+did not hide. More new pairs than
+``depth + 1`` at a propose (a host loop's rows) are cached first the same way, all but the last ``depth + 1``,
+so that every propose replays its graph.
 
 Pipelined (:meth:`EagleDrafter.propose_after`): after the first propose, each propose's inputs come from
 the verify pass's device outputs (the accepted path's tokens and features, the counts, the new pending
@@ -151,11 +154,12 @@ class _Plan:
 
 @dataclass
 class _Captured:
-    """A propose's captured device work for one key: its graph, its draft, and the static inputs that a
-    replay copies its own into (none for a pipelined propose: it reads the pass's buffers themselves)."""
+    """A propose's or a catch-up's captured device work for one key: its graph, its draft (None for a
+    catch-up), and the static inputs that a replay copies its own into (none for a pipelined propose: it reads
+    the pass's buffers themselves)."""
 
     graph: torch.cuda.CUDAGraph
-    draft: Draft
+    draft: Draft | None
     inputs: tuple[torch.Tensor, ...] = ()
 
 
@@ -189,10 +193,12 @@ class EagleDrafter(Drafter):
     vocabulary can only be emitted by the target itself. None (default) or the vocabulary's size: every
     token, through the target's LM head module. ``head_gemms``: how the head's GEMMs run with the norms,
     residuals, table rows and gate around them (``HEAD_GEMMS``, the ``gemms`` of :meth:`EagleHead.project` and
-    :meth:`EagleHead.attend`): ``"pytorch"`` (default: PyTorch code, cuBLAS's GEMMs and inductor's fusions) or
+    :meth:`EagleHead.attend`): ``"pytorch"`` (PyTorch code, cuBLAS's GEMMs and inductor's fusions) or
     ``"specla"`` (one launch each, Triton on CUDA for up to 16 half-precision rows; on the H200 no faster in a
-    propose, ``benchmarks/results/eagle_profile.md``) or ``"mixed"`` (specla's ``linear_add`` only: the fuse and
-    o_proj). The same drafts with any of the three, up to rounding.
+    propose, ``benchmarks/results/eagle_profile.md``) or ``"mixed"`` (default: specla's ``linear_add`` for the
+    fuse and o_proj, PyTorch's for the rest; on the H200 a tree's propose replays 14% faster than with
+    ``"pytorch"``, ``benchmarks/results/eagle_profile_head_gemms.md``). The same drafts with any of the three,
+    up to rounding.
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
     at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
     saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat
@@ -239,6 +245,7 @@ class EagleDrafter(Drafter):
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
         self._after_key: tuple | None = None  # the last pipelined propose's graph key (_replay_after)
         self._graph_error = ""
+        self._graphs_wanted = False  # the last propose's config's word on graphs: begin() has no config of its own
         self._compiled_propose: Callable | None = None
         self.head = head.eval()
         self.embed = embed
@@ -310,14 +317,12 @@ class EagleDrafter(Drafter):
             self._cached_counts = torch.zeros(len(sequences), dtype=torch.long, device=device)
             self._graphs.clear()
         if self._static_shapes(None):
-            # the prompts' pairs now, queued behind the target's prefill (nothing here waits for the device): the
-            # host launches this uncaptured call while the device still runs the prefill, not at the first propose,
-            # after the host has read the first token (the seventeenth trained study drafted in 0.48 ms per pass
-            # plus 2.8 ms per prompt, the eager catch-up's launches most likely)
+            # the prompts' pairs now, so that the first propose runs only its fixed shapes (nothing here waits for
+            # the device); graphed: eager, the seventeenth trained study paid 2.8 ms per prompt for its launches
             prompts = [b for b, seq in enumerate(sequences) if seq.shape[0] > 1]
             if prompts:
                 request = DraftRequest(prompts, [sequences[b] for b in prompts])
-                self._catch_up_uncaptured(request, self._buffers.scratch)
+                self._catch_up_once(request, self._buffers.scratch, self._graphs_on(None))
 
     def commit(self, rows: list[int], tokens: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         self._check_host_state()
@@ -334,6 +339,7 @@ class EagleDrafter(Drafter):
         self._check_host_state()
         if not request.rows:
             raise ValueError("DraftRequest has no rows to draft for")
+        self._graphs_wanted = config.cuda_graphs is not False
         with torch.no_grad():
             static = self._static_shapes(config)
             if static:
@@ -442,7 +448,7 @@ class EagleDrafter(Drafter):
             raise RuntimeError("EagleDrafter: its rows follow the device since propose_after(); call begin() first")
 
     def _catch_up_all_but(self, last: int, request: DraftRequest, config: SpecConfig) -> None:
-        """Cache the new pairs of each row but its ``last`` ones, in one uncaptured head call (a prompt's, where
+        """Cache the new pairs of each row but its ``last`` ones, in one head call (a prompt's, where
         ``begin`` did not cache it). The propose itself then keeps its fixed shapes and replays its graph;
         uncaptured, a whole propose costs 10-17 ms of launches on the H200. The call's pairs are padded to a
         power of two from 64: its masked attention's shape (a cuDNN plan built at each new shape, tens of ms)
@@ -451,15 +457,33 @@ class EagleDrafter(Drafter):
                 if seq.shape[0] - 1 - self._cached[b] > last]
         if long:
             request = DraftRequest([b for b, _ in long], [seq for _, seq in long])
-            self._catch_up_uncaptured(request, self._scratch(config))
+            self._catch_up_once(request, self._scratch(config), self._graphs_on(config))
 
-    def _catch_up_uncaptured(self, request: DraftRequest, scratch: int) -> None:
+    def _catch_up_once(self, request: DraftRequest, scratch: int, graphed: bool) -> None:
         """Cache every pair of the request's sequences (the last token's too: no pending token follows) in one
-        uncaptured head call, its pairs padded to a power of two from 64 (:meth:`_catch_up_all_but`)."""
+        head call, its pairs padded to a power of two from 64 (:meth:`_catch_up_all_but`); ``graphed``: as a
+        replay of the captured graph of its rows and width."""
         plan = self._plan(request, scratch, round_up=True)
+        features = self._new_features(plan)
         with torch.no_grad(), self._attention_kernels():
-            self._catch_up(plan, self._new_features(plan))
+            if not (graphed and self._replay_catch_up(plan, features)):
+                self._catch_up(plan, features)
         self._mark_cached(plan)
+
+    def _replay_catch_up(self, plan: _Plan, features: torch.Tensor) -> bool:
+        """The catch-up as a replay of its captured graph (captured at its rows' and width's first use, over
+        the current buffers); False if it cannot be captured (the caller then runs it uncaptured)."""
+        key = ("catch_up", tuple(plan.row_ids), plan.tokens.shape[1])
+        captured = self._graphs.get(key)
+        if captured is None:
+            static = _Plan(plan.row_ids, plan.new, plan.every_row, plan.inputs.clone())
+            static_features = features.clone()
+            # (the warm-up runs do the real catch-up; the replay below writes the same pairs again)
+            captured = self._captured(key, lambda: self._catch_up(static, static_features), (static.inputs, static_features))
+        if captured is None:
+            return False
+        self._replayed(captured, plan.inputs, features)
+        return True
 
     def _mark_cached(self, plan: _Plan) -> None:
         for b, n in zip(plan.row_ids, plan.new):
@@ -472,8 +496,11 @@ class EagleDrafter(Drafter):
             return self.static_shapes
         return self._buffers.keys.is_cuda and (config is None or config.cuda_graphs is not False)
 
-    def _graphs_on(self, config: SpecConfig) -> bool:
-        return self._buffers.keys.is_cuda and config.cuda_graphs is not False and not self._graph_error
+    def _graphs_on(self, config: SpecConfig | None) -> bool:
+        """Whether to replay captured graphs; ``None`` (``begin``): as the last propose's config said (a new
+        drafter's first catch-up runs uncaptured, so that ``SpecConfig(cuda_graphs=False)`` captures nothing)."""
+        wanted = self._graphs_wanted if config is None else config.cuda_graphs is not False
+        return self._buffers.keys.is_cuda and wanted and not self._graph_error
 
     def _check_row(self, b: int) -> None:
         if not 0 <= b < len(self._cached):
@@ -575,7 +602,8 @@ class EagleDrafter(Drafter):
                                       (static.inputs, static_features))
         return None if captured is None else self._replayed(captured, plan.inputs, features)
 
-    def _captured(self, key: tuple, step: Callable[[], Draft], inputs: tuple[torch.Tensor, ...] = ()) -> _Captured | None:
+    def _captured(self, key: tuple, step: Callable[[], Draft | None],
+                  inputs: tuple[torch.Tensor, ...] = ()) -> _Captured | None:
         """``step`` captured as ``key``'s graph; None if it cannot be captured (drafting then runs uncaptured)."""
         try:
             graph, draft = capture(step)
@@ -587,12 +615,14 @@ class EagleDrafter(Drafter):
         return captured
 
     @staticmethod
-    def _replayed(captured: _Captured, *inputs: torch.Tensor) -> Draft:
-        """Replay ``captured`` on ``inputs`` (copied into its static ones); the draft's copy (the next replay overwrites it)."""
+    def _replayed(captured: _Captured, *inputs: torch.Tensor) -> Draft | None:
+        """Replay ``captured`` on ``inputs`` (copied into its static ones); the draft's copy (the next replay
+        overwrites it), None for a catch-up."""
         for static, value in zip(captured.inputs, inputs):
             static.copy_(value)
         captured.graph.replay()
-        return Draft(captured.draft.tokens.clone(), captured.draft.parents.clone(), chain=captured.draft.chain)
+        draft = captured.draft
+        return None if draft is None else Draft(draft.tokens.clone(), draft.parents.clone(), chain=draft.chain)
 
     def _catch_up(self, plan: _Plan, features: torch.Tensor) -> None:
         """Cache every pair up to the one holding the pending token, all rows in one head call."""

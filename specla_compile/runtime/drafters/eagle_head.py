@@ -42,9 +42,12 @@ HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gate
               # specla's linear_add for the two 1024-column GEMMs (the fuse, o_proj), where cuBLAS's kernel at 4 rows
               # streams their 2 MB in 5-8 us (H200 propose profile) against linear_add's 4-5 us; PyTorch's for the rest
               "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference)}
-# the default: PyTorch's drafted as fast or a little faster in the trained study (depth-4 tree, H200: 0.47 against
-# 0.48 ms per iteration; in a propose the norm-fused launches cost what cuBLAS and inductor's kernels cost together)
-DEFAULT_HEAD_GEMMS = "pytorch"
+# the default: on the H200 a depth-6 tree's propose at the trained head's shape (draft vocabulary 8192) replays
+# in 0.362 ms with "mixed" against 0.419 with "pytorch" (its GEMMs 0.133 against 0.218 ms), a chain L=8's in 0.401
+# against 0.473 (benchmarks/results/eagle_profile_head_gemms.md); "specla" drafted no faster than "pytorch" in the
+# trained study (depth-4 tree: 0.48 against 0.47 ms per iteration): its norm-fused launches cost what cuBLAS's
+# and inductor's kernels cost together
+DEFAULT_HEAD_GEMMS = "mixed"
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
