@@ -618,9 +618,11 @@ def test_route_suffixes_pick_the_drafters_options(checkpoints, prompt_files, tmp
     (calibrated / "config.json").write_text(json.dumps({**config, "acceptance_temperature": 0.5}))
     args = E.parse_args(["--target", str(checkpoints / "target"), "--eagle", str(calibrated), "--prompts-dir", str(prompt_files),
                          "--suites", "gsm8k", "--device", "cpu", "--inner", "eager", "--routes", "eagle_tree_fr",
-                         "eagle_tree_d4_fr", "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1", "eagle_tree_d4_fr_specla"])
+                         "eagle_tree_d4_fr", "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1", "eagle_tree_d4_fr_specla",
+                         "eagle_tree_fr_pytorch"])
     drafters = E.Bench(args).drafters
     assert drafters["eagle_tree_fr"] is drafters["eagle_tree_d4_fr"] and drafters["eagle_tree_fr_t1"] is drafters["eagle_tree_d4_fr_t1"]
     options = {r: (drafters[r].head_gemms, drafters[r].acceptance_temperature) for r in args.routes[1:]}
-    assert options == {"eagle_tree_fr": ("pytorch", 0.5), "eagle_tree_d4_fr": ("pytorch", 0.5), "eagle_tree_fr_t1": ("pytorch", 1.0),
-                       "eagle_tree_d4_fr_t1": ("pytorch", 1.0), "eagle_tree_d4_fr_specla": ("specla", 0.5)}
+    assert options == {"eagle_tree_fr": ("mixed", 0.5), "eagle_tree_d4_fr": ("mixed", 0.5), "eagle_tree_fr_t1": ("mixed", 1.0),
+                       "eagle_tree_d4_fr_t1": ("mixed", 1.0), "eagle_tree_d4_fr_specla": ("specla", 0.5),
+                       "eagle_tree_fr_pytorch": ("pytorch", 0.5)}
