@@ -40,8 +40,8 @@ and prefill on the shortest and the longest prompt, outside the timed runs) come
 ``warmup_total_s``; ``calls`` keeps them for every call of a resumed study). ``--max-minutes`` counts
 measuring time only, from the end of the warm-ups; ``--max-wall-minutes`` caps the whole call. A prompt
 is started only when the time its predecessor took still fits both. Before a prompt's timed runs, an untimed
-call of plain decoding (one token) and of the first EAGLE route (two) runs what a new prompt length runs
-once (``Bench.prompt_warmups``). ``--resume`` continues the JSON in
+call of plain decoding (one token) and of the first route of each EAGLE drafter (two) runs what a new prompt
+length runs once (``Bench.prompt_warmups``). ``--resume`` continues the JSON in
 ``--out`` (same target, head, dtype, new tokens and routes) with the prompts it has not measured, so a
 study of every prompt can span several calls of a GPU machine.
 
@@ -555,14 +555,17 @@ class Bench:
                 "first_hits": sum(a > 0 for a in st.accepted_drafts), "draft_s": st.draft_seconds,
                 "verify_s": st.verify_seconds, "prefill_s": st.prefill_seconds, "commit_s": st.commit_seconds}, tokens
 
-    @staticmethod
-    def prompt_warmups(routes: list[str]) -> list[tuple[str, int]]:
+    def prompt_warmups(self, routes: list[str]) -> list[tuple[str, int]]:
         """The untimed runs ``(route, new tokens)`` before a prompt's timed ones: what runs once per prompt
-        length (fla's eager prefill of a prompt longer than the engine prefills, the head's catch-up attention
-        over the prompt) runs there, so that plain decoding, timed first, does not pay it for the routes after
-        it (a 1,152-token prompt's plain run took 274 ms of prefill in the ninth study, the routes after it 27 ms)."""
-        eagle = next((r for r in routes if r.startswith("eagle")), None)
-        return [("plain", 1)] + ([(eagle, 2)] if eagle is not None else [])
+        length (fla's eager prefill of a prompt longer than the engine prefills; per EAGLE drafter, the capture of
+        its catch-up's graph at a new width, and of its proposes' when its buffers grow) runs there, so that no
+        timed run pays it (a 1,152-token prompt's plain run took 274 ms of prefill in the ninth study, the routes
+        after it 27 ms)."""
+        firsts = {}  # (a drafter's first route: routes that share a drafter share its buffers and graphs)
+        for route in routes:
+            if route.startswith("eagle"):
+                firsts.setdefault(id(self.drafters[route]), route)
+        return [("plain", 1)] + [(route, 2) for route in firsts.values()]
 
     @torch.no_grad()
     def fp32_logits(self, prefix: torch.Tensor) -> torch.Tensor:
