@@ -558,9 +558,10 @@ class Bench:
     def prompt_warmups(self, routes: list[str]) -> list[tuple[str, int]]:
         """The untimed runs ``(route, new tokens)`` before a prompt's timed ones: what runs once per prompt
         length (fla's eager prefill of a prompt longer than the engine prefills; per EAGLE drafter, the capture of
-        its catch-up's graph at a new width, and of its proposes' when its buffers grow) runs there, so that no
-        timed run pays it (a 1,152-token prompt's plain run took 274 ms of prefill in the ninth study, the routes
-        after it 27 ms)."""
+        its catch-up's graph at a new width, and of its proposes' when its buffers grow) mostly runs there, not in
+        a timed run (a 1,152-token prompt's plain run took 274 ms of prefill in the ninth study, the routes after
+        it 27 ms). Not all of it: a timed run of ``--new-tokens`` may still grow a drafter's buffers past what the
+        warm-up's two tokens needed (rarely after the first prompts: buffers only grow, in powers of two)."""
         firsts = {}  # (a drafter's first route: routes that share a drafter share its buffers and graphs)
         for route in routes:
             if route.startswith("eagle"):

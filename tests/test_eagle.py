@@ -508,19 +508,28 @@ def test_a_prompt_catch_up_has_one_attention_shape_per_power_of_two():
 
 
 def test_a_graphed_catch_up_replays_one_graph_per_width_and_caches_what_the_eager_one_does(monkeypatch):
-    """Where graphs are on, ``begin``'s catch-up is captured once per rows and padded width (over the current
-    buffers) and replayed with each new prompt's inputs copied in: prompts of 50 and 60 tokens share a
-    64-wide graph, 100 tokens capture the 128-wide one (the 20-token prompt's went with the buffers that the
-    first propose grew); the cached pairs, the head's last hidden state and the drafts that follow equal an
-    eager drafter's. A capture that fails leaves the catch-up eager, and says why.
+    """Where graphs are on, ``begin``'s catch-up is captured once per rows and padded width over buffers a propose
+    has sized, and replayed over those same buffers with each new prompt's inputs copied in: the first prompt (new
+    buffers) runs eagerly, prompts of 50 and 60 tokens share a 64-wide graph, 100 tokens capture the 128-wide one,
+    and 300 tokens grow the buffers: a 512-wide graph over the new ones, and the next 64-wide prompt captures again;
+    the cached pairs, the head's last hidden state and the drafts that follow equal an eager drafter's. A capture
+    that fails leaves that catch-up and the later ones eager, says why, and leaves the proposes' graphs alone.
     (A stand-in for CUDA graphs: its capture runs the step, its replay runs it again on the static inputs.)"""
     from specla_compile.runtime.drafters import eagle
 
+    target, head = make(seed=5)
+    eager = EagleDrafter(head, target, static_shapes=True, compiled=False)
+    graphed = EagleDrafter(head, target, static_shapes=True, compiled=False)
+
+    def addresses(drafter):
+        return drafter._buffers.keys.data_ptr(), drafter._buffers.values.data_ptr(), drafter._last_hidden.data_ptr()
+
     class Graph:
         def __init__(self, step):
-            self.step, self.replays = step, 0
+            self.step, self.replays, self.addresses = step, 0, addresses(graphed)
 
         def replay(self):
+            assert addresses(graphed) == self.addresses, "a graph replayed over buffers it was not captured over"
             self.replays += 1
             self.step()
 
@@ -532,38 +541,43 @@ def test_a_graphed_catch_up_replays_one_graph_per_width_and_caches_what_the_eage
         graphs.append(Graph(step))
         return graphs[-1], step()
 
-    target, head = make(seed=5)
-    eager = EagleDrafter(head, target, static_shapes=True, compiled=False)
-    graphed = EagleDrafter(head, target, static_shapes=True, compiled=False)
     monkeypatch.setattr(eagle, "capture", fake_capture)
     monkeypatch.setattr(graphed, "_graphs_on", lambda config: config is None)  # (at begin only: the proposes eager)
     config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=6)
     gen = torch.Generator().manual_seed(6)
-    for length in (20, 50, 100, 60):
+
+    def begin_and_compare(drafter, length):
         seq = torch.randint(0, VOCAB, (length,), generator=gen)
         feats = torch.randn(length - 1, 32, dtype=torch.float64, generator=gen)
-        for drafter in (eager, graphed):
-            drafter.begin([seq[:-1]], [feats])
-        assert graphed._cached == eager._cached == [length - 2]
+        for d in (eager, drafter):
+            d.begin([seq[:-1]], [feats])
+        assert drafter._cached == eager._cached == [length - 2]
         cached = slice(0, length - 2)
-        torch.testing.assert_close(graphed._buffers.keys[..., cached, :], eager._buffers.keys[..., cached, :])
-        torch.testing.assert_close(graphed._buffers.values[..., cached, :], eager._buffers.values[..., cached, :])
-        torch.testing.assert_close(graphed._last_hidden, eager._last_hidden)
-        drafts = [drafter.propose(DraftRequest([0], [seq]), config) for drafter in (eager, graphed)]
+        torch.testing.assert_close(drafter._buffers.keys[..., cached, :], eager._buffers.keys[..., cached, :])
+        torch.testing.assert_close(drafter._buffers.values[..., cached, :], eager._buffers.values[..., cached, :])
+        torch.testing.assert_close(drafter._last_hidden, eager._last_hidden)
+        drafts = [d.propose(DraftRequest([0], [seq]), config) for d in (eager, drafter)]
         assert_same_draft(*drafts)
-    assert [g.replays for g in graphs] == [1, 2, 1]  # (64 wide, dropped; 64 wide: the 50- and 60-token prompts; 128)
-    assert {key[2] for key in graphed._graphs if key[0] == "catch_up"} == {64, 128}
+
+    for length in (20, 50, 100, 60, 300, 40):
+        begin_and_compare(graphed, length)
+    assert [g.replays for g in graphs] == [2, 1, 1, 1]  # (64 wide: 50 and 60 tokens; 128; 512; 64 again: 40)
+    assert {key[2] for key in graphed._graphs if key[0] == "catch_up"} == {64, 512}
+    assert graphed.captured_graphs == 0  # (the proposes ran uncaptured; catch-up graphs are not counted)
+
+    attempts = []
 
     def failing_capture(step, warmups=2):
+        attempts.append(step)
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
     monkeypatch.setattr(eagle, "capture", failing_capture)
     failing = EagleDrafter(head, target, static_shapes=True, compiled=False)
-    monkeypatch.setattr(failing, "_graphs_on", lambda config: True)
-    for drafter in (failing, eager):
-        drafter.begin([seq[:-1]], [feats])
-    assert failing.graph_error == "operation not permitted when stream is capturing" and failing.captured_graphs == 0
-    torch.testing.assert_close(failing._last_hidden, eager._last_hidden)
+    monkeypatch.setattr(failing, "_graphs_on", lambda config: config is None)
+    for length in (30, 40, 70):  # (eager: new buffers; the capture fails; eager without trying again)
+        begin_and_compare(failing, length)
+    assert len(attempts) == 1 and failing._catch_up_error == "operation not permitted when stream is capturing"
+    assert failing.graph_error == ""
 
 
 def test_attention_choice_changes_the_kernel_not_the_draft():

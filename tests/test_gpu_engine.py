@@ -101,13 +101,16 @@ def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
             seqs[b] = new
     assert graphed.captured_graphs and not graphed.graph_error, "the proposes were replayed from captured graphs"
     assert uncaptured.captured_graphs == 0
-    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).cuda() for n in (70, 40)]  # (one 128-wide catch-up)
-    for d in (graphed, uncaptured):
-        d.begin([s[:-1] for s in seqs], [features_of(target, s[:-1]) for s in seqs])
-    assert ("catch_up", (0, 1), 128) in graphed._graphs and uncaptured.captured_graphs == 0
-    request = DraftRequest([0, 1], seqs)
-    draft, expected = graphed.propose(request, config), uncaptured.propose(request, off)
-    assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
+    for lengths in ((70, 40), (72, 45)):  # (one 128-wide catch-up graph: captured, then replayed on new prompts)
+        seqs = [torch.randint(0, VOCAB, (n,), generator=gen).cuda() for n in lengths]
+        for d in (graphed, uncaptured):
+            d.begin([s[:-1] for s in seqs], [features_of(target, s[:-1]) for s in seqs])
+        assert ("catch_up", (0, 1), 128) in graphed._graphs and not graphed._catch_up_error
+        assert uncaptured.captured_graphs == 0 and not any(key[0] == "catch_up" for key in uncaptured._graphs)
+        torch.testing.assert_close(graphed._last_hidden, uncaptured._last_hidden)
+        request = DraftRequest([0, 1], seqs)
+        draft, expected = graphed.propose(request, config), uncaptured.propose(request, off)
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
 
 
 def test_bf16_experts_keep_grouped_mm_inside_the_cuda_graphs():

@@ -245,6 +245,7 @@ class EagleDrafter(Drafter):
         self._graphs: dict[tuple, _Captured] = {}  # captured over the current buffers (cleared when they grow)
         self._after_key: tuple | None = None  # the last pipelined propose's graph key (_replay_after)
         self._graph_error = ""
+        self._catch_up_error = ""  # (apart: a catch-up that cannot be captured leaves the proposes' graphs on)
         self._graphs_wanted = False  # the last propose's config's word on graphs: begin() has no config of its own
         self._compiled_propose: Callable | None = None
         self.head = head.eval()
@@ -292,8 +293,9 @@ class EagleDrafter(Drafter):
     @property
     def captured_graphs(self) -> int:
         """How many propose graphs the drafter holds now: 0 where it drafts without CUDA graphs (on the CPU,
-        ``SpecConfig(cuda_graphs=False)``, or after a failed capture: :attr:`graph_error`)."""
-        return len(self._graphs)
+        ``SpecConfig(cuda_graphs=False)``, or after a failed capture: :attr:`graph_error`). The catch-ups' graphs
+        over prompts are not counted."""
+        return sum(1 for key in self._graphs if key[0] != "catch_up")
 
     @property
     def graph_error(self) -> str:
@@ -465,6 +467,8 @@ class EagleDrafter(Drafter):
         replay of the captured graph of its rows and width."""
         plan = self._plan(request, scratch, round_up=True)
         features = self._new_features(plan)
+        # (buffers no propose has sized yet, scratch 0, are replaced by the first propose, and graphs with them)
+        graphed = graphed and self._buffers.scratch > 0 and not self._catch_up_error
         with torch.no_grad(), self._attention_kernels():
             if not (graphed and self._replay_catch_up(plan, features)):
                 self._catch_up(plan, features)
@@ -481,7 +485,7 @@ class EagleDrafter(Drafter):
             # (the warm-up runs do the real catch-up; the replay below writes the same pairs again)
             captured = self._captured(key, lambda: self._catch_up(static, static_features), (static.inputs, static_features))
         if captured is None:
-            return False
+            return False  # (_catch_up_error says why)
         self._replayed(captured, plan.inputs, features)
         return True
 
@@ -497,8 +501,10 @@ class EagleDrafter(Drafter):
         return self._buffers.keys.is_cuda and (config is None or config.cuda_graphs is not False)
 
     def _graphs_on(self, config: SpecConfig | None) -> bool:
-        """Whether to replay captured graphs; ``None`` (``begin``): as the last propose's config said (a new
-        drafter's first catch-up runs uncaptured, so that ``SpecConfig(cuda_graphs=False)`` captures nothing)."""
+        """Whether to replay captured graphs; ``None`` (``begin``, which has no config): as the last propose's
+        config said. So a new drafter's first catch-up runs uncaptured, a drafter only ever run with
+        ``SpecConfig(cuda_graphs=False)`` captures nothing, and one switched to it captures at most at the next
+        ``begin`` (the same pairs cached either way)."""
         wanted = self._graphs_wanted if config is None else config.cuda_graphs is not False
         return self._buffers.keys.is_cuda and wanted and not self._graph_error
 
@@ -608,8 +614,14 @@ class EagleDrafter(Drafter):
         try:
             graph, draft = capture(step)
         except RuntimeError as err:
-            self._graph_error = str(err).splitlines()[0]
-            log.warning("specla: EAGLE drafting runs without CUDA graphs: its capture failed (%s)", self._graph_error)
+            error = str(err).splitlines()[0]
+            if key[0] == "catch_up":
+                self._catch_up_error = error
+                log.warning("specla: the EAGLE head's catch-up over prompts runs without CUDA graphs: its capture "
+                            "failed (%s)", error)
+            else:
+                self._graph_error = error
+                log.warning("specla: EAGLE drafting runs without CUDA graphs: its capture failed (%s)", error)
             return None
         captured = self._graphs[key] = _Captured(graph, draft, inputs)
         return captured
