@@ -17,10 +17,9 @@ propose (catch-up, every draft level, the tree's selection) is one program compi
 elementwise work fused: the kernel count bounds a propose) and one captured CUDA graph, replayed. The
 prompts' pairs are cached at ``begin`` by one head call over them, padded to a power of two from 64 and, where
 the last propose replayed graphs, replayed as that width's captured graph: eager, its launches cost ~2.9 ms of
-host time per prompt on the H200, which queueing it behind the target's (equally host-bound) eager prefill
-did not hide. More new pairs than
-``depth + 1`` at a propose (a host loop's rows) are cached first the same way, all but the last ``depth + 1``,
-so that every propose replays its graph.
+host time per prompt on the H200, which queueing it behind the target's prefill did not hide. More new pairs
+than ``depth + 1`` at a propose (a host loop's rows) are cached first the same way, all but the last
+``depth + 1``, so that every propose replays its graph.
 
 Pipelined (:meth:`EagleDrafter.propose_after`): after the first propose, each propose's inputs come from
 the verify pass's device outputs (the accepted path's tokens and features, the counts, the new pending
@@ -477,13 +476,7 @@ class EagleDrafter(Drafter):
     def _replay_catch_up(self, plan: _Plan, features: torch.Tensor) -> bool:
         """The catch-up as a replay of its captured graph (captured at its rows' and width's first use, over
         the current buffers); False if it cannot be captured (the caller then runs it uncaptured)."""
-        key = ("catch_up", tuple(plan.row_ids), plan.tokens.shape[1])
-        captured = self._graphs.get(key)
-        if captured is None:
-            static = _Plan(plan.row_ids, plan.new, plan.every_row, plan.inputs.clone())
-            static_features = features.clone()
-            # (the warm-up runs do the real catch-up; the replay below writes the same pairs again)
-            captured = self._captured(key, lambda: self._catch_up(static, static_features), (static.inputs, static_features))
+        captured = self._plan_graph(("catch_up", tuple(plan.row_ids), plan.tokens.shape[1]), plan, features, self._catch_up)
         if captured is None:
             return False  # (_catch_up_error says why)
         self._replayed(captured, plan.inputs, features)
@@ -599,14 +592,21 @@ class EagleDrafter(Drafter):
         """The propose's device work as a replay of its captured graph (captured at the key's first
         use); None if it cannot be captured (the caller then runs it uncaptured)."""
         key = (tuple(plan.row_ids), config.mode, config.depth, config.tree_top_k, config.budget, config.tau)
+        compiled = self.compiled is not False
+        captured = self._plan_graph(key, plan, features, lambda p, f: self._device_propose(p, f, config, True, compiled))
+        return None if captured is None else self._replayed(captured, plan.inputs, features)
+
+    def _plan_graph(self, key: tuple, plan: _Plan, features: torch.Tensor,
+                    step: Callable[[_Plan, torch.Tensor], Draft | None]) -> _Captured | None:
+        """``key``'s graph of ``step`` over static copies of a plan's inputs and new features, captured at the
+        key's first use (its warm-up runs do the real catch-up: a replay writes the same pairs again); None if it
+        cannot be captured."""
         captured = self._graphs.get(key)
         if captured is None:
             static = _Plan(plan.row_ids, plan.new, plan.every_row, plan.inputs.clone())
-            static_features, compiled = features.clone(), self.compiled is not False
-            # (the warm-up runs do the real catch-up: it writes the same pairs again when replayed)
-            captured = self._captured(key, lambda: self._device_propose(static, static_features, config, True, compiled),
-                                      (static.inputs, static_features))
-        return None if captured is None else self._replayed(captured, plan.inputs, features)
+            static_features = features.clone()
+            captured = self._captured(key, lambda: step(static, static_features), (static.inputs, static_features))
+        return captured
 
     def _captured(self, key: tuple, step: Callable[[], Draft | None],
                   inputs: tuple[torch.Tensor, ...] = ()) -> _Captured | None:
