@@ -4,9 +4,10 @@ not depend on them).
 - ``propose``: time per propose with and without its CUDA graph, the graph's replay alone, the host's
   share, and the captured graph's kernels by kind.
 - ``loop``: one ``generate`` iteration of the study's routes over a target of the trained shape
-  (``benchmarks/results/trained/report.json``): wall time per iteration against the CUDA-event phase
-  times, the GPU's kernel time per iteration (the rest is the GPU waiting for the host), the runtime
-  calls per iteration (synchronisations, copies, graph launches) and the host's costliest functions; with
+  (``benchmarks/results/trained/report.json``), or of the GDN-1.3B shape with ``--target gdn-1.3b`` (where
+  the drafting ratio's goal was set: drafting and verifying timed in one run): wall time per iteration against
+  the CUDA-event phase times, the GPU's kernel time per iteration (the rest is the GPU waiting for the host),
+  the runtime calls per iteration (synchronisations, copies, graph launches) and the host's costliest functions; with
   ``--draft-vocab N``, also the tree drafting from N tokens, as the study's ``_fr`` routes do.
 
     python benchmarks/eagle_profile.py --out DIR     # writes DIR/eagle_profile.json and prints a table
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_gpu import kernel_profile, literal_pairs, set_inductor_config, summarize_kernels, timed
+from e2e_gpu import FLA_1P3B, build, kernel_profile, literal_pairs, set_inductor_config, summarize_kernels, timed
 
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
@@ -101,6 +102,21 @@ def trained_shape_target(vocab: int, dtype: torch.dtype, device: str = "cuda", *
     return model.to(device, dtype).eval()
 
 
+def loop_target(name: str, vocab: int, dtype: torch.dtype) -> torch.nn.Module:
+    """The loop section's target: the trained study's shape, or e2e_gpu.py's GDN-1.3B shape (random weights)."""
+    return trained_shape_target(vocab, dtype) if name == "trained" else build("fla", dtype)
+
+
+def target_hidden(name: str) -> int:
+    return json.loads(TRAINED_REPORT.read_text())["target"]["config"]["hidden_size"] if name == "trained" else FLA_1P3B["hidden_size"]
+
+
+def head_config(hidden: int, args) -> EagleConfig:
+    """The head of both sections: its MLP 4x its width unless --intermediate says (as EagleConfig.for_target sizes it
+    for an fla target)."""
+    return EagleConfig(hidden, args.vocab, args.heads, args.intermediate or 4 * hidden)
+
+
 def host_profile(call, top: int = 25) -> list[str]:
     """The host's costliest functions over one call (cProfile, by own time): ``top`` lines of pstats."""
     profiler = cProfile.Profile()
@@ -135,9 +151,9 @@ def loop_section(args, results: dict) -> None:
     from specla_compile import SpeculativeGenerator
 
     dtype = getattr(torch, args.dtype)
-    model = trained_shape_target(args.vocab, dtype)
+    model = loop_target(args.target, args.vocab, dtype)
     hidden = model.config.hidden_size
-    head = EagleHead(EagleConfig(hidden, args.vocab, args.heads, args.intermediate)).to("cuda", dtype)
+    head = EagleHead(head_config(hidden, args)).to("cuda", dtype)
     head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
     tree_replays = {r["attention"]: r["replay_ms"] for name, r in results["routes"].items()
                     if name.startswith("tree") and "replay_ms" in r and not r.get("draft_vocab")}
@@ -148,7 +164,8 @@ def loop_section(args, results: dict) -> None:
                "eagle_tree_host": dataclasses.replace(CONFIGS["tree_k4_d6_n16"], pipelined=False)}
     gen = SpeculativeGenerator(model, drafter, configs["eagle_tree"], shared_features=True)
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
-    loop = results["loop"] = {"target_layers": model.config.num_hidden_layers, "hidden": hidden, "new_tokens": 128,
+    loop = results["loop"] = {"target": args.target, "target_layers": model.config.num_hidden_layers, "hidden": hidden,
+                              "head_intermediate": head.config.intermediate_size, "new_tokens": 128,
                               "attention": attention, "head_gemms": args.head_gemms[0]}
     # the routes, then the tree drafting from each draft vocabulary (as the study's _fr routes), on its own drafter
     runs = [(route, route, drafter) for route in LOOP_ROUTES]
@@ -236,9 +253,11 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--sections", nargs="+", choices=("propose", "loop"), default=["propose", "loop"])
     p.add_argument("--calls", type=int, default=3, help="timed generate calls per route (loop)")
-    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--target", choices=("trained", "gdn-1.3b"), default="trained",
+                   help="the loop section's target: the trained study's shape, or the GDN-1.3B shape of e2e_gpu.py")
+    p.add_argument("--hidden", type=int, default=None, help="the propose section's head width (default: the target's)")
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=None, help="the head's MLP width (default: 4x its width)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--prompt", type=int, default=200)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="of the target, head and features")
@@ -270,6 +289,9 @@ def main() -> None:
                                                   lambda key: hasattr(inductor_config, key), "torch._inductor.config")
     except ValueError as err:
         p.error(str(err))
+    if args.target == "gdn-1.3b" and args.vocab != FLA_1P3B["vocab_size"]:
+        p.error(f"--target gdn-1.3b has a vocabulary of {FLA_1P3B['vocab_size']}, not --vocab {args.vocab}")
+    args.hidden = args.hidden or target_hidden(args.target)
     if not torch.cuda.is_available():
         sys.exit("error: eagle_profile.py needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
@@ -295,7 +317,7 @@ def propose_section(args, results: dict) -> None:
     dtype = getattr(torch, args.dtype)
     target = stub_target(args.hidden, args.vocab, dtype)
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig(args.hidden, args.vocab, args.heads, args.intermediate)).to("cuda", dtype)
+    head = EagleHead(head_config(args.hidden, args)).to("cuda", dtype)
     head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
     for (name, config), attention, vocab, gemms in itertools.product(CONFIGS.items(), args.attention, args.draft_vocab,
                                                                      args.head_gemms):
@@ -338,7 +360,7 @@ def write_markdown(results: dict, out_dir: str) -> None:
     """``eagle_profile.md``: per route, a propose's time graphed and uncaptured, and the graph's kernels."""
     shape = results["shape"]
     setup = (f"device: {results.get('device')}, torch {results.get('torch')}, head and LM head at hidden {shape['hidden']}, "
-             f"vocabulary {shape['vocab']}, {shape.get('dtype', 'bfloat16')}, B=1, {shape['prompt']}-token prompt")
+             f"head MLP {shape.get('intermediate') or 4 * shape['hidden']} wide, vocabulary {shape['vocab']}, {shape.get('dtype', 'bfloat16')}, B=1, {shape['prompt']}-token prompt")
     lines = ["# EAGLE drafting on the GPU", "", setup, "",
              "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | uncaptured, ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -350,7 +372,8 @@ def write_markdown(results: dict, out_dir: str) -> None:
                      f"{uncaptured} |")
     if "loop" in results:
         loop = results["loop"]
-        title = (f"## One generate iteration ({loop['target_layers']}-layer target at hidden {loop['hidden']}, random "
+        title = (f"## One generate iteration ({loop.get('target', 'trained')}-shaped {loop['target_layers']}-layer target at "
+                 f"hidden {loop['hidden']}, head MLP {loop.get('head_intermediate', 4 * loop['hidden'])} wide, random "
                  f"weights, {loop['new_tokens']} new tokens, {loop.get('attention') or 'default'} attention; "
                  "eagle_tree_host: SpecConfig(pipelined=False))")
         header = ("| route | ms per iteration | draft / verify / commit phases, ms | GPU kernels, ms | GPU waiting, ms | "
