@@ -684,8 +684,9 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
     call["measure_s"] = time.perf_counter() - measuring
     # whether the EAGLE routes replayed their proposes' CUDA graphs (per drafter: routes that share one show its
     # count): a propose without one launches its kernels from the host, about 10x slower (the fourteenth study's
-    # float32 call drafted so, with no capture failure logged)
-    results["propose_graphs"] = {route: {"graphs": d.captured_graphs, "capture_error": d.graph_error}
+    # float32 call drafted so, with no capture failure logged); and their catch-ups over the prompts, in `begin`
+    results["propose_graphs"] = {route: {"graphs": d.captured_graphs, "capture_error": d.graph_error,
+                                         "catch_up_graphs": d.catch_up_graphs, "catch_up_error": d.catch_up_error}
                                  for route, d in bench.drafters.items() if route in routes and route.startswith("eagle")}
     print(f"propose graphs held at the end: {results['propose_graphs']}", flush=True)
 

@@ -459,7 +459,8 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     assert set(results["errors"]) == {"ngram_tree"} and "a route that fails" in results["errors"]["ngram_tree"]
     assert set(results["warmup_s"]) == {*E.ROUTES, "fp32_check"}  # (the fp32 twin explaining mismatches: warmed too)
     # every EAGLE route says whether it replayed propose graphs: none on the CPU, and no capture error for that
-    assert results["propose_graphs"] == {r: {"graphs": 0, "capture_error": ""} for r in E.ROUTES if r.startswith("eagle")}
+    assert results["propose_graphs"] == {r: {"graphs": 0, "capture_error": "", "catch_up_graphs": 0, "catch_up_error": ""}
+                                         for r in E.ROUTES if r.startswith("eagle")}
     assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
     assert set(results["records"][1]["routes"]) == set(E.ROUTES) - {"ngram_tree"}  # dropped, the others went on
     for record in results["records"]:

@@ -563,6 +563,7 @@ def test_a_graphed_catch_up_replays_one_graph_per_width_and_caches_what_the_eage
         begin_and_compare(graphed, length)
     assert [g.replays for g in graphs] == [2, 1, 1, 1]  # (64 wide: 50 and 60 tokens; 128; 512; 64 again: 40)
     assert {key[2] for key in graphed._graphs if key[0] == "catch_up"} == {64, 512}
+    assert graphed.catch_up_graphs == 2 and graphed.catch_up_error == ""
     assert graphed.captured_graphs == 0  # (the proposes ran uncaptured; catch-up graphs are not counted)
 
     attempts = []
@@ -576,8 +577,8 @@ def test_a_graphed_catch_up_replays_one_graph_per_width_and_caches_what_the_eage
     monkeypatch.setattr(failing, "_graphs_on", lambda config: config is None)
     for length in (30, 40, 70):  # (eager: new buffers; the capture fails; eager without trying again)
         begin_and_compare(failing, length)
-    assert len(attempts) == 1 and failing._catch_up_error == "operation not permitted when stream is capturing"
-    assert failing.graph_error == ""
+    assert len(attempts) == 1 and failing.catch_up_error == "operation not permitted when stream is capturing"
+    assert failing.catch_up_graphs == 0 and failing.graph_error == ""
 
 
 def test_attention_choice_changes_the_kernel_not_the_draft():

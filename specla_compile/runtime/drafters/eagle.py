@@ -301,6 +301,16 @@ class EagleDrafter(Drafter):
         """The first line of the error that stopped its proposes from capturing CUDA graphs ("" if none)."""
         return self._graph_error
 
+    @property
+    def catch_up_graphs(self) -> int:
+        """How many graphs of ``begin``'s catch-up over prompts it holds now (one per rows and padded width)."""
+        return sum(1 for key in self._graphs if key[0] == "catch_up")
+
+    @property
+    def catch_up_error(self) -> str:
+        """The first line of the error that stopped a catch-up's capture ("" if none); catch-ups then run eagerly."""
+        return self._catch_up_error
+
     def begin(self, sequences: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         if features is None or len(features) != len(sequences):
             raise ValueError("EagleDrafter.begin needs the target's features over every prompt (needs_features=True)")
