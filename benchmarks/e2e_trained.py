@@ -694,6 +694,12 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
 RESUME_KEYS = ("target", "eagle", "dtype", "new_tokens", "routes")  # a resumed study must agree on these
 
 
+def add_caveats(results: dict, caveats: list[str]) -> None:
+    """Append ``caveats`` (``--caveat``) to the report's list, each once."""
+    if caveats:
+        results["caveats"] = list(dict.fromkeys([*results.get("caveats", []), *caveats]))
+
+
 def resumed(args: argparse.Namespace, results: dict) -> dict:
     """``results`` continued from the JSON in ``--out`` (``--resume``): its records, mismatches and calls
     kept, its route errors dropped (the routes run again on the prompts left)."""
@@ -756,6 +762,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the chain route the tree is compared with (default eagle_chain; with --plot: the JSON's)")
     p.add_argument("--exactness-from", metavar="JSON",
                    help="another study's e2e_trained.json in the other dtype: its exact-output check fills that dtype's target")
+    p.add_argument("--caveat", action="append", default=[], metavar="TEXT",
+                   help="a line for the report's 'Read with care' list (repeatable; kept by --resume and --plot)")
     p.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
     args = p.parse_args(argv)
     if args.exactness_from and not Path(args.exactness_from).is_file():
@@ -810,10 +818,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.exactness_from:
         add_exactness_from(results, args.exactness_from)
     if args.plot:
+        add_caveats(results, args.caveat)
         write_report(results, args.out)
         return results
     if args.resume:
         results = resumed(args, results)
+    add_caveats(results, args.caveat)
     logging.basicConfig(format="%(asctime)s %(message)s")
     logging.getLogger("specla_compile").setLevel(logging.INFO)  # compile times of every graph, where logged
     try:

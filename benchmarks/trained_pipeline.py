@@ -30,10 +30,10 @@ Files: checkpoints, token streams, the benchmark's JSON and the compilers' cache
 (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``) stay in ``--work`` (default ``runs/trained`` in the
 repository, git-ignored: a warm GPU machine keeps ignored files of the repository between calls, so a
 later call's stages find the earlier call's checkpoints and compiled kernels; files over 16 MiB cannot
-leave the machine anyway). ``--out`` receives up to six small files: ``report.json`` (the plan, every
+leave the machine anyway). ``--out`` receives up to eight small files: ``report.json`` (the plan, every
 call's stage times and exit codes, both training reports with the target's config and held-out losses,
-the EAGLE head's held-out agreement, the benchmark's targets), ``loss_curve.png``, ``tokenizer.json`` and
-``e2e_trained.{json,md,png}``. ``report.json`` is rewritten after every stage, so a stage that fails or
+the EAGLE head's held-out agreement, the benchmark's targets), ``loss_curve.png``, ``tokenizer.json``,
+``e2e_trained.{json,md,png}`` and, from ``--fp32-check``, ``e2e_trained_fp32.{json,md}``. ``report.json`` is rewritten after every stage, so a stage that fails or
 runs out of time leaves the figures of the stages before it. ``--target-args``, ``--eagle-args`` and
 ``--bench-args`` append options to a stage's command line (a later option wins).
 
@@ -43,8 +43,15 @@ compilations, on the CPU while the head trains on the GPU, land in ``--work``'s 
 starts warm (the sixteenth run's study spent 255 s of its call warming up from cold caches; the seventeenth's, warm,
 20 s). The compiled programs depend on the head's shapes and options, not on its weights. It also runs on the GPU
 (its warm-up generations and graph captures), next to the training: inductor's autotuning choices made meanwhile are
-deleted when it ends, so that the study times its kernels' configurations again, alone on the GPU. Its log goes to
+deleted when it (and the float32 check below) ends, so that the study times its kernels' configurations again, alone on the GPU. Its log goes to
 ``--work``/``warm_bench.log``.
+
+``--fp32-check`` (the same calls as ``--warm-bench``): a third process runs the study in float32 on a copy of the head
+as the call starts, over plain decoding and the chain and tree routes that ``--bench-args`` names as the targets'
+(``--chain-route``, ``--tree-route``), until the call's budget ends. Only its exact-output check counts (its times
+measure the GPU and CPUs it shares with the training; its report says so): the next bench stage puts that check into
+the study's float32 target (``e2e_trained.py --exactness-from``), and ``--out`` receives its JSON and markdown as
+``e2e_trained_fp32.{json,md}``. A new target stage drops the check of the target before it.
 """
 
 from __future__ import annotations
@@ -131,7 +138,7 @@ def describe_plan(args: argparse.Namespace) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder of the small artefacts (up to six files)")
+    p.add_argument("--out", required=True, help="folder of the small artefacts (up to eight files)")
     p.add_argument("--work", default=str(DEFAULT_WORK),
                    help="folder of the checkpoints (target/, eagle/), the benchmark's JSON (bench/) and the compilers' caches")
     p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="the stages of this call (run in order)")
@@ -151,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-bench", action="store_true",
                    help="with --eagle-resume: warm the study's routes up (pass the next call's --bench-args) in a second "
                         "process while the head trains, compiling into --work's caches (module docstring)")
+    p.add_argument("--fp32-check", action="store_true",
+                   help="with --eagle-resume: the study's float32 exact-output check in a third process while the head "
+                        "trains, on a copy of the head (module docstring); the next study reports it")
     p.add_argument("--bench-resume", action="store_true",
                    help="continue the benchmark of an earlier call (its JSON in --work/bench) with the prompts it has not measured")
     p.add_argument("--prompts-dir", default=str(e2e_trained.default_prompts_dir()))
@@ -187,9 +197,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif args.eagle_resume and not Path(work, "eagle", TRAINER_STATE).is_file():
         problems.append(f"--eagle-resume: no head to train on in {work / 'eagle'} ({TRAINER_STATE} missing: run the "
                         "eagle stage first, on the same machine, with the same --work)")
-    if args.warm_bench and (not args.eagle_resume or "bench" in args.stages):
-        problems.append("--warm-bench needs --eagle-resume (an earlier head to warm up on) and no bench stage in the call "
-                        "(the next call's bench stage is what it warms up)")
+    for flag in ("warm_bench", "fp32_check"):
+        if getattr(args, flag) and (not args.eagle_resume or "bench" in args.stages):
+            problems.append(f"--{flag.replace('_', '-')} needs --eagle-resume (an earlier head to run beside the training "
+                            "on) and no bench stage in the call (the next call's study is what it serves)")
     if args.bench_resume and "bench" not in args.stages:
         problems.append("--bench-resume needs the bench stage")
     if problems:  # one line, before anything slow
@@ -251,6 +262,10 @@ def stage_env(work: Path) -> dict[str, str]:
     return env
 
 
+def ended(stage: dict) -> str:
+    return "timed out" if stage["returncode"] is None else f"exit {stage['returncode']}"
+
+
 def run_stage(name: str, command: list[str], timeout_minutes: float, env: dict[str, str]) -> dict:
     """Run one stage with its output passing through; its exit code and time (a timeout: returncode None)."""
     print(f"=== {name}: {shlex.join(command)}", flush=True)
@@ -259,46 +274,126 @@ def run_stage(name: str, command: list[str], timeout_minutes: float, env: dict[s
         code = subprocess.run(command, env=env, timeout=60 * timeout_minutes, check=False).returncode
     except subprocess.TimeoutExpired:
         code = None
-    seconds = time.perf_counter() - started
-    print(f"=== {name}: {'timed out' if code is None else f'exit {code}'} after {seconds:.0f}s", flush=True)
-    return {"returncode": code, "seconds": round(seconds, 1), "command": shlex.join(command)}
+    stage = {"returncode": code, "seconds": round(time.perf_counter() - started, 1), "command": shlex.join(command)}
+    print(f"=== {name}: {ended(stage)} after {stage['seconds']:.0f}s", flush=True)
+    return stage
 
 
 WARM_NAME = "warm"  # in --work: the warm-up process's e2e_trained.json (its measuring stops at once)
+FP32_NAME, FP32_HEAD = "fp32", "fp32_head"  # in --work: the float32 check's study, and the copy of the head it drafts with
+FP32_CAVEATS = [
+    "run beside the eagle stage's training (and the study's warm-ups) on the same GPU and CPUs: its times and speedups "
+    "measure that contention, not the code; only its exact-output check counts",
+    "its drafter is a copy of the head as the call began, before the call trained it on: the exact-output check holds "
+    "for any drafter, the accepted lengths are those of that head",
+]
+Beside = tuple[subprocess.Popen, list[str], float]  # a process next to the eagle stage: itself, its command, its start
 
 
-def start_warm_bench(args: argparse.Namespace, env: dict[str, str]) -> tuple[subprocess.Popen, list[str], float]:
-    """Start the study's warm-ups (``--warm-bench``) next to the eagle stage: the bench stage's command with
-    ``--out`` in ``--work``/``warm`` (an earlier call's emptied) and a measuring budget that ends at once; its
-    output to ``warm_bench.log``."""
-    shutil.rmtree(Path(args.work, WARM_NAME), ignore_errors=True)  # (its JSON would pass for this call's)
+def start_beside(args: argparse.Namespace, env: dict[str, str], what: str, command: list[str], log: str) -> Beside:
+    """Start ``command`` next to the eagle stage, its ``--out`` folder emptied first (an earlier call's JSON would pass
+    for this call's), its output to ``--work``/``log``."""
+    shutil.rmtree(command[command.index("--out") + 1], ignore_errors=True)
+    print(f"=== {what}, next to the eagle stage: {shlex.join(command)}", flush=True)
+    with open(Path(args.work, log), "w") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT), command, time.perf_counter()
+
+
+def finish_beside(process: Beside, deadline: float) -> dict:
+    """Wait for a process started beside the eagle stage until ``deadline`` (``time.perf_counter``), killing it then;
+    its exit code (None: killed), seconds and command."""
+    child, command, started = process
+    try:
+        code = child.wait(timeout=max(1.0, deadline - time.perf_counter()))
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        code = None
+    return {"returncode": code, "seconds": round(time.perf_counter() - started, 1), "command": shlex.join(command)}
+
+
+def start_warm_bench(args: argparse.Namespace, env: dict[str, str]) -> Beside:
+    """The study's warm-ups (``--warm-bench``): the bench stage's command with ``--out`` in ``--work``/``warm`` and a
+    measuring budget that ends at once."""
     command = stage_commands(args)["bench"]
     command[command.index("--out") + 1] = str(Path(args.work, WARM_NAME))
     for cap in ("--max-minutes", "--max-wall-minutes"):  # (the wall cap passed by the time the warm-ups end: no prompt)
         command[command.index(cap) + 1] = "1e-6"
-    print(f"=== warm-up of the study, next to the eagle stage: {shlex.join(command)}", flush=True)
-    with open(Path(args.work, "warm_bench.log"), "w") as log:
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), command, time.perf_counter()
+    return start_beside(args, env, "warm-up of the study", command, "warm_bench.log")
 
 
-def finish_warm_bench(args: argparse.Namespace, warm: tuple[subprocess.Popen, list[str], float]) -> dict:
+def finish_warm_bench(args: argparse.Namespace, warm: Beside) -> dict:
     """Wait for the warm-up process (killed at the eagle stage's planned end plus grace: the programs it compiled
-    stay), then delete the autotuning choices in the inductor cache, timed on a GPU the training shared."""
-    process, command, started = warm
-    try:
-        code = process.wait(timeout=max(1.0, started + 60 * (args.plan["eagle"]["total"] + GRACE_MINUTES) - time.perf_counter()))
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        code = None
-    for choice in Path(args.work, "cache", "inductor").rglob("*.best_config"):
-        choice.unlink()
-    warmed = _json(Path(args.work, WARM_NAME, "e2e_trained.json")) or {}
-    stage = {"returncode": code, "seconds": round(time.perf_counter() - started, 1), "command": shlex.join(command),
-             "warmup_total_s": warmed.get("warmup_total_s")}
-    print(f"=== warm-up of the study: {'timed out' if code is None else f'exit {code}'} after {stage['seconds']:.0f}s, "
-          f"warm-ups {stage['warmup_total_s']} s (log: {Path(args.work, 'warm_bench.log')})", flush=True)
+    stay)."""
+    stage = finish_beside(warm, warm[2] + 60 * (args.plan["eagle"]["total"] + GRACE_MINUTES))
+    stage["warmup_total_s"] = (_json(Path(args.work, WARM_NAME, "e2e_trained.json")) or {}).get("warmup_total_s")
+    print(f"=== warm-up of the study: {ended(stage)} after {stage['seconds']:.0f}s, warm-ups {stage['warmup_total_s']} s "
+          f"(log: {Path(args.work, 'warm_bench.log')})", flush=True)
     return stage
+
+
+def designated_routes(bench_args: str) -> list[str]:
+    """The chain and tree routes that ``--bench-args`` names for the targets (e2e_trained.py's defaults otherwise)."""
+    words = shlex.split(bench_args)
+    named = {flag: words[i + 1] for i, flag in enumerate(words[:-1]) if flag in ("--chain-route", "--tree-route")}
+    return [named.get("--chain-route", "eagle_chain"), named.get("--tree-route", "eagle_tree")]
+
+
+def start_fp32_check(args: argparse.Namespace, env: dict[str, str], call_started: float) -> Beside:
+    """The float32 check (``--fp32-check``): the bench stage's command in float32 on a copy of the head, over plain
+    decoding and the designated routes, measuring until the call's budget ends."""
+    work = Path(args.work)
+    shutil.rmtree(work / FP32_HEAD, ignore_errors=True)
+    shutil.copytree(work / "eagle", work / FP32_HEAD)
+    drop_fp32_check(args)
+    left = args.minutes - RESERVE_MINUTES - OVERHEAD_MINUTES["bench"]["finish"] - (time.perf_counter() - call_started) / 60
+    command = stage_commands(args)["bench"]
+    command[command.index("--eagle") + 1] = str(work / FP32_HEAD)
+    command[command.index("--out") + 1] = str(work / FP32_NAME)
+    for cap in ("--max-minutes", "--max-wall-minutes"):
+        command[command.index(cap) + 1] = f"{left:.2f}"
+    command += ["--dtype", "float32", "--routes", "plain", *designated_routes(args.bench_args)]
+    command += [arg for caveat in FP32_CAVEATS for arg in ("--caveat", caveat)]
+    return start_beside(args, env, "float32 check of the study", command, "fp32_check.log")
+
+
+def drop_fp32_check(args: argparse.Namespace) -> None:
+    """Delete an earlier float32 check and its copies in ``--out`` (they would pass for a new one's)."""
+    shutil.rmtree(Path(args.work, FP32_NAME), ignore_errors=True)
+    for suffix in ("json", "md"):
+        Path(args.out, f"e2e_trained_fp32.{suffix}").unlink(missing_ok=True)
+
+
+def fp32_study(work: Path) -> dict | None:
+    """The float32 check's study in ``work`` if it measured a prompt (an unreadable JSON, from a process killed while
+    writing it, counts as none)."""
+    try:
+        results = _json(work / FP32_NAME / "e2e_trained.json")
+    except ValueError:
+        return None
+    return results if results and results.get("records") else None
+
+
+def finish_fp32_check(args: argparse.Namespace, check: Beside, call_started: float) -> dict:
+    """Wait for the float32 check until the call's budget ends; its report written again (a killed process wrote none)
+    and copied into ``--out`` as ``e2e_trained_fp32.{json,md}``."""
+    stage = finish_beside(check, call_started + 60 * (args.minutes - RESERVE_MINUTES))
+    results = fp32_study(Path(args.work))
+    stage["prompts"] = len({r["prompt"] for r in results["records"]}) if results else 0
+    if results:
+        folder = Path(args.work, FP32_NAME)
+        e2e_trained.write_report(results, str(folder))
+        for suffix in ("json", "md"):
+            shutil.copy(folder / f"e2e_trained.{suffix}", Path(args.out, f"e2e_trained_fp32.{suffix}"))
+    print(f"=== float32 check: {ended(stage)} after {stage['seconds']:.0f}s, {stage['prompts']} prompts (log: {Path(args.work, 'fp32_check.log')})", flush=True)
+    return stage
+
+
+def delete_autotuning_choices(work: Path) -> None:
+    """Inductor's autotuning choices made beside the training were timed on a shared GPU: the study times its kernels'
+    configurations again, alone."""
+    for choice in Path(work, "cache", "inductor").rglob("*.best_config"):
+        choice.unlink()
 
 
 def _json(path: Path) -> dict | None:
@@ -360,20 +455,27 @@ def main(argv: list[str] | None = None) -> dict:
     stages: dict[str, dict] = {}
     calls = earlier + [{"command": command, "plan": args.plan, "stages": stages}]
     ok = True
+    if "target" in args.stages:  # (a float32 check of the target before this one is no check of it)
+        drop_fp32_check(args)
     warm = start_warm_bench(args, env) if args.warm_bench else None
+    fp32 = start_fp32_check(args, env, started) if args.fp32_check else None
     try:
         for name in ("target", "eagle"):
             if name in args.stages and ok:
                 stages[name] = run_stage(name, stage_commands(args)[name], args.plan[name]["total"] + GRACE_MINUTES, env)
                 ok = stages[name]["returncode"] == 0 or name == "eagle"  # (without a head the benchmark runs the other routes)
                 collect(args, calls)
-    except BaseException:  # (the warm-up never outlives the call)
-        if warm is not None:
-            warm[0].kill()
-            warm[0].wait()
+    except BaseException:  # (what runs beside the training never outlives the call)
+        for beside in filter(None, (warm, fp32)):
+            beside[0].kill()
+            beside[0].wait()
         raise
     if warm is not None:
         stages["warm_bench"] = finish_warm_bench(args, warm)
+    if fp32 is not None:
+        stages["fp32_check"] = finish_fp32_check(args, fp32, started)
+    if warm is not None or fp32 is not None:
+        delete_autotuning_choices(work)
         collect(args, calls)
     if "bench" in args.stages and ok:
         left = args.minutes - RESERVE_MINUTES - (time.perf_counter() - started) / 60
@@ -382,6 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
         wall = max(o["prepare"] + o["compile"] + MIN_BENCH_MINUTES, left - o["finish"])
         eagle_ok = stages["eagle"]["returncode"] == 0 if "eagle" in stages else True
         bench = stage_commands(args, measuring, wall, eagle_ok=eagle_ok)["bench"]
+        if fp32_study(work) is not None and "--exactness-from" not in args.bench_args:
+            bench += ["--exactness-from", str(work / FP32_NAME / "e2e_trained.json")]
         stages["bench"] = run_stage("bench", bench, wall + o["finish"] + GRACE_MINUTES, env)
     report = collect(args, calls)
     results = _json(work / "bench" / "e2e_trained.json") if "bench" in args.stages else None

@@ -414,6 +414,84 @@ def test_warm_bench_warms_the_next_calls_study_up_while_the_head_trains(prompt_f
     assert order == ["warm started", "eagle", "warm killed", "warm waited"]
 
 
+def test_fp32_check_runs_beside_the_head_training_and_the_next_study_reports_it(prompt_files, tmp_path, monkeypatch):
+    """--fp32-check: a float32 study on a copy of the head, over plain decoding and the routes --bench-args names for
+    the targets, capped at the call's budget; its JSON and markdown reach --out with its caveats, and the next bench
+    stage reads its exact-output check (--exactness-from). A check killed mid-write, or one of an earlier target,
+    is not passed on. Refused without --eagle-resume."""
+    pytest.importorskip("matplotlib")
+    work, out = tmp_path / "work", tmp_path / "out"
+    for folder in ("target", "eagle"):
+        (work / folder).mkdir(parents=True)
+        (work / folder / "config.json").write_text("{}")
+    (work / "eagle" / P.TRAINER_STATE).write_bytes(b"")
+    started, benches = [], []
+    behaviour = {"fp32_json": None}
+
+    class FakeProcess:
+        def __init__(self, command, env, stdout, stderr):
+            started.append(command)
+            self.fp32 = "float32" in command
+            folder = Path(command[command.index("--out") + 1])
+            folder.mkdir(parents=True)
+            if self.fp32 and behaviour["fp32_json"] is not None:
+                (folder / "e2e_trained.json").write_text(behaviour["fp32_json"])
+
+        def wait(self, timeout=None):
+            if self.fp32 and behaviour["fp32_json"] == "{" and timeout is not None:
+                raise P.subprocess.TimeoutExpired("e2e_trained.py", timeout)
+            return 0
+
+        def kill(self):
+            pass
+
+    def fake_stage(name, command, timeout_minutes, env):
+        if name == "bench":
+            benches.append(command)
+            (work / "bench").mkdir(exist_ok=True)
+            (work / "bench" / "e2e_trained.json").write_text(json.dumps({"dtype": "bfloat16", "records": [_record(
+                "m0", ["mixed"], "qa", {"eagle_tree_fr": 2.0})], "calls": [{"load_s": 1.0, "warmup_s": {"plain": 2.0}}]}))
+        return {"returncode": 0, "seconds": 1.0, "command": " ".join(command)}
+
+    monkeypatch.setattr(P.subprocess, "Popen", FakeProcess)
+    monkeypatch.setattr(P, "run_stage", fake_stage)
+    bench_args = "--routes plain eagle_chain_fr eagle_tree_fr eagle_tree_n32_fr --tree-route eagle_tree_fr --chain-route eagle_chain_fr"
+    call = ("--stages", "eagle", "--eagle-resume", "--eagle-minutes", "5.5", "--minutes", "7.2", "--warm-bench", "--fp32-check",
+            "--bench-args", bench_args)
+    with pytest.raises(SystemExit, match="^error: --fp32-check needs --eagle-resume"):
+        P.parse_args(_pipeline_args(prompt_files, work, "--stages", "eagle", "--fp32-check"))
+    records = [_record(f"m{i}", ["mixed"], "qa", {"eagle_chain_fr": 1.0, "eagle_tree_fr": 1.0}) for i in range(2)]
+    behaviour["fp32_json"] = json.dumps({"dtype": "float32", "records": records, "bootstrap_samples": 50,
+                                         "caveats": P.FP32_CAVEATS})
+    report = P.main(_pipeline_args(prompt_files, work, *call))
+    warm, fp32 = started
+    assert "float32" not in warm and Path(fp32[fp32.index("--out") + 1]) == work / P.FP32_NAME
+    assert Path(fp32[fp32.index("--eagle") + 1]) == work / P.FP32_HEAD and (work / P.FP32_HEAD / "config.json").is_file()
+    last_routes = len(fp32) - fp32[::-1].index("--routes")  # (the last --routes wins: the one after --bench-args')
+    assert fp32[last_routes:last_routes + 3] == ["plain", "eagle_chain_fr", "eagle_tree_fr"] and fp32.count("--caveat") == 2
+    assert 6.0 < float(fp32[fp32.index("--max-wall-minutes") + 1]) <= 7.2 - P.RESERVE_MINUTES
+    assert report["stages"]["fp32_check"]["prompts"] == 2 and report["stages"]["fp32_check"]["returncode"] == 0
+    assert "Read with care" in (out / "e2e_trained_fp32.md").read_text()
+    assert json.loads((out / "e2e_trained_fp32.json").read_text())["dtype"] == "float32"
+    P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", bench_args))
+    assert benches[-1][-2:] == ["--exactness-from", str(work / P.FP32_NAME / "e2e_trained.json")]
+
+    behaviour["fp32_json"] = "{"  # killed while writing its JSON: no check passed on
+    report = P.main(_pipeline_args(prompt_files, work, *call))
+    assert report["stages"]["fp32_check"] == {**report["stages"]["fp32_check"], "returncode": None, "prompts": 0}
+    P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", bench_args))
+    assert "--exactness-from" not in benches[-1]
+    behaviour["fp32_json"] = json.dumps({"dtype": "float32", "records": []})  # still warming up: nothing to pass on
+    P.main(_pipeline_args(prompt_files, work, *call))
+    P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", bench_args))
+    assert "--exactness-from" not in benches[-1] and not (out / "e2e_trained_fp32.json").exists()
+    behaviour["fp32_json"] = json.dumps({"dtype": "float32", "records": records, "bootstrap_samples": 50})
+    P.main(_pipeline_args(prompt_files, work, *call))
+    assert (out / "e2e_trained_fp32.json").exists()
+    P.main(_pipeline_args(prompt_files, work, "--stages", "target", "--target-minutes", "1"))  # a new target
+    assert not (work / P.FP32_NAME).exists() and not (out / "e2e_trained_fp32.json").exists()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A tiny fla GDN target with a byte-level BPE tokenizer, and an untrained EAGLE head for it."""
