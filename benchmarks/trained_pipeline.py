@@ -281,6 +281,7 @@ def run_stage(name: str, command: list[str], timeout_minutes: float, env: dict[s
 
 WARM_NAME = "warm"  # in --work: the warm-up process's e2e_trained.json (its measuring stops at once)
 FP32_NAME, FP32_HEAD = "fp32", "fp32_head"  # in --work: the float32 check's study, and the copy of the head it drafts with
+FP32_COPY = "e2e_trained_fp32"  # its JSON's and markdown's names in --out
 FP32_CAVEATS = [
     "run beside the eagle stage's training (and the study's warm-ups) on the same GPU and CPUs: its times and speedups "
     "measure that contention, not the code; only its exact-output check counts",
@@ -361,7 +362,13 @@ def drop_fp32_check(args: argparse.Namespace) -> None:
     """Delete an earlier float32 check and its copies in ``--out`` (they would pass for a new one's)."""
     shutil.rmtree(Path(args.work, FP32_NAME), ignore_errors=True)
     for suffix in ("json", "md"):
-        Path(args.out, f"e2e_trained_fp32.{suffix}").unlink(missing_ok=True)
+        Path(args.out, f"{FP32_COPY}.{suffix}").unlink(missing_ok=True)
+
+
+def copy_fp32_check(args: argparse.Namespace) -> None:
+    """The float32 check's JSON and markdown into ``--out``, named apart from the study's."""
+    for suffix in ("json", "md"):
+        shutil.copy(Path(args.work, FP32_NAME, f"e2e_trained.{suffix}"), Path(args.out, f"{FP32_COPY}.{suffix}"))
 
 
 def fp32_study(work: Path) -> dict | None:
@@ -381,10 +388,8 @@ def finish_fp32_check(args: argparse.Namespace, check: Beside, call_started: flo
     results = fp32_study(Path(args.work))
     stage["prompts"] = len({r["prompt"] for r in results["records"]}) if results else 0
     if results:
-        folder = Path(args.work, FP32_NAME)
-        e2e_trained.write_report(results, str(folder))
-        for suffix in ("json", "md"):
-            shutil.copy(folder / f"e2e_trained.{suffix}", Path(args.out, f"e2e_trained_fp32.{suffix}"))
+        e2e_trained.write_report(results, str(Path(args.work, FP32_NAME)))
+        copy_fp32_check(args)
     print(f"=== float32 check: {ended(stage)} after {stage['seconds']:.0f}s, {stage['prompts']} prompts (log: {Path(args.work, 'fp32_check.log')})", flush=True)
     return stage
 
@@ -454,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
     earlier = (_json(work / CALLS_NAME) or []) if "target" not in args.stages else []  # a new target starts a new history
     stages: dict[str, dict] = {}
     calls = earlier + [{"command": command, "plan": args.plan, "stages": stages}]
-    ok = True
+    ok, checked = True, False
     if "target" in args.stages:  # (a float32 check of the target before this one is no check of it)
         drop_fp32_check(args)
     warm = start_warm_bench(args, env) if args.warm_bench else None
@@ -484,11 +489,15 @@ def main(argv: list[str] | None = None) -> dict:
         wall = max(o["prepare"] + o["compile"] + MIN_BENCH_MINUTES, left - o["finish"])
         eagle_ok = stages["eagle"]["returncode"] == 0 if "eagle" in stages else True
         bench = stage_commands(args, measuring, wall, eagle_ok=eagle_ok)["bench"]
-        if fp32_study(work) is not None and "--exactness-from" not in args.bench_args:
+        checked = fp32_study(work) is not None and "--exactness-from" not in args.bench_args
+        if checked:
             bench += ["--exactness-from", str(work / FP32_NAME / "e2e_trained.json")]
         stages["bench"] = run_stage("bench", bench, wall + o["finish"] + GRACE_MINUTES, env)
     report = collect(args, calls)
     results = _json(work / "bench" / "e2e_trained.json") if "bench" in args.stages else None
+    if results is not None and checked and "float32" in results.get("exactness_from", {}):
+        copy_fp32_check(args)  # (this call's --out holds the check its study's target names)
+        results["exactness_from"]["float32"]["file"] = f"{FP32_COPY}.json"
     if results is not None:  # the pipeline target, and markdown + PNG even after a benchmark cut off mid-way
         last = latest_stages(calls)
         results["pipeline"] = {

@@ -449,8 +449,11 @@ def test_fp32_check_runs_beside_the_head_training_and_the_next_study_reports_it(
         if name == "bench":
             benches.append(command)
             (work / "bench").mkdir(exist_ok=True)
-            (work / "bench" / "e2e_trained.json").write_text(json.dumps({"dtype": "bfloat16", "records": [_record(
-                "m0", ["mixed"], "qa", {"eagle_tree_fr": 2.0})], "calls": [{"load_s": 1.0, "warmup_s": {"plain": 2.0}}]}))
+            results = {"dtype": "bfloat16", "records": [_record("m0", ["mixed"], "qa", {"eagle_tree_fr": 2.0})],
+                       "calls": [{"load_s": 1.0, "warmup_s": {"plain": 2.0}}]}
+            if "--exactness-from" in command:  # (as e2e_trained.add_exactness_from records it)
+                results["exactness_from"] = {"float32": {"file": "e2e_trained.json", "measured": "4/4 identical", "met": True}}
+            (work / "bench" / "e2e_trained.json").write_text(json.dumps(results))
         return {"returncode": 0, "seconds": 1.0, "command": " ".join(command)}
 
     monkeypatch.setattr(P.subprocess, "Popen", FakeProcess)
@@ -473,8 +476,12 @@ def test_fp32_check_runs_beside_the_head_training_and_the_next_study_reports_it(
     assert report["stages"]["fp32_check"]["prompts"] == 2 and report["stages"]["fp32_check"]["returncode"] == 0
     assert "Read with care" in (out / "e2e_trained_fp32.md").read_text()
     assert json.loads((out / "e2e_trained_fp32.json").read_text())["dtype"] == "float32"
+    for copy in out.glob("e2e_trained_fp32.*"):
+        copy.unlink()  # (the next call's --out, on the GPU machine: a new empty folder)
     P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", bench_args))
     assert benches[-1][-2:] == ["--exactness-from", str(work / P.FP32_NAME / "e2e_trained.json")]
+    assert "4/4 identical, in e2e_trained_fp32.json" in (out / "e2e_trained.md").read_text()
+    assert json.loads((out / "e2e_trained_fp32.json").read_text())["dtype"] == "float32"
 
     behaviour["fp32_json"] = "{"  # killed while writing its JSON: no check passed on
     report = P.main(_pipeline_args(prompt_files, work, *call))
