@@ -469,9 +469,12 @@ def plot(results: dict, path: str) -> None:
 
 
 def save_json(results: dict, out_dir: str) -> None:
+    """Write ``e2e_trained.json`` whole or not at all (a process killed meanwhile leaves the earlier one)."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "e2e_trained.json"), "w") as f:
+    path = os.path.join(out_dir, "e2e_trained.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(results, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 def write_report(results: dict, out_dir: str) -> None:

@@ -282,6 +282,7 @@ def run_stage(name: str, command: list[str], timeout_minutes: float, env: dict[s
 WARM_NAME = "warm"  # in --work: the warm-up process's e2e_trained.json (its measuring stops at once)
 FP32_NAME, FP32_HEAD = "fp32", "fp32_head"  # in --work: the float32 check's study, and the copy of the head it drafts with
 FP32_COPY = "e2e_trained_fp32"  # its JSON's and markdown's names in --out
+FP32_STARTUP_MINUTES = 0.5  # the float32 process's imports, before its own clock starts, while the training shares the CPUs
 FP32_CAVEATS = [
     "run beside the eagle stage's training (and the study's warm-ups) on the same GPU and CPUs: its times and speedups "
     "measure that contention, not the code; only its exact-output check counts",
@@ -313,6 +314,15 @@ def finish_beside(process: Beside, deadline: float) -> dict:
     return {"returncode": code, "seconds": round(time.perf_counter() - started, 1), "command": shlex.join(command)}
 
 
+def study_json(folder: Path) -> dict | None:
+    """The study's ``e2e_trained.json`` in ``folder``; None if there is none, or only a half-written one (a process
+    killed while writing it)."""
+    try:
+        return _json(folder / "e2e_trained.json")
+    except ValueError:
+        return None
+
+
 def start_warm_bench(args: argparse.Namespace, env: dict[str, str]) -> Beside:
     """The study's warm-ups (``--warm-bench``): the bench stage's command with ``--out`` in ``--work``/``warm`` and a
     measuring budget that ends at once."""
@@ -327,33 +337,39 @@ def finish_warm_bench(args: argparse.Namespace, warm: Beside) -> dict:
     """Wait for the warm-up process (killed at the eagle stage's planned end plus grace: the programs it compiled
     stay)."""
     stage = finish_beside(warm, warm[2] + 60 * (args.plan["eagle"]["total"] + GRACE_MINUTES))
-    stage["warmup_total_s"] = (_json(Path(args.work, WARM_NAME, "e2e_trained.json")) or {}).get("warmup_total_s")
+    stage["warmup_total_s"] = (study_json(Path(args.work, WARM_NAME)) or {}).get("warmup_total_s")
     print(f"=== warm-up of the study: {ended(stage)} after {stage['seconds']:.0f}s, warm-ups {stage['warmup_total_s']} s "
           f"(log: {Path(args.work, 'warm_bench.log')})", flush=True)
     return stage
 
 
-def designated_routes(bench_args: str) -> list[str]:
-    """The chain and tree routes that ``--bench-args`` names for the targets (e2e_trained.py's defaults otherwise)."""
-    words = shlex.split(bench_args)
-    named = {flag: words[i + 1] for i, flag in enumerate(words[:-1]) if flag in ("--chain-route", "--tree-route")}
-    return [named.get("--chain-route", "eagle_chain"), named.get("--tree-route", "eagle_tree")]
+def bench_options(bench_args: str) -> argparse.Namespace:
+    """What ``--bench-args`` sets of the study's dtype and of the routes its targets are measured on
+    (e2e_trained.py's defaults otherwise)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--chain-route", default="eagle_chain")
+    parser.add_argument("--tree-route", default="eagle_tree")
+    return parser.parse_known_args(shlex.split(bench_args))[0]
 
 
 def start_fp32_check(args: argparse.Namespace, env: dict[str, str], call_started: float) -> Beside:
-    """The float32 check (``--fp32-check``): the bench stage's command in float32 on a copy of the head, over plain
-    decoding and the designated routes, measuring until the call's budget ends."""
+    """The float32 check (``--fp32-check``): the bench stage's command in float32 on a copy of the head (its weights
+    and config, not its training state), over plain decoding and the designated routes, measuring until the call's
+    budget ends."""
     work = Path(args.work)
-    shutil.rmtree(work / FP32_HEAD, ignore_errors=True)
-    shutil.copytree(work / "eagle", work / FP32_HEAD)
     drop_fp32_check(args)
-    left = args.minutes - RESERVE_MINUTES - OVERHEAD_MINUTES["bench"]["finish"] - (time.perf_counter() - call_started) / 60
+    shutil.rmtree(work / FP32_HEAD, ignore_errors=True)
+    shutil.copytree(work / "eagle", work / FP32_HEAD, ignore=shutil.ignore_patterns(TRAINER_STATE, DISTILL_BLOCKS))
+    left = (args.minutes - RESERVE_MINUTES - OVERHEAD_MINUTES["bench"]["finish"] - FP32_STARTUP_MINUTES
+            - (time.perf_counter() - call_started) / 60)
     command = stage_commands(args)["bench"]
     command[command.index("--eagle") + 1] = str(work / FP32_HEAD)
     command[command.index("--out") + 1] = str(work / FP32_NAME)
     for cap in ("--max-minutes", "--max-wall-minutes"):
         command[command.index(cap) + 1] = f"{left:.2f}"
-    command += ["--dtype", "float32", "--routes", "plain", *designated_routes(args.bench_args)]
+    named = bench_options(args.bench_args)
+    command += ["--dtype", "float32", "--routes", "plain", named.chain_route, named.tree_route]
     command += [arg for caveat in FP32_CAVEATS for arg in ("--caveat", caveat)]
     return start_beside(args, env, "float32 check of the study", command, "fp32_check.log")
 
@@ -365,32 +381,30 @@ def drop_fp32_check(args: argparse.Namespace) -> None:
         Path(args.out, f"{FP32_COPY}.{suffix}").unlink(missing_ok=True)
 
 
-def copy_fp32_check(args: argparse.Namespace) -> None:
-    """The float32 check's JSON and markdown into ``--out``, named apart from the study's."""
-    for suffix in ("json", "md"):
-        shutil.copy(Path(args.work, FP32_NAME, f"e2e_trained.{suffix}"), Path(args.out, f"{FP32_COPY}.{suffix}"))
-
-
 def fp32_study(work: Path) -> dict | None:
-    """The float32 check's study in ``work`` if it measured a prompt (an unreadable JSON, from a process killed while
-    writing it, counts as none)."""
-    try:
-        results = _json(work / FP32_NAME / "e2e_trained.json")
-    except ValueError:
-        return None
+    """The float32 check's study in ``work`` if it measured a prompt."""
+    results = study_json(work / FP32_NAME)
     return results if results and results.get("records") else None
 
 
+def copy_fp32_check(args: argparse.Namespace, results: dict) -> None:
+    """The float32 check's report written from its JSON (a process stopped before its end wrote no markdown) and
+    copied into ``--out``, named apart from the study's."""
+    folder = Path(args.work, FP32_NAME)
+    e2e_trained.write_report(results, str(folder))
+    for suffix in ("json", "md"):
+        shutil.copy(folder / f"e2e_trained.{suffix}", Path(args.out, f"{FP32_COPY}.{suffix}"))
+
+
 def finish_fp32_check(args: argparse.Namespace, check: Beside, call_started: float) -> dict:
-    """Wait for the float32 check until the call's budget ends; its report written again (a killed process wrote none)
-    and copied into ``--out`` as ``e2e_trained_fp32.{json,md}``."""
+    """Wait for the float32 check until the call's budget ends, then copy its report into ``--out``."""
     stage = finish_beside(check, call_started + 60 * (args.minutes - RESERVE_MINUTES))
     results = fp32_study(Path(args.work))
     stage["prompts"] = len({r["prompt"] for r in results["records"]}) if results else 0
     if results:
-        e2e_trained.write_report(results, str(Path(args.work, FP32_NAME)))
-        copy_fp32_check(args)
-    print(f"=== float32 check: {ended(stage)} after {stage['seconds']:.0f}s, {stage['prompts']} prompts (log: {Path(args.work, 'fp32_check.log')})", flush=True)
+        copy_fp32_check(args, results)
+    print(f"=== float32 check: {ended(stage)} after {stage['seconds']:.0f}s, {stage['prompts']} prompts "
+          f"(log: {Path(args.work, 'fp32_check.log')})", flush=True)
     return stage
 
 
@@ -462,25 +476,29 @@ def main(argv: list[str] | None = None) -> dict:
     ok, checked = True, False
     if "target" in args.stages:  # (a float32 check of the target before this one is no check of it)
         drop_fp32_check(args)
-    warm = start_warm_bench(args, env) if args.warm_bench else None
-    fp32 = start_fp32_check(args, env, started) if args.fp32_check else None
-    try:
+    besides: dict[str, Beside] = {}
+    try:  # (what runs beside the training never outlives the call, and its autotuning choices go)
+        if args.warm_bench:
+            besides["warm_bench"] = start_warm_bench(args, env)
+        if args.fp32_check:
+            besides["fp32_check"] = start_fp32_check(args, env, started)
         for name in ("target", "eagle"):
             if name in args.stages and ok:
                 stages[name] = run_stage(name, stage_commands(args)[name], args.plan[name]["total"] + GRACE_MINUTES, env)
                 ok = stages[name]["returncode"] == 0 or name == "eagle"  # (without a head the benchmark runs the other routes)
                 collect(args, calls)
-    except BaseException:  # (what runs beside the training never outlives the call)
-        for beside in filter(None, (warm, fp32)):
-            beside[0].kill()
-            beside[0].wait()
-        raise
-    if warm is not None:
-        stages["warm_bench"] = finish_warm_bench(args, warm)
-    if fp32 is not None:
-        stages["fp32_check"] = finish_fp32_check(args, fp32, started)
-    if warm is not None or fp32 is not None:
-        delete_autotuning_choices(work)
+        if "warm_bench" in besides:
+            stages["warm_bench"] = finish_warm_bench(args, besides["warm_bench"])
+        if "fp32_check" in besides:
+            stages["fp32_check"] = finish_fp32_check(args, besides["fp32_check"], started)
+    finally:
+        for child, _, _ in besides.values():
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if besides:
+            delete_autotuning_choices(work)
+    if besides:
         collect(args, calls)
     if "bench" in args.stages and ok:
         left = args.minutes - RESERVE_MINUTES - (time.perf_counter() - started) / 60
@@ -489,14 +507,17 @@ def main(argv: list[str] | None = None) -> dict:
         wall = max(o["prepare"] + o["compile"] + MIN_BENCH_MINUTES, left - o["finish"])
         eagle_ok = stages["eagle"]["returncode"] == 0 if "eagle" in stages else True
         bench = stage_commands(args, measuring, wall, eagle_ok=eagle_ok)["bench"]
-        checked = fp32_study(work) is not None and "--exactness-from" not in args.bench_args
+        checked = (fp32_study(work) is not None and "--exactness-from" not in args.bench_args
+                   and bench_options(args.bench_args).dtype != "float32")
         if checked:
             bench += ["--exactness-from", str(work / FP32_NAME / "e2e_trained.json")]
+        if not args.bench_resume:  # (an earlier call's study would pass for this one's if this one wrote none)
+            Path(work, "bench", "e2e_trained.json").unlink(missing_ok=True)
         stages["bench"] = run_stage("bench", bench, wall + o["finish"] + GRACE_MINUTES, env)
     report = collect(args, calls)
     results = _json(work / "bench" / "e2e_trained.json") if "bench" in args.stages else None
     if results is not None and checked and "float32" in results.get("exactness_from", {}):
-        copy_fp32_check(args)  # (this call's --out holds the check its study's target names)
+        copy_fp32_check(args, fp32_study(work))  # (this call's --out holds the check its study's target names)
         results["exactness_from"]["float32"]["file"] = f"{FP32_COPY}.json"
     if results is not None:  # the pipeline target, and markdown + PNG even after a benchmark cut off mid-way
         last = latest_stages(calls)

@@ -366,7 +366,11 @@ def test_warm_bench_warms_the_next_calls_study_up_while_the_head_trains(prompt_f
             order.append("warm waited")
             if not behaviour["finishes"] and timeout is not None:
                 raise P.subprocess.TimeoutExpired("e2e_trained.py", timeout)
+            self.done = True
             return 0
+
+        def poll(self):
+            return 0 if getattr(self, "done", False) else None
 
         def kill(self):
             order.append("warm killed")
@@ -415,37 +419,47 @@ def test_warm_bench_warms_the_next_calls_study_up_while_the_head_trains(prompt_f
 
 
 def test_fp32_check_runs_beside_the_head_training_and_the_next_study_reports_it(prompt_files, tmp_path, monkeypatch):
-    """--fp32-check: a float32 study on a copy of the head, over plain decoding and the routes --bench-args names for
-    the targets, capped at the call's budget; its JSON and markdown reach --out with its caveats, and the next bench
-    stage reads its exact-output check (--exactness-from). A check killed mid-write, or one of an earlier target,
-    is not passed on. Refused without --eagle-resume."""
+    """--fp32-check: a float32 study on a copy of the head's weights, over plain decoding and the routes --bench-args
+    names for the targets, waited for until the call's budget ends; its JSON and markdown reach --out, and the next
+    bench stage reads its exact-output check (--exactness-from) and copies it into its own --out. A check cut off
+    (killed while writing, or its call interrupted), still warming up, or of an earlier target is handled; a float32
+    study is not given a float32 check. Refused without --eagle-resume."""
     pytest.importorskip("matplotlib")
     work, out = tmp_path / "work", tmp_path / "out"
     for folder in ("target", "eagle"):
         (work / folder).mkdir(parents=True)
         (work / folder / "config.json").write_text("{}")
     (work / "eagle" / P.TRAINER_STATE).write_bytes(b"")
-    started, benches = [], []
-    behaviour = {"fp32_json": None}
+    started, benches, waits, killed = [], [], [], []
+    behaviour = {"fp32_json": None, "eagle_raises": False}
 
     class FakeProcess:
         def __init__(self, command, env, stdout, stderr):
             started.append(command)
-            self.fp32 = "float32" in command
+            self.fp32, self.done = "float32" in command, False
             folder = Path(command[command.index("--out") + 1])
             folder.mkdir(parents=True)
             if self.fp32 and behaviour["fp32_json"] is not None:
                 (folder / "e2e_trained.json").write_text(behaviour["fp32_json"])
 
         def wait(self, timeout=None):
-            if self.fp32 and behaviour["fp32_json"] == "{" and timeout is not None:
-                raise P.subprocess.TimeoutExpired("e2e_trained.py", timeout)
+            if self.fp32 and timeout is not None:
+                waits.append(timeout)
+                if behaviour["fp32_json"] == "{":
+                    raise P.subprocess.TimeoutExpired("e2e_trained.py", timeout)
+            self.done = True
             return 0
 
+        def poll(self):
+            return 0 if self.done else None
+
         def kill(self):
-            pass
+            killed.append("float32" if self.fp32 else "warm-up")
+            self.done = True
 
     def fake_stage(name, command, timeout_minutes, env):
+        if name == "eagle" and behaviour["eagle_raises"]:
+            raise KeyboardInterrupt
         if name == "bench":
             benches.append(command)
             (work / "bench").mkdir(exist_ok=True)
@@ -456,47 +470,69 @@ def test_fp32_check_runs_beside_the_head_training_and_the_next_study_reports_it(
             (work / "bench" / "e2e_trained.json").write_text(json.dumps(results))
         return {"returncode": 0, "seconds": 1.0, "command": " ".join(command)}
 
+    def bench_call(*extra):
+        for copy in out.glob("e2e_trained_fp32.*"):
+            copy.unlink()  # (the next call's --out, on the GPU machine: a new empty folder)
+        P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", bench_args, *extra))
+        return benches[-1]
+
     monkeypatch.setattr(P.subprocess, "Popen", FakeProcess)
     monkeypatch.setattr(P, "run_stage", fake_stage)
-    bench_args = "--routes plain eagle_chain_fr eagle_tree_fr eagle_tree_n32_fr --tree-route eagle_tree_fr --chain-route eagle_chain_fr"
-    call = ("--stages", "eagle", "--eagle-resume", "--eagle-minutes", "5.5", "--minutes", "7.2", "--warm-bench", "--fp32-check",
-            "--bench-args", bench_args)
+    bench_args = "--routes plain eagle_chain_fr eagle_tree_fr eagle_tree_n32_fr --tree-route=eagle_tree_fr --chain-route eagle_chain_fr"
+    call = ("--stages", "eagle", "--eagle-resume", "--eagle-minutes", "5.5", "--minutes", "9", "--warm-bench", "--fp32-check",
+            "--bench-args", bench_args)  # (the call ends 2 minutes after the eagle stage's planned end)
     with pytest.raises(SystemExit, match="^error: --fp32-check needs --eagle-resume"):
         P.parse_args(_pipeline_args(prompt_files, work, "--stages", "eagle", "--fp32-check"))
     records = [_record(f"m{i}", ["mixed"], "qa", {"eagle_chain_fr": 1.0, "eagle_tree_fr": 1.0}) for i in range(2)]
-    behaviour["fp32_json"] = json.dumps({"dtype": "float32", "records": records, "bootstrap_samples": 50,
-                                         "caveats": P.FP32_CAVEATS})
+    measured = json.dumps({"dtype": "float32", "records": records, "bootstrap_samples": 50})
+    behaviour["fp32_json"] = measured
     report = P.main(_pipeline_args(prompt_files, work, *call))
     warm, fp32 = started
     assert "float32" not in warm and Path(fp32[fp32.index("--out") + 1]) == work / P.FP32_NAME
-    assert Path(fp32[fp32.index("--eagle") + 1]) == work / P.FP32_HEAD and (work / P.FP32_HEAD / "config.json").is_file()
+    head = Path(fp32[fp32.index("--eagle") + 1])
+    assert head == work / P.FP32_HEAD and (head / "config.json").is_file() and not (head / P.TRAINER_STATE).exists()
     last_routes = len(fp32) - fp32[::-1].index("--routes")  # (the last --routes wins: the one after --bench-args')
     assert fp32[last_routes:last_routes + 3] == ["plain", "eagle_chain_fr", "eagle_tree_fr"] and fp32.count("--caveat") == 2
-    assert 6.0 < float(fp32[fp32.index("--max-wall-minutes") + 1]) <= 7.2 - P.RESERVE_MINUTES
+    cap = float(fp32[fp32.index("--max-wall-minutes") + 1])
+    assert 7.5 < cap < 9 - P.RESERVE_MINUTES - P.FP32_STARTUP_MINUTES
+    assert 60 * (9 - P.RESERVE_MINUTES) - 10 < waits[-1] <= 60 * (9 - P.RESERVE_MINUTES)  # (the call's end, not the stage's)
     assert report["stages"]["fp32_check"]["prompts"] == 2 and report["stages"]["fp32_check"]["returncode"] == 0
-    assert "Read with care" in (out / "e2e_trained_fp32.md").read_text()
     assert json.loads((out / "e2e_trained_fp32.json").read_text())["dtype"] == "float32"
-    for copy in out.glob("e2e_trained_fp32.*"):
-        copy.unlink()  # (the next call's --out, on the GPU machine: a new empty folder)
-    P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", bench_args))
-    assert benches[-1][-2:] == ["--exactness-from", str(work / P.FP32_NAME / "e2e_trained.json")]
+    assert (out / "e2e_trained_fp32.md").is_file()
+    command = bench_call()
+    assert command[-2:] == ["--exactness-from", str(work / P.FP32_NAME / "e2e_trained.json")]
     assert "4/4 identical, in e2e_trained_fp32.json" in (out / "e2e_trained.md").read_text()
-    assert json.loads((out / "e2e_trained_fp32.json").read_text())["dtype"] == "float32"
+    assert (out / "e2e_trained_fp32.md").is_file()
+    assert "--exactness-from" not in bench_call("--bench-args", bench_args + " --dtype float32")
 
     behaviour["fp32_json"] = "{"  # killed while writing its JSON: no check passed on
     report = P.main(_pipeline_args(prompt_files, work, *call))
-    assert report["stages"]["fp32_check"] == {**report["stages"]["fp32_check"], "returncode": None, "prompts": 0}
-    P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", bench_args))
-    assert "--exactness-from" not in benches[-1]
+    assert report["stages"]["fp32_check"]["returncode"] is None and report["stages"]["fp32_check"]["prompts"] == 0
+    assert "--exactness-from" not in bench_call()
     behaviour["fp32_json"] = json.dumps({"dtype": "float32", "records": []})  # still warming up: nothing to pass on
     P.main(_pipeline_args(prompt_files, work, *call))
-    P.main(_pipeline_args(prompt_files, work, "--stages", "bench", "--bench-args", bench_args))
-    assert "--exactness-from" not in benches[-1] and not (out / "e2e_trained_fp32.json").exists()
-    behaviour["fp32_json"] = json.dumps({"dtype": "float32", "records": records, "bootstrap_samples": 50})
+    assert "--exactness-from" not in bench_call() and not (out / "e2e_trained_fp32.json").exists()
+    behaviour.update(fp32_json=measured, eagle_raises=True)  # the call interrupted: the check's JSON has no markdown yet
+    killed.clear()
+    with pytest.raises(KeyboardInterrupt):
+        P.main(_pipeline_args(prompt_files, work, *call))
+    assert killed == ["warm-up", "float32"] and not (work / P.FP32_NAME / "e2e_trained.md").exists()
+    assert "--exactness-from" in bench_call() and (out / "e2e_trained_fp32.md").is_file()
+    behaviour["eagle_raises"] = False
     P.main(_pipeline_args(prompt_files, work, *call))
     assert (out / "e2e_trained_fp32.json").exists()
     P.main(_pipeline_args(prompt_files, work, "--stages", "target", "--target-minutes", "1"))  # a new target
     assert not (work / P.FP32_NAME).exists() and not (out / "e2e_trained_fp32.json").exists()
+
+
+def test_caveats_reach_the_report_once_and_stay(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {"dtype": "float32", "records": [_record("m0", ["mixed"], "qa", {"eagle_tree": 2.0})], "bootstrap_samples": 50,
+               "caveats": ["earlier"]}
+    (tmp_path / "e2e_trained.json").write_text(json.dumps(results))
+    E.main(["--plot", str(tmp_path / "e2e_trained.json"), "--out", str(tmp_path), "--caveat", "new", "--caveat", "earlier"])
+    assert json.loads((tmp_path / "e2e_trained.json").read_text())["caveats"] == ["earlier", "new"]
+    assert "Read with care:\n\n- earlier\n- new" in (tmp_path / "e2e_trained.md").read_text()
 
 
 @pytest.fixture(scope="module")
