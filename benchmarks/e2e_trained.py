@@ -734,7 +734,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="plain is always run (the baseline); the *_fr routes (eagle_chain_fr, and the trees of depth "
                         "6, 4 and 8: eagle_tree_fr, _d4_fr, _d8_fr, and of 32 nodes: _n32_fr, drafting only the head's "
                         "--draft-vocab most frequent tokens), eagle_tree_d4_fr_specla and eagle_tree_fr_pytorch (the head's "
-                        "GEMMs as the fused specla ops or as PyTorch code, not the drafter's default), eagle_tree_fr_t1 and eagle_tree_d4_fr_t1 (trees ranked by the head's raw "
+                        "GEMMs as the fused specla ops or as PyTorch code, not the drafter's default), eagle_tree_fr_t1 and "
+                        "eagle_tree_d4_fr_t1 (trees ranked by the head's raw "
                         "probabilities, not its calibrated ones) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
                         "eagle_tree_n32: 32 nodes) run when named")
     p.add_argument("--draft-vocab", type=int, default=8192,

@@ -47,10 +47,11 @@ CONFIGS = {  # the routes of benchmarks/e2e_trained.py
 
 
 def stub_target(hidden: int, vocab: int, dtype: torch.dtype, device: str = "cuda") -> torch.nn.Module:
-    """What the drafter reads of its target: input embeddings and LM head (a one-layer Llama)."""
+    """What the drafter reads of its target: input embeddings and LM head (a one-layer Llama, its MLP 4x its width:
+    what ``EagleConfig.for_target`` sizes the head's after)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=8)
     return LlamaForCausalLM(config).to(device, dtype).eval()
 
@@ -111,10 +112,11 @@ def target_hidden(name: str) -> int:
     return json.loads(TRAINED_REPORT.read_text())["target"]["config"]["hidden_size"] if name == "trained" else FLA_1P3B["hidden_size"]
 
 
-def head_config(hidden: int, args) -> EagleConfig:
-    """The head of both sections: its MLP 4x its width unless --intermediate says (as EagleConfig.for_target sizes it
-    for an fla target)."""
-    return EagleConfig(hidden, args.vocab, args.heads, args.intermediate or 4 * hidden)
+def head_config(target: torch.nn.Module, args) -> EagleConfig:
+    """The head of both sections: sized after ``target`` (``EagleConfig.for_target``) but where --heads or
+    --intermediate say."""
+    overrides = {"num_heads": args.heads, "intermediate_size": args.intermediate}
+    return EagleConfig.for_target(target, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def host_profile(call, top: int = 25) -> list[str]:
@@ -153,7 +155,7 @@ def loop_section(args, results: dict) -> None:
     dtype = getattr(torch, args.dtype)
     model = loop_target(args.target, args.vocab, dtype)
     hidden = model.config.hidden_size
-    head = EagleHead(head_config(hidden, args)).to("cuda", dtype)
+    head = EagleHead(head_config(model, args)).to("cuda", dtype)
     head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
     tree_replays = {r["attention"]: r["replay_ms"] for name, r in results["routes"].items()
                     if name.startswith("tree") and "replay_ms" in r and not r.get("draft_vocab")}
@@ -256,8 +258,9 @@ def main() -> None:
     p.add_argument("--target", choices=("trained", "gdn-1.3b"), default="trained",
                    help="the loop section's target: the trained study's shape, or the GDN-1.3B shape of e2e_gpu.py")
     p.add_argument("--hidden", type=int, default=None, help="the propose section's head width (default: the target's)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=None, help="the head's MLP width (default: 4x its width)")
+    p.add_argument("--heads", type=int, default=None, help="the head's attention heads (default: the target's)")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="the head's MLP width (default: the target's, 4x its width for an fla target or the stub)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--prompt", type=int, default=200)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="of the target, head and features")
@@ -317,7 +320,8 @@ def propose_section(args, results: dict) -> None:
     dtype = getattr(torch, args.dtype)
     target = stub_target(args.hidden, args.vocab, dtype)
     torch.manual_seed(0)
-    head = EagleHead(head_config(args.hidden, args)).to("cuda", dtype)
+    head = EagleHead(head_config(target, args)).to("cuda", dtype)
+    results["propose_head_intermediate"] = head.config.intermediate_size
     head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
     for (name, config), attention, vocab, gemms in itertools.product(CONFIGS.items(), args.attention, args.draft_vocab,
                                                                      args.head_gemms):
@@ -360,7 +364,8 @@ def write_markdown(results: dict, out_dir: str) -> None:
     """``eagle_profile.md``: per route, a propose's time graphed and uncaptured, and the graph's kernels."""
     shape = results["shape"]
     setup = (f"device: {results.get('device')}, torch {results.get('torch')}, head and LM head at hidden {shape['hidden']}, "
-             f"head MLP {shape.get('intermediate') or 4 * shape['hidden']} wide, vocabulary {shape['vocab']}, {shape.get('dtype', 'bfloat16')}, B=1, {shape['prompt']}-token prompt")
+             f"head MLP {results.get('propose_head_intermediate', shape.get('intermediate'))} wide, vocabulary {shape['vocab']}, "
+             f"{shape.get('dtype', 'bfloat16')}, B=1, {shape['prompt']}-token prompt")
     lines = ["# EAGLE drafting on the GPU", "", setup, "",
              "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | uncaptured, ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -373,7 +378,7 @@ def write_markdown(results: dict, out_dir: str) -> None:
     if "loop" in results:
         loop = results["loop"]
         title = (f"## One generate iteration ({loop.get('target', 'trained')}-shaped {loop['target_layers']}-layer target at "
-                 f"hidden {loop['hidden']}, head MLP {loop.get('head_intermediate', 4 * loop['hidden'])} wide, random "
+                 f"hidden {loop['hidden']}, head MLP {loop.get('head_intermediate', shape.get('intermediate'))} wide, random "
                  f"weights, {loop['new_tokens']} new tokens, {loop.get('attention') or 'default'} attention; "
                  "eagle_tree_host: SpecConfig(pipelined=False))")
         header = ("| route | ms per iteration | draft / verify / commit phases, ms | GPU kernels, ms | GPU waiting, ms | "

@@ -44,9 +44,10 @@ HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gate
               "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference)}
 # the default: on the H200 a depth-6 tree's propose at the trained head's shape (draft vocabulary 8192) replays
 # in 0.362 ms with "mixed" against 0.419 with "pytorch" (its GEMMs 0.133 against 0.218 ms), a chain L=8's in 0.401
-# against 0.473 (benchmarks/results/eagle_profile_head_gemms.md); "specla" drafted no faster than "pytorch" in the
-# trained study (depth-4 tree: 0.48 against 0.47 ms per iteration): its norm-fused launches cost what cuBLAS's
-# and inductor's kernels cost together
+# against 0.473 (benchmarks/results/eagle_profile_head_gemms.md); end to end, the same tree 2.27x against 2.20x over
+# plain decoding in one trained study (benchmarks/results/trained/e2e_trained.md); "specla" drafted no faster than
+# "pytorch" in an earlier study (depth-4 tree: 0.48 against 0.47 ms per iteration): its norm-fused launches cost what
+# cuBLAS's and inductor's kernels cost together
 DEFAULT_HEAD_GEMMS = "mixed"
 
 CONFIG_NAME = "config.json"
