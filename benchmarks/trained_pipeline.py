@@ -51,13 +51,15 @@ as the call starts, over plain decoding and the chain and tree routes that ``--b
 (``--chain-route``, ``--tree-route``), until the call's budget ends. Only its exact-output check counts (its times
 measure the GPU and CPUs it shares with the training; its report says so): the next bench stage puts that check into
 the study's float32 target (``e2e_trained.py --exactness-from``), and ``--out`` receives its JSON and markdown as
-``e2e_trained_fp32.{json,md}``. A new target stage drops the check of the target before it.
+``e2e_trained_fp32.{json,md}``. A new target stage drops the check of the target before it. A call that leaves the
+check less than ``FP32_MIN_MINUTES`` (its loading and warm-ups) is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -201,6 +203,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, flag) and (not args.eagle_resume or "bench" in args.stages):
             problems.append(f"--{flag.replace('_', '-')} needs --eagle-resume (an earlier head to run beside the training "
                             "on) and no bench stage in the call (the next call's study is what it serves)")
+    if args.fp32_check and fp32_minutes(args) < FP32_MIN_MINUTES - 1e-9:
+        needed = math.ceil(100 * (args.minutes + FP32_MIN_MINUTES - fp32_minutes(args)) - 1e-6) / 100
+        problems.append(f"--fp32-check: --minutes {args.minutes} leaves it {fp32_minutes(args):.2f} min, and its loading "
+                        f"and float32 warm-ups beside the training need {FP32_MIN_MINUTES} before it measures a prompt: pass "
+                        f"--minutes {needed} or more")
     if args.bench_resume and "bench" not in args.stages:
         problems.append("--bench-resume needs the bench stage")
     if problems:  # one line, before anything slow
@@ -283,6 +290,9 @@ WARM_NAME = "warm"  # in --work: the warm-up process's e2e_trained.json (its mea
 FP32_NAME, FP32_HEAD = "fp32", "fp32_head"  # in --work: the float32 check's study, and the copy of the head it drafts with
 FP32_COPY = "e2e_trained_fp32"  # its JSON's and markdown's names in --out
 FP32_STARTUP_MINUTES = 0.5  # the float32 process's imports, before its own clock starts, while the training shares the CPUs
+# Its loading and warm-ups beside the training before it measures a prompt (the nineteenth run: 0.9 + 4.1 min); a
+# shorter call measures nothing (a 2.95-minute check on 2026-12-04: 0 prompts, the warm-up of plain alone 2.6 min).
+FP32_MIN_MINUTES = 5.5
 FP32_CAVEATS = [
     "run beside the eagle stage's training (and the study's warm-ups) on the same GPU and CPUs: its times and speedups "
     "measure that contention, not the code; only its exact-output check counts",
@@ -353,6 +363,12 @@ def bench_options(bench_args: str) -> argparse.Namespace:
     return parser.parse_known_args(shlex.split(bench_args))[0]
 
 
+def fp32_minutes(args: argparse.Namespace) -> float:
+    """The float32 check's time cap from the call's start: the call's budget less this driver's reserve, the check's
+    report and its process's imports."""
+    return args.minutes - RESERVE_MINUTES - OVERHEAD_MINUTES["bench"]["finish"] - FP32_STARTUP_MINUTES
+
+
 def start_fp32_check(args: argparse.Namespace, env: dict[str, str], call_started: float) -> Beside:
     """The float32 check (``--fp32-check``): the bench stage's command in float32 on a copy of the head (its weights
     and config, not its training state), over plain decoding and the designated routes, measuring until the call's
@@ -361,8 +377,7 @@ def start_fp32_check(args: argparse.Namespace, env: dict[str, str], call_started
     drop_fp32_check(args)
     shutil.rmtree(work / FP32_HEAD, ignore_errors=True)
     shutil.copytree(work / "eagle", work / FP32_HEAD, ignore=shutil.ignore_patterns(TRAINER_STATE, DISTILL_BLOCKS))
-    left = (args.minutes - RESERVE_MINUTES - OVERHEAD_MINUTES["bench"]["finish"] - FP32_STARTUP_MINUTES
-            - (time.perf_counter() - call_started) / 60)
+    left = fp32_minutes(args) - (time.perf_counter() - call_started) / 60
     command = stage_commands(args)["bench"]
     command[command.index("--eagle") + 1] = str(work / FP32_HEAD)
     command[command.index("--out") + 1] = str(work / FP32_NAME)

@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -483,6 +484,11 @@ def test_fp32_check_runs_beside_the_head_training_and_the_next_study_reports_it(
             "--bench-args", bench_args)  # (the call ends 2 minutes after the eagle stage's planned end)
     with pytest.raises(SystemExit, match="^error: --fp32-check needs --eagle-resume"):
         P.parse_args(_pipeline_args(prompt_files, work, "--stages", "eagle", "--fp32-check"))
+    short = ("--stages", "eagle", "--eagle-resume", "--eagle-minutes", "1.0", "--fp32-check")
+    with pytest.raises(SystemExit, match=r"^error: --fp32-check: --minutes 4.0 leaves it 2.95 min.* pass --minutes (\S+) ") as e:
+        P.parse_args(_pipeline_args(prompt_files, work, *short, "--minutes", "4"))
+    suggested = re.search(r"pass --minutes (\S+) ", str(e.value)).group(1)
+    assert P.fp32_minutes(P.parse_args(_pipeline_args(prompt_files, work, *short, "--minutes", suggested))) >= P.FP32_MIN_MINUTES
     records = [_record(f"m{i}", ["mixed"], "qa", {"eagle_chain_fr": 1.0, "eagle_tree_fr": 1.0}) for i in range(2)]
     measured = json.dumps({"dtype": "float32", "records": records, "bootstrap_samples": 50})
     behaviour["fp32_json"] = measured
