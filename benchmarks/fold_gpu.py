@@ -14,6 +14,9 @@ Outputs are checked against the unfolded ones (bf16 rounding apart).
 ``bare``: the same kernels without a norm, against cuBLAS (and inductor's ``silu(gate) * up``), at every GEMM
 of a layer: whether the Triton kernel alone pays where the norm's fold did not.
 
+``head`` (not in the default): the norm GEMMs of an EAGLE head sized for the GDN-1.3B target (q/k/v, gate/up with
+``silu(gate) * up``; a norm, no skip) at a draft level's rows (``--head-rows``), as ``folded``.
+
     python benchmarks/fold_gpu.py --out benchmarks/results      # H200, about a minute
 """
 
@@ -37,6 +40,9 @@ SITES = {  # weight [N, K] of each folded GEMM, and whether silu(gate) * up foll
     "qkvg": ((8208, 2048), False), "gate_up": ((11264, 2048), True), "lm_head": ((32000, 2048), False)}
 BARE_SITES = {"qkvg": ((8208, 2048), False), "o_proj": ((2048, 2048), False), "gate_up": ((11264, 2048), True),
               "down": ((2048, 5632), False)}
+# an EAGLE head sized for the GDN-1.3B target (EagleConfig.for_target): its norm GEMMs, a norm and no skip
+HEAD_SITES = {"head_qkv": ((6144, 2048), False), "head_gate_up": ((16384, 2048), True)}
+KINDS = {"folded": SITES, "bare": BARE_SITES, "head": HEAD_SITES}  # the sweeps: which sites, with what around the GEMM
 LAYERS = 24
 TILES = list(itertools.product((16, 32, 64), (128, 256), (3, 4)))
 EPS = 1e-6
@@ -52,15 +58,18 @@ def unfolded(x, skip, norm, weight, gated):
     return out, h
 
 
-def sweep_site(name: str, rows: int, folded: bool = True) -> dict:
+def sweep_site(name: str, rows: int, kind: str = "folded") -> dict:
     """One site at ``rows`` rows: inductor and cuBLAS (``unfolded``) against the linear kernels over TILES, with
-    the add and the norm folded in (``SITES``) or without either (``BARE_SITES``)."""
-    (n, k), gated = (SITES if folded else BARE_SITES)[name]
+    the add and the norm folded in (``folded``: ``SITES``), the norm alone (``head``: ``HEAD_SITES``) or neither
+    (``bare``: ``BARE_SITES``)."""
+    (n, k), gated = KINDS[kind][name]
+    folded = kind == "folded"
     copies = 1 if name == "lm_head" else LAYERS
     make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device="cuda")).bfloat16()
     weights = [make(n, k, scale=k**-0.5) for _ in range(copies)]
     x = make(rows, k)
-    skip, norm, summed = (make(rows, k), 1 + make(k, scale=0.2), torch.empty_like(x)) if folded else (None, None, None)
+    skip, summed = (make(rows, k), torch.empty_like(x)) if folded else (None, None)
+    norm = None if kind == "bare" else 1 + make(k, scale=0.2)
     compiled = torch.compile(unfolded, dynamic=False)
     want = compiled(x, skip, norm, weights[0], gated)
     row = {"unfolded_us": 1000 * graph_ms(lambda: [compiled(x, skip, norm, w, gated) for w in weights]) / copies}
@@ -138,7 +147,7 @@ def write_report(results: dict, out_dir: str) -> None:
         name, rows = key.rsplit("_M", 1)
         if name.startswith("bare_"):
             continue
-        lines.append(f"| {name} {list(SITES[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
+        lines.append(f"| {name} {list({**SITES, **HEAD_SITES}[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
                      f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
     bare = {k[5:]: v for k, v in results["results"].items() if k.startswith("bare_")}
     if bare:
@@ -171,7 +180,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
-    parser.add_argument("--sections", nargs="+", choices=("probe", "folded", "bare"), default=["probe", "folded", "bare"])
+    parser.add_argument("--head-rows", type=int, nargs="+", default=[1, 4, 16], help="rows of the head section")
+    parser.add_argument("--sections", nargs="+", choices=("probe", *KINDS), default=["probe", "folded", "bare"],
+                        help="head: the norm GEMMs of an EAGLE head at hidden 2048 (not in the default)")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     args = parser.parse_args()
     results = start_run(parser, args, write_report)
@@ -180,12 +191,11 @@ def main() -> None:
     started = time.perf_counter()
     if "probe" in args.sections:
         results["probe"] = probe()
-    sweeps = [("", SITES, True)] if "folded" in args.sections else []
-    sweeps += [("bare_", BARE_SITES, False)] if "bare" in args.sections else []
-    for prefix, sites, folded in sweeps:
-        for name in sites:
-            for rows in args.rows:
-                row = results["results"][f"{prefix}{name}_M{rows}"] = sweep_site(name, rows, folded)
+    for kind in (kind for kind in KINDS if kind in args.sections):
+        prefix = "bare_" if kind == "bare" else ""  # (the head's sites are named head_*)
+        for name in KINDS[kind]:
+            for rows in args.head_rows if kind == "head" else args.rows:
+                row = results["results"][f"{prefix}{name}_M{rows}"] = sweep_site(name, rows, kind)
                 print(prefix + name, rows, json.dumps(row), f"{time.perf_counter() - started:.0f} s", flush=True)
                 write_report(results, args.out)
 
