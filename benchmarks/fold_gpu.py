@@ -141,7 +141,7 @@ def probe() -> dict:
 def write_report(results: dict, out_dir: str) -> None:
     lines = save_results(results, out_dir, "fold_gpu", "Norms folded into the GEMMs after them, at the GDN-1.3B shapes",
                          f"; bf16; {LAYERS} distinct weights per site (the LM head: one) in one CUDA graph, median replay, us per call") + [
-             "| site [N, K] | rows | unfolded (inductor add+norm, cuBLAS, silu*up) | folded, default tiles | folded, best | best tiles (BLOCK_N, BLOCK_K, stages) |",
+             "| site [N, K] | rows | unfolded (inductor add+norm (head_*: norm), cuBLAS, silu*up) | folded, default tiles | folded, best | best tiles (BLOCK_N, BLOCK_K, stages) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for key, row in results["results"].items():
         name, rows = key.rsplit("_M", 1)

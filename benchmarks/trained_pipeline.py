@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import shutil
@@ -203,11 +202,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, flag) and (not args.eagle_resume or "bench" in args.stages):
             problems.append(f"--{flag.replace('_', '-')} needs --eagle-resume (an earlier head to run beside the training "
                             "on) and no bench stage in the call (the next call's study is what it serves)")
-    if args.fp32_check and fp32_minutes(args) < FP32_MIN_MINUTES - 1e-9:
-        needed = math.ceil(100 * (args.minutes + FP32_MIN_MINUTES - fp32_minutes(args)) - 1e-6) / 100
+    if args.fp32_check and fp32_minutes(args) < FP32_MIN_MINUTES - 1e-9:  # (1e-9: the suggested --minutes passes)
         problems.append(f"--fp32-check: --minutes {args.minutes} leaves it {fp32_minutes(args):.2f} min, and its loading "
                         f"and float32 warm-ups beside the training need {FP32_MIN_MINUTES} before it measures a prompt: pass "
-                        f"--minutes {needed} or more")
+                        f"--minutes {args.minutes - fp32_minutes(args) + FP32_MIN_MINUTES:.2f} or more")
     if args.bench_resume and "bench" not in args.stages:
         problems.append("--bench-resume needs the bench stage")
     if problems:  # one line, before anything slow
