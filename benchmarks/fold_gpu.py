@@ -15,7 +15,9 @@ Outputs are checked against the unfolded ones (bf16 rounding apart).
 of a layer: whether the Triton kernel alone pays where the norm's fold did not.
 
 ``head`` (not in the default): the norm GEMMs of an EAGLE head sized for the GDN-1.3B target (q/k/v, gate/up with
-``silu(gate) * up``; a norm, no skip) at a draft level's rows (``--head-rows``), as ``folded``.
+``silu(gate) * up``; a norm, no skip) at a draft level's rows (``--head-rows``), as ``folded``; ``head_prefolded``:
+the same with the norm's weight folded into W beforehand (``row_rms``: the rows enter the GEMM as loaded, their
+``rsqrt`` scales the output); ``head_bare``: the same weights without a norm, against cuBLAS.
 
     python benchmarks/fold_gpu.py --out benchmarks/results      # H200, about a minute
 """
@@ -42,7 +44,9 @@ BARE_SITES = {"qkvg": ((8208, 2048), False), "o_proj": ((2048, 2048), False), "g
               "down": ((2048, 5632), False)}
 # an EAGLE head sized for the GDN-1.3B target (EagleConfig.for_target): its norm GEMMs, a norm and no skip
 HEAD_SITES = {"head_qkv": ((6144, 2048), False), "head_gate_up": ((16384, 2048), True)}
-KINDS = {"folded": SITES, "bare": BARE_SITES, "head": HEAD_SITES}  # the sweeps: which sites, with what around the GEMM
+KINDS = {"folded": SITES, "bare": BARE_SITES, "head": HEAD_SITES, "head_prefolded": HEAD_SITES,
+         "head_bare": HEAD_SITES}  # the sweeps: which sites, with what around the GEMM
+PREFIXES = {"bare": "bare_", "head_prefolded": "prefolded_", "head_bare": "bare_"}  # their rows' keys (head sites: head_*)
 LAYERS = 24
 TILES = list(itertools.product((16, 32, 64), (128, 256), (3, 4)))
 EPS = 1e-6
@@ -61,22 +65,25 @@ def unfolded(x, skip, norm, weight, gated):
 def sweep_site(name: str, rows: int, kind: str = "folded") -> dict:
     """One site at ``rows`` rows: inductor and cuBLAS (``unfolded``) against the linear kernels over TILES, with
     the add and the norm folded in (``folded``: ``SITES``), the norm alone (``head``: ``HEAD_SITES``) or neither
-    (``bare``: ``BARE_SITES``)."""
+    (``bare``: ``BARE_SITES``), or the norm's weight folded into W (``head_prefolded``: ``row_rms``)."""
     (n, k), gated = KINDS[kind][name]
-    folded = kind == "folded"
+    folded, prefolded = kind == "folded", kind == "head_prefolded"
     copies = 1 if name == "lm_head" else LAYERS
     make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device="cuda")).bfloat16()
     weights = [make(n, k, scale=k**-0.5) for _ in range(copies)]
     x = make(rows, k)
     skip, summed = (make(rows, k), torch.empty_like(x)) if folded else (None, None)
-    norm = None if kind == "bare" else 1 + make(k, scale=0.2)
+    norm = None if kind.endswith("bare") else 1 + make(k, scale=0.2)
     compiled = torch.compile(unfolded, dynamic=False)
     want = compiled(x, skip, norm, weights[0], gated)
     row = {"unfolded_us": 1000 * graph_ms(lambda: [compiled(x, skip, norm, w, gated) for w in weights]) / copies}
     project = triton_linear.gated_linear if gated else triton_linear.linear
     timings = {}
+    if prefolded:  # (the kernels' weights: the norm's weight in their columns)
+        weights = [w * norm for w in weights]
     for tiles in [None, *TILES]:
-        run = lambda w, tiles=tiles: project(x, w, norm_weight=norm, eps=EPS, skip=skip, skip_sum=summed, tiles=tiles)
+        run = lambda w, tiles=tiles: project(x, w, norm_weight=None if prefolded else norm, eps=EPS, skip=skip,
+                                             skip_sum=summed, tiles=tiles, row_rms=prefolded)
         try:
             got = run(weights[0])
         except triton.runtime.errors.OutOfResources:
@@ -145,7 +152,7 @@ def write_report(results: dict, out_dir: str) -> None:
              "| --- | --- | --- | --- | --- | --- |"]
     for key, row in results["results"].items():
         name, rows = key.rsplit("_M", 1)
-        if name.startswith("bare_"):
+        if name.startswith(("bare_", "prefolded_")):
             continue
         lines.append(f"| {name} {list({**SITES, **HEAD_SITES}[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
                      f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
@@ -157,7 +164,17 @@ def write_report(results: dict, out_dir: str) -> None:
                   "| --- | --- | --- | --- | --- | --- |"]
         for key, row in bare.items():
             name, rows = key.rsplit("_M", 1)
-            lines.append(f"| {name} {list(BARE_SITES[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
+            lines.append(f"| {name} {list({**BARE_SITES, **HEAD_SITES}[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
+                         f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
+    prefolded = {k[10:]: v for k, v in results["results"].items() if k.startswith("prefolded_")}
+    if prefolded:
+        lines += ["", "The head's norm GEMMs with the norm's weight folded into W (`row_rms`: only the rows' rsqrt in the "
+                  "kernel), against inductor's norm and cuBLAS, us per call:", "",
+                  "| site [N, K] | rows | inductor norm, cuBLAS (+ silu*up) | Triton, default tiles | Triton, best | best tiles |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for key, row in prefolded.items():
+            name, rows = key.rsplit("_M", 1)
+            lines.append(f"| {name} {list(HEAD_SITES[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
                          f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
     probe = results.get("probe", {})
     model = {k: v for k, v in probe.items() if not k.startswith("head_")}
@@ -182,7 +199,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--head-rows", type=int, nargs="+", default=[1, 4, 16], help="rows of the head section")
     parser.add_argument("--sections", nargs="+", choices=("probe", *KINDS), default=["probe", "folded", "bare"],
-                        help="head: the norm GEMMs of an EAGLE head at hidden 2048 (not in the default)")
+                        help="head, head_prefolded, head_bare: the norm GEMMs of an EAGLE head at hidden 2048, with "
+                             "the norm, with its weight folded into W, without it (not in the default)")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     args = parser.parse_args()
     results = start_run(parser, args, write_report)
@@ -192,9 +210,9 @@ def main() -> None:
     if "probe" in args.sections:
         results["probe"] = probe()
     for kind in (kind for kind in KINDS if kind in args.sections):
-        prefix = "bare_" if kind == "bare" else ""  # (the head's sites are named head_*)
+        prefix = PREFIXES.get(kind, "")
         for name in KINDS[kind]:
-            for rows in args.head_rows if kind == "head" else args.rows:
+            for rows in args.head_rows if kind.startswith("head") else args.rows:
                 row = results["results"][f"{prefix}{name}_M{rows}"] = sweep_site(name, rows, kind)
                 print(prefix + name, rows, json.dumps(row), f"{time.perf_counter() - started:.0f} s", flush=True)
                 write_report(results, args.out)
