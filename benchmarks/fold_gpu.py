@@ -15,9 +15,9 @@ Outputs are checked against the unfolded ones (bf16 rounding apart).
 of a layer: whether the Triton kernel alone pays where the norm's fold did not.
 
 ``head`` (not in the default): the norm GEMMs of an EAGLE head sized for the GDN-1.3B target (q/k/v, gate/up with
-``silu(gate) * up``; a norm, no skip) at a draft level's rows (``--head-rows``), as ``folded``; ``head_prefolded``:
-the same with the norm's weight folded into W beforehand (``row_rms``: the rows enter the GEMM as loaded, their
-``rsqrt`` scales the output); ``head_bare``: the same weights without a norm, against cuBLAS.
+``silu(gate) * up``; a norm, no skip) at a draft level's rows (``--head-rows``), as ``folded``; ``head_bare``: the
+same weights without a norm, against cuBLAS. (A third sweep, the norm's weight folded into W beforehand and only
+the rows' ``rsqrt`` in the kernel, ran at ``aa5cc75``: ``fold_gpu_head.md``; it did not pay and is gone.)
 
     python benchmarks/fold_gpu.py --out benchmarks/results      # H200, about a minute
 """
@@ -44,9 +44,8 @@ BARE_SITES = {"qkvg": ((8208, 2048), False), "o_proj": ((2048, 2048), False), "g
               "down": ((2048, 5632), False)}
 # an EAGLE head sized for the GDN-1.3B target (EagleConfig.for_target): its norm GEMMs, a norm and no skip
 HEAD_SITES = {"head_qkv": ((6144, 2048), False), "head_gate_up": ((16384, 2048), True)}
-KINDS = {"folded": SITES, "bare": BARE_SITES, "head": HEAD_SITES, "head_prefolded": HEAD_SITES,
-         "head_bare": HEAD_SITES}  # the sweeps: which sites, with what around the GEMM
-PREFIXES = {"bare": "bare_", "head_prefolded": "prefolded_", "head_bare": "bare_"}  # their rows' keys (head sites: head_*)
+KINDS = {"folded": SITES, "bare": BARE_SITES, "head": HEAD_SITES, "head_bare": HEAD_SITES}  # which sites, what around
+PREFIXES = {"bare": "bare_", "head_bare": "bare_"}  # the sweeps' rows' keys (the head's sites: head_*)
 LAYERS = 24
 TILES = list(itertools.product((16, 32, 64), (128, 256), (3, 4)))
 EPS = 1e-6
@@ -65,9 +64,9 @@ def unfolded(x, skip, norm, weight, gated):
 def sweep_site(name: str, rows: int, kind: str = "folded") -> dict:
     """One site at ``rows`` rows: inductor and cuBLAS (``unfolded``) against the linear kernels over TILES, with
     the add and the norm folded in (``folded``: ``SITES``), the norm alone (``head``: ``HEAD_SITES``) or neither
-    (``bare``: ``BARE_SITES``), or the norm's weight folded into W (``head_prefolded``: ``row_rms``)."""
+    (``bare``: ``BARE_SITES``)."""
     (n, k), gated = KINDS[kind][name]
-    folded, prefolded = kind == "folded", kind == "head_prefolded"
+    folded = kind == "folded"
     copies = 1 if name == "lm_head" else LAYERS
     make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device="cuda")).bfloat16()
     weights = [make(n, k, scale=k**-0.5) for _ in range(copies)]
@@ -79,11 +78,8 @@ def sweep_site(name: str, rows: int, kind: str = "folded") -> dict:
     row = {"unfolded_us": 1000 * graph_ms(lambda: [compiled(x, skip, norm, w, gated) for w in weights]) / copies}
     project = triton_linear.gated_linear if gated else triton_linear.linear
     timings = {}
-    if prefolded:  # (the kernels' weights: the norm's weight in their columns)
-        weights = [w * norm for w in weights]
     for tiles in [None, *TILES]:
-        run = lambda w, tiles=tiles: project(x, w, norm_weight=None if prefolded else norm, eps=EPS, skip=skip,
-                                             skip_sum=summed, tiles=tiles, row_rms=prefolded)
+        run = lambda w, tiles=tiles: project(x, w, norm_weight=norm, eps=EPS, skip=skip, skip_sum=summed, tiles=tiles)
         try:
             got = run(weights[0])
         except triton.runtime.errors.OutOfResources:
@@ -152,7 +148,7 @@ def write_report(results: dict, out_dir: str) -> None:
              "| --- | --- | --- | --- | --- | --- |"]
     for key, row in results["results"].items():
         name, rows = key.rsplit("_M", 1)
-        if name.startswith(("bare_", "prefolded_")):
+        if name.startswith(("bare_", "prefolded_")):  # (prefolded_*: aa5cc75's sweep, in fold_gpu_head.json)
             continue
         lines.append(f"| {name} {list({**SITES, **HEAD_SITES}[name][0])} | {rows} | {row['unfolded_us']:.2f} | {row['default_us']:.2f} "
                      f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
@@ -168,8 +164,8 @@ def write_report(results: dict, out_dir: str) -> None:
                          f"{row['default_tiles']} | {row['best_us']:.2f} | {row['best_tiles']} |")
     prefolded = {k[10:]: v for k, v in results["results"].items() if k.startswith("prefolded_")}
     if prefolded:
-        lines += ["", "The head's norm GEMMs with the norm's weight folded into W (`row_rms`: only the rows' rsqrt in the "
-                  "kernel), against inductor's norm and cuBLAS, us per call:", "",
+        lines += ["", "The head's norm GEMMs with the norm's weight folded into W (`row_rms` at `aa5cc75`, since removed: "
+                  "only the rows' rsqrt in the kernel), against inductor's norm and cuBLAS, us per call:", "",
                   "| site [N, K] | rows | inductor norm, cuBLAS (+ silu*up) | Triton, default tiles | Triton, best | best tiles |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for key, row in prefolded.items():
@@ -199,8 +195,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--head-rows", type=int, nargs="+", default=[1, 4, 16], help="rows of the head section")
     parser.add_argument("--sections", nargs="+", choices=("probe", *KINDS), default=["probe", "folded", "bare"],
-                        help="head, head_prefolded, head_bare: the norm GEMMs of an EAGLE head at hidden 2048, with "
-                             "the norm, with its weight folded into W, without it (not in the default)")
+                        help="head, head_bare: the norm GEMMs of an EAGLE head at hidden 2048, with the norm and "
+                             "without it (not in the default)")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     args = parser.parse_args()
     results = start_run(parser, args, write_report)

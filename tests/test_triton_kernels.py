@@ -391,25 +391,6 @@ def test_head_gated_linear(rows, n, norm):
 
 
 @interpreted
-@pytest.mark.parametrize("rows", [1, 5, 20])
-@pytest.mark.parametrize("gated", [False, True])
-def test_linear_with_the_norm_weight_in_its_weight(rows, gated):
-    """``row_rms``: the norm's weight folded into W's columns beforehand, the rows enter the GEMM as they are and
-    only their ``rsqrt(mean(x^2) + eps)`` scales the output; equal to the norm before the unfolded weight (fp64
-    PyTorch), with a bias (linear) and for 16- and 32-row tiles."""
-    t = _head_linear_inputs(rows, 2 * 40, 300, torch.float32, 11 + rows + gated)
-    weight = t["w"] if gated else t["w"][:40]
-    with poisoned_allocations():
-        if gated:
-            y = tl_.gated_linear(t["x"], weight * t["norm"], eps=1e-5, row_rms=True)
-            expected = ref.norm_gated_linear_reference(t["x"].double(), t["norm"].double(), 1e-5, weight.double())
-        else:
-            y = tl_.linear(t["x"], weight * t["norm"], bias=t["bias"][:40], eps=1e-5, row_rms=True)
-            expected = ref.norm_linear_reference(t["x"].double(), t["norm"].double(), 1e-5, weight.double()) + t["bias"][:40].double()
-    assert y.shape == (rows, 40) and rel_err(y, expected) <= 1e-5
-
-
-@interpreted
 @pytest.mark.parametrize("rows", [3, 16, 20, 32])
 @pytest.mark.parametrize("gated", [False, True])
 def test_linear_adds_a_skip_before_its_norm_and_writes_the_sum(rows, gated):
@@ -470,7 +451,3 @@ def test_head_linear_refuses_what_it_cannot_take():
         tl_.linear(x[:4].contiguous(), w, norm_weight=torch.ones(8), skip=skip, skip_sum=skip)
     with pytest.raises(ValueError, match="float32 or bfloat16 rows only"):
         tl_.linear(x[:4].half(), w.half(), skip=x[4:8].half(), skip_sum=x[:4].half())
-    with pytest.raises(ValueError, match="not both"):
-        tl_.linear(x[:4], w, norm_weight=torch.ones(8), row_rms=True)
-    with pytest.raises(ValueError, match="row_rms .* float32 or bfloat16 rows only"):
-        tl_.gated_linear(x[:4].half(), w.half(), row_rms=True)

@@ -50,13 +50,11 @@ def _inverse_rms(x_ptr, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr)
 
 
 @triton.jit
-def _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               ROW_RMS: tl.constexpr):
+def _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns ``k0 : k0 + BLOCK_K`` of the rows: ``(x, x^2 summed over the block)``. ``x`` comes in its dtype
     (plus the skip rows when given, summed in fp32 and rounded, which the first program stores to ``sum_ptr``),
     times the norm's weight when there is one (in fp32, rounded once), and also times ``inverse_rms`` when that
-    is given (the two-pass form); rows and columns past ``M`` and ``K`` are zeros. ROW_RMS without a norm weight (it
-    is already in W): the squares are summed and ``x`` enters the GEMM as loaded."""
+    is given (the two-pass form); rows and columns past ``M`` and ``K`` are zeros."""
     offs_m, offs_k = tl.arange(0, BLOCK_M), k0 + tl.arange(0, BLOCK_K)
     inside = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=inside, other=0.0)
@@ -73,15 +71,12 @@ def _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_
         else:
             wide = wide * inverse_rms[:, None]
         x = (wide * tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
-    elif ROW_RMS:
-        wide = x.to(tl.float32)
-        squares = tl.sum(wide * wide, 1)
     return x, squares
 
 
 @triton.jit
 def _rows_ahead(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, x_next, squares_next, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, ROW_RMS: tl.constexpr):
+                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     """``(x, squares)`` of the step at ``k0`` (``_row_block``) and, with PREFETCH, the next step's, loaded now: the
     rows' loads feed no ``tl.dot`` directly and are not pipelined, so the norm's work on them waited for them at every
     step (the 1.3B q/k/v GEMV with norm and skip 28.5 -> 15.8 us on the H200, ``fold_gpu.md``). Returns
@@ -89,9 +84,9 @@ def _rows_ahead(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, x_nex
     if PREFETCH:
         x, squares = x_next, squares_next
         x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0 + BLOCK_K, BLOCK_M,
-                                          BLOCK_K, ROW_RMS)
+                                          BLOCK_K)
     else:
-        x, squares = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K, ROW_RMS)
+        x, squares = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, BLOCK_M, BLOCK_K)
     return x, squares, x_next, squares_next
 
 
@@ -112,8 +107,7 @@ def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.conste
 @triton.jit
 def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr, ROW_RMS: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (output column blocks,). ``y = norm?(x + skip?) @ W^T + bias? + residual?[rows?]``."""
     wait_upstream(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,14 +120,13 @@ def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual
     squares = tl.zeros((BLOCK_M,), tl.float32)
     x_next, squares_next = x_ptr, squares  # (placeholders, unless prefetched)
     if PREFETCH:
-        x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K,
-                                          ROW_RMS)
+        x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         x, block_squares, x_next, squares_next = _rows_ahead(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0,
-                                                             x_next, squares_next, BLOCK_M, BLOCK_K, PREFETCH, ROW_RMS)
+                                                             x_next, squares_next, BLOCK_M, BLOCK_K, PREFETCH)
         squares += block_squares
         acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
-    if (norm_ptr is not None or ROW_RMS) and not TWO_PASS:
+    if norm_ptr is not None and not TWO_PASS:
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
@@ -149,7 +142,7 @@ def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual
 @triton.jit
 def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr,
-                  WIDE: tl.constexpr, ROW_RMS: tl.constexpr, USE_PDL: tl.constexpr):
+                  WIDE: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (output column blocks,). ``W = [gate; up]`` of ``2N`` rows; ``y = silu(gate) * up`` of
     ``norm?(x + skip?) @ W^T`` ``[M, N]``: each block of rows read once for both halves."""
     wait_upstream(USE_PDL)
@@ -164,15 +157,14 @@ def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps
     squares = tl.zeros((BLOCK_M,), tl.float32)
     x_next, squares_next = x_ptr, squares  # (placeholders, unless prefetched)
     if PREFETCH:
-        x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K,
-                                          ROW_RMS)
+        x_next, squares_next = _row_block(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, 0, BLOCK_M, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         x, block_squares, x_next, squares_next = _rows_ahead(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0,
-                                                             x_next, squares_next, BLOCK_M, BLOCK_K, PREFETCH, ROW_RMS)
+                                                             x_next, squares_next, BLOCK_M, BLOCK_K, PREFETCH)
         squares += block_squares
         gate += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
         up += _times(x, w_ptr, offs_n + N, in_n, K, k0, BLOCK_K, IEEE, WIDE)
-    if (norm_ptr is not None or ROW_RMS) and not TWO_PASS:
+    if norm_ptr is not None and not TWO_PASS:
         scale = tl.rsqrt(squares / K + eps)[:, None]
         gate, up = gate * scale, up * scale
     out = gate * tl.sigmoid(gate) * up
@@ -200,9 +192,7 @@ def _tiles(n: int, k: int, gated: bool = False) -> Tiles:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, skip: torch.Tensor | None,
-           skip_sum: torch.Tensor | None, row_rms: bool) -> None:
-    if row_rms and norm_weight is not None:
-        raise ValueError("the linear kernels take a norm weight or row_rms (the norm's weight already in W), not both")
+           skip_sum: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > MAX_ROWS:
         raise ValueError(f"the linear kernels take x [M <= {MAX_ROWS}, K] and a weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -231,29 +221,24 @@ PREFETCH = True  # the rows a step ahead where the norm works on them (``_rows_a
 
 
 def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, columns: int, tiles: Tiles, *args, prefetch: bool,
-            row_rms: bool, **kwargs) -> None:
-    if row_rms and x.dtype == torch.float16:  # (fp16 rows take the two-pass norm, which needs the norm's weight)
-        raise ValueError("the linear kernels take row_rms (a norm whose weight is in W) for float32 or bfloat16 rows only")
+            **kwargs) -> None:
     block_n, block_k, stages = tiles
     rows = x.shape[0]
     if rows:
         kernel[(triton.cdiv(columns, block_n),)](*args, BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
                                                  IEEE=x.dtype == torch.float32, TWO_PASS=x.dtype == torch.float16,
                                                  num_warps=4, num_stages=stages, PREFETCH=PREFETCH and prefetch,
-                                                 WIDE=weight.numel() >= 2**31, ROW_RMS=row_rms, **launch_args(x.device),
-                                                 **kwargs)
+                                                 WIDE=weight.numel() >= 2**31, **launch_args(x.device), **kwargs)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
            norm_weight: torch.Tensor | None = None, eps: float = 0.0, skip: torch.Tensor | None = None,
-           skip_sum: torch.Tensor | None = None, tiles: Tiles | None = None, row_rms: bool = False) -> torch.Tensor:
+           skip_sum: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     """``x [M, K]`` -> ``rms_norm(x + skip) @ weight^T + bias + residual[residual_rows]`` ``[M, N]``, each term
     optional (without ``residual_rows``, ``residual`` is ``[M, N]``; with it, a table ``[V, N]``). With ``skip``,
-    ``x + skip`` (rounded to x's dtype) is written to ``skip_sum``. ``row_rms``: the norm's weight is already in
-    ``weight`` (its columns scaled by it), so the rows enter the GEMM as they are and only their ``rsqrt`` scales
-    the output."""
-    _check(x, weight, norm_weight, skip, skip_sum, row_rms)
+    ``x + skip`` (rounded to x's dtype) is written to ``skip_sum``."""
+    _check(x, weight, norm_weight, skip, skip_sum)
     rows, n = x.shape[0], weight.shape[0]
     _check_vector(bias, n, "bias")
     _check_vector(residual_rows, rows, "residual_rows")
@@ -262,22 +247,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: residual must be contiguous [{rows} or table rows, {n}], got {tuple(residual.shape)}")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, bias,
-            residual, residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None,
-            row_rms=row_rms)
+            residual, residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  skip: torch.Tensor | None = None, skip_sum: torch.Tensor | None = None,
-                 tiles: Tiles | None = None, row_rms: bool = False) -> torch.Tensor:
+                 tiles: Tiles | None = None) -> torch.Tensor:
     """``x [M, K]``, ``weight [2N, K]`` (gate rows, then up rows) -> ``silu(gate) * up`` ``[M, N]`` of
-    ``rms_norm(x + skip) @ weight^T`` (norm and skip optional; the sum written to ``skip_sum``, and ``row_rms``,
-    as ``linear``)."""
-    _check(x, weight, norm_weight, skip, skip_sum, row_rms)
+    ``rms_norm(x + skip) @ weight^T`` (norm and skip optional; the sum written to ``skip_sum``, as ``linear``)."""
+    _check(x, weight, norm_weight, skip, skip_sum)
     if weight.shape[0] % 2:
         raise ValueError(f"gated_linear: the weight holds gate and up rows, an even count, got {weight.shape[0]}")
     rows, n = x.shape[0], weight.shape[0] // 2
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _launch(_gated_kernel, x, weight, n, tiles or _tiles(2 * n, x.shape[1], gated=True), x, skip, skip_sum, weight, norm_weight, y,
-            rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None, row_rms=row_rms)
+            rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y
