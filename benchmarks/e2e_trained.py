@@ -15,9 +15,9 @@ of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, its 1
 request (``--routes ...``): ``eagle_tree_fr`` and ``eagle_tree_d4_fr``, the tree routes of depth 6 and 4 drafting
 only the head's ``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and
 ``eagle_chain_fr``, ``eagle_tree_d8_fr`` and ``eagle_tree_n32_fr``, the chain, the depth-8 tree and the 32-node
-depth-6 tree with it (for heads that accept long drafts), and ``eagle_tree_d4_fr_specla`` and ``eagle_tree_fr_pytorch``,
-``eagle_tree_d4_fr`` with the head's GEMMs as the fused specla ops and ``eagle_tree_fr`` with them as PyTorch code, rather
-than the drafter's default (``EagleDrafter(head_gemms=...)``: A/Bs in one run), and ``eagle_tree_fr_t1`` and
+depth-6 tree with it (for heads that accept long drafts), and ``eagle_tree_d4_fr_specla``, ``eagle_tree_fr_pytorch`` and
+``eagle_tree_fr_mixed``, ``eagle_tree_d4_fr`` with the head's GEMMs as the fused specla ops and ``eagle_tree_fr`` with them
+as PyTorch code or as the default before ``"triton"`` (``"mixed"``), rather than the drafter's default (``EagleDrafter(head_gemms=...)``: A/Bs in one run), and ``eagle_tree_fr_t1`` and
 ``eagle_tree_d4_fr_t1``, the trees ranked by the head's raw probabilities rather than by its calibrated ones
 (``EagleDrafter(acceptance_temperature=1.0)``; the others take the head's ``acceptance_temperature``); the tree's other shapes:
 ``eagle_tree_d4``, ``_d5`` and ``_d8`` (4, 5 and 8 levels deep in the same 16 nodes; a depth-6 tree caps an
@@ -95,12 +95,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # the tree's shape at today's costs: shallower trees draft fewer head levels, a 32-node tree verifies more
 # candidates of the same beam (a pass costs about the same at 16 and 32 nodes, a level about the same too)
 TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n32")
-# drafting from the head's --draft-vocab most frequent tokens; "_specla" / "_pytorch": the head's GEMMs as the fused
-# specla ops / as PyTorch code (EagleDrafter(head_gemms=...)) instead of the drafter's default; "_t1": the tree ranked
+# drafting from the head's --draft-vocab most frequent tokens; "_specla" / "_pytorch" / "_mixed": the head's GEMMs as
+# the fused specla ops / as PyTorch code / as the default before "triton" (EagleDrafter(head_gemms=...)) instead of the
+# drafter's default; "_t1": the tree ranked
 # by the head's raw probabilities (acceptance_temperature=1) instead of its calibrated ones: each an A/B on one
 # checkpoint and one run
 FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_n32_fr",
-             "eagle_tree_d4_fr_specla", "eagle_tree_fr_pytorch", "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1")
+             "eagle_tree_d4_fr_specla", "eagle_tree_fr_pytorch", "eagle_tree_fr_mixed", "eagle_tree_fr_t1",
+             "eagle_tree_d4_fr_t1")
 ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
 DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
@@ -150,6 +152,7 @@ def spec_configs() -> dict:
         "eagle_tree_n32_fr": eagle_tree(6, budget=31),
         "eagle_tree_d4_fr_specla": eagle_tree(4),
         "eagle_tree_fr_pytorch": eagle_tree(6),
+        "eagle_tree_fr_mixed": eagle_tree(6),
         "eagle_tree_fr_t1": eagle_tree(6),
         "eagle_tree_d4_fr_t1": eagle_tree(4),
         "eagle_tree_d4": eagle_tree(4),
@@ -519,7 +522,8 @@ class Bench:
         if any(r.startswith("eagle") for r in args.routes):
             eagle = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype)
             self.drafters.update(dict.fromkeys(("eagle_chain", "eagle_tree", *TREE_SHAPES), eagle))
-        options_of = {route: (route.rsplit("_", 1)[1] if route.endswith(("_specla", "_pytorch")) else DEFAULT_HEAD_GEMMS,
+        options_of = {route: (route.rsplit("_", 1)[1] if route.endswith(("_specla", "_pytorch", "_mixed"))
+                              else DEFAULT_HEAD_GEMMS,
                               1.0 if route.endswith("_t1") else None)
                       for route in FR_ROUTES}  # (head_gemms, acceptance_temperature: None is the head's own)
         for gemms, temperature in sorted({options_of[r] for r in FR_ROUTES if r in args.routes}, key=str):
@@ -733,8 +737,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
                    help="plain is always run (the baseline); the *_fr routes (eagle_chain_fr, and the trees of depth "
                         "6, 4 and 8: eagle_tree_fr, _d4_fr, _d8_fr, and of 32 nodes: _n32_fr, drafting only the head's "
-                        "--draft-vocab most frequent tokens), eagle_tree_d4_fr_specla and eagle_tree_fr_pytorch (the head's "
-                        "GEMMs as the fused specla ops or as PyTorch code, not the drafter's default), eagle_tree_fr_t1 and "
+                        "--draft-vocab most frequent tokens), eagle_tree_d4_fr_specla, eagle_tree_fr_pytorch and "
+                        "eagle_tree_fr_mixed (the head's GEMMs as the fused specla ops, as PyTorch code or as the "
+                        "default before triton, not the drafter's default), eagle_tree_fr_t1 and "
                         "eagle_tree_d4_fr_t1 (trees ranked by the head's raw "
                         "probabilities, not its calibrated ones) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
                         "eagle_tree_n32: 32 nodes) run when named")

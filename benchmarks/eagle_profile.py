@@ -364,11 +364,13 @@ def write_markdown(results: dict, out_dir: str) -> None:
     """``eagle_profile.md``: per route, a propose's time graphed and uncaptured, and the graph's kernels."""
     shape = results["shape"]
     setup = (f"device: {results.get('device')}, torch {results.get('torch')}, head and LM head at hidden {shape['hidden']}, "
-             f"head MLP {results.get('propose_head_intermediate', shape.get('intermediate'))} wide, vocabulary {shape['vocab']}, "
+             f"head MLP {results.get('propose_head_intermediate', results.get('loop', {}).get('head_intermediate'))} wide, "
+             f"vocabulary {shape['vocab']}, "
              f"{shape.get('dtype', 'bfloat16')}, B=1, {shape['prompt']}-token prompt")
-    lines = ["# EAGLE drafting on the GPU", "", setup, "",
-             "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | uncaptured, ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["# EAGLE drafting on the GPU", "", setup]
+    if results.get("routes"):  # (the propose section's)
+        lines += ["", "| route | graphed, ms per propose | its replay, ms | host, ms | kernels | GPU busy, ms | GEMM, ms | "
+                  "uncaptured, ms |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.get("routes", {}).items():
         p = r["profile"]
         uncaptured = f"{r['uncaptured']['ms_per_propose']:.3f}" if "uncaptured" in r else "-"
@@ -379,7 +381,8 @@ def write_markdown(results: dict, out_dir: str) -> None:
         loop = results["loop"]
         title = (f"## One generate iteration ({loop.get('target', 'trained')}-shaped {loop['target_layers']}-layer target at "
                  f"hidden {loop['hidden']}, head MLP {loop.get('head_intermediate', shape.get('intermediate'))} wide, random "
-                 f"weights, {loop['new_tokens']} new tokens, {loop.get('attention') or 'default'} attention; "
+                 f"weights, {loop['new_tokens']} new tokens, {loop.get('attention') or 'default'} attention, "
+                 f"{loop.get('head_gemms', 'mixed')} head GEMMs; "
                  "eagle_tree_host: SpecConfig(pipelined=False))")
         header = ("| route | ms per iteration | draft / verify / commit phases, ms | GPU kernels, ms | GPU waiting, ms | "
                   "syncs | copies | graph launches | kernel launches |")

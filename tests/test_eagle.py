@@ -2,6 +2,7 @@ import functools
 import itertools
 import json
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -623,8 +624,9 @@ def test_attention_choice_changes_the_kernel_not_the_draft():
 def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     """``head_gemms="specla"`` runs the packed head's GEMMs as the fused specla ops (two
     linear_add, one norm_linear and one norm_gated_linear per head call), ``"pytorch"`` as PyTorch code with no
-    specla GEMM op, ``"mixed"`` only the linear_adds as specla ops, uncaptured and in the program inductor compiles
-    (the default); all draft the same tree; an unknown name is refused at construction."""
+    specla GEMM op, ``"mixed"`` only the linear_adds as specla ops, ``"triton"`` the linear_adds and the bare
+    linear and gated_linear after PyTorch's norms, uncaptured and in the program inductor compiles (the default);
+    all draft the same tree; an unknown name is refused at construction."""
     from torch._inductor.utils import run_and_get_code
 
     target, head = make(seed=6)
@@ -632,33 +634,41 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(8))
     feats = features_of(target, seq)[:-1]
     drafts, fused_calls, gemm_calls = {}, {}, {}
-    for gemms in ("specla", "pytorch", "mixed"):
+    ops_counted = (*HEAD_GEMMS["specla"]._fields, "linear", "gated_linear")
+    for gemms in ("specla", "pytorch", "mixed", "triton"):
         drafter = EagleDrafter(head, target, static_shapes=True, compiled=compiled, head_gemms=gemms)
         drafter.begin([seq[:-1]], [feats])
         propose = functools.partial(drafter.propose, DraftRequest([0], [seq]), config)
         if compiled:
             drafts[gemms], code = run_and_get_code(propose)
             calls = [line for c in code for line in c.splitlines() if not line.lstrip().startswith("#")]
-            fused_calls[gemms] = {op: sum(f"specla.{op}" in line for line in calls) for op in HEAD_GEMMS["specla"]._fields}
+            fused_calls[gemms] = {op: sum(re.search(rf"specla\.{op}\b", line) is not None for line in calls)
+                                  for op in ops_counted}
             gemm_calls[gemms] = sum("extern_kernels." in line for line in calls)
         else:
             counter = _Dispatches()
             with counter:
                 drafts[gemms] = propose()
-            fused_calls[gemms] = {op: counter.ops[f"specla.{op}"] for op in HEAD_GEMMS["specla"]._fields}
+            fused_calls[gemms] = {op: counter.ops[f"specla.{op}"] for op in ops_counted}
             gemm_calls[gemms] = sum(counter.ops[op] for op in ("aten.mm", "aten.addmm", "aten.bmm"))
     # (fused ops in every head call, the catch-up's and each level's; the other way, their GEMMs are the
     # framework's, on top of the down projection and the LM head that both ways share)
     assert set(fused_calls["pytorch"].values()) == {0}
     assert fused_calls["specla"]["linear_add"] >= 2 * config.depth
     assert min(fused_calls["specla"][op] for op in ("norm_linear", "norm_gated_linear")) >= config.depth
+    assert fused_calls["specla"]["linear"] == fused_calls["specla"]["gated_linear"] == 0
     assert fused_calls["mixed"] == {"linear_add": fused_calls["specla"]["linear_add"], "norm_linear": 0,
-                                    "norm_gated_linear": 0}
+                                    "norm_gated_linear": 0, "linear": 0, "gated_linear": 0}
+    assert fused_calls["triton"] == {"linear_add": fused_calls["specla"]["linear_add"], "norm_linear": 0,
+                                     "norm_gated_linear": 0, "linear": fused_calls["specla"]["norm_linear"],
+                                     "gated_linear": fused_calls["specla"]["norm_gated_linear"]}
+    assert gemm_calls["triton"] == gemm_calls["specla"]
     assert gemm_calls["pytorch"] >= gemm_calls["mixed"] + 2 * config.depth
     assert gemm_calls["mixed"] >= gemm_calls["specla"] + 2 * config.depth
     assert_same_draft(drafts["specla"], drafts["pytorch"])
     assert_same_draft(drafts["mixed"], drafts["pytorch"])
-    assert EagleDrafter(head, target).head_gemms == "mixed"
+    assert_same_draft(drafts["triton"], drafts["pytorch"])
+    assert EagleDrafter(head, target).head_gemms == "triton"
     with pytest.raises(ValueError, match="head_gemms must be one of"):
         EagleDrafter(head, target, head_gemms="cublas")
 

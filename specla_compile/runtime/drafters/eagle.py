@@ -194,10 +194,11 @@ class EagleDrafter(Drafter):
     residuals, table rows and gate around them (``HEAD_GEMMS``, the ``gemms`` of :meth:`EagleHead.project` and
     :meth:`EagleHead.attend`): ``"pytorch"`` (PyTorch code, cuBLAS's GEMMs and inductor's fusions) or
     ``"specla"`` (one launch each, Triton on CUDA for up to 16 half-precision rows; on the H200 no faster in a
-    propose, ``benchmarks/results/eagle_profile.md``) or ``"mixed"`` (default: specla's ``linear_add`` for the
+    propose, ``benchmarks/results/eagle_profile.md``) or ``"mixed"`` (specla's ``linear_add`` for the
     fuse and o_proj, PyTorch's for the rest; on the H200 a tree's propose replays 14% faster than with
-    ``"pytorch"``, ``benchmarks/results/eagle_profile_head_gemms.md``). The same drafts with any of the three,
-    up to rounding.
+    ``"pytorch"``, ``benchmarks/results/eagle_profile_head_gemms.md``) or ``"triton"`` (default: ``"mixed"`` with
+    q/k/v and gate/up as specla's bare Triton GEMMs after PyTorch's norms; 5% faster again at hidden 1024 and 2048,
+    ``eagle_profile_head_gemms_triton.md``). The same drafts with any of the four, up to rounding.
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
     at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
     saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat

@@ -36,19 +36,30 @@ class HeadGemms(NamedTuple):
     norm_gated_linear: Callable[..., torch.Tensor]
 
 
+def _after_norm(gemm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``(x, norm_weight, eps, weight) -> gemm(rms_norm(x), weight)``: the norm as PyTorch code (one small inductor
+    kernel), the GEMM as a specla op. At hidden 2048 on the H200 a norm inside the GEMM's weight loop costs 4 us a
+    call, a norm kernel before it 2 (``benchmarks/results/fold_gpu_head.md``)."""
+    return lambda x, norm_weight, eps, weight: gemm(F.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight)
+
+
 # as specla ops (one Triton launch each on CUDA), or as the PyTorch code they stand for (which inductor fuses)
 HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear),
               "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference),
               # specla's linear_add for the two 1024-column GEMMs (the fuse, o_proj), where cuBLAS's kernel at 4 rows
               # streams their 2 MB in 5-8 us (H200 propose profile) against linear_add's 4-5 us; PyTorch's for the rest
-              "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference)}
-# the default: on the H200 a depth-6 tree's propose at the trained head's shape (draft vocabulary 8192) replays
-# in 0.362 ms with "mixed" against 0.419 with "pytorch" (its GEMMs 0.133 against 0.218 ms), a chain L=8's in 0.401
-# against 0.473 (benchmarks/results/eagle_profile_head_gemms.md); end to end, the same tree 2.27x against 2.20x over
-# plain decoding in one trained study (benchmarks/results/trained/e2e_trained.md); "specla" drafted no faster than
-# "pytorch" in an earlier study (depth-4 tree: 0.48 against 0.47 ms per iteration): its norm-fused launches cost what
-# cuBLAS's and inductor's kernels cost together
-DEFAULT_HEAD_GEMMS = "mixed"
+              "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference),
+              # specla's GEMMs throughout (gate/up with silu(gate) * up), the norms PyTorch's: at the 1.3B-sized
+              # head the bare Triton GEMMs stream q/k/v in 8.9 us against cuBLAS's 9.4 and gate/up with the gate
+              # in 17.5 against cuBLAS's and inductor's 21.9 (fold_gpu_head.md, 24 weights in one graph)
+              "triton": HeadGemms(ops.linear_add, _after_norm(ops.linear), _after_norm(ops.gated_linear))}
+# the default: on the H200 a depth-6 tree's propose (draft vocabulary 8192) replays in 0.349 ms with "triton"
+# against 0.369 with "mixed" at the trained head's shape (hidden 1024), 0.554 against 0.582 at the 1.3B-sized head
+# (benchmarks/results/eagle_profile{,_gdn13b}_head_gemms_triton.md; chains alike, 0.381 against 0.402 and 0.655
+# against 0.687). "mixed" had replaced "pytorch" the same way (0.362 against 0.419 ms, eagle_profile_head_gemms.md;
+# end to end 2.27x against 2.20x in one trained study); "specla" drafted no faster than "pytorch" (its norm-fused
+# launches cost what cuBLAS's and inductor's kernels cost together)
+DEFAULT_HEAD_GEMMS = "triton"
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
