@@ -301,7 +301,8 @@ def _(x, weight, bias, residual, residual_rows):
 @torch.library.custom_op("specla::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T`` -> ``[..., N]``: a target's GEMM routed to specla's kernel
-    (``lowering/fold_norms.route_linears``), which launches with PDL on Hopper."""
+    (``lowering/fold_norms.route_linears``), or an EAGLE head's q/k/v (``head_gemms="triton"``); on CUDA it
+    launches with PDL on Hopper."""
     return torch.nn.functional.linear(x, weight)
 
 
@@ -313,7 +314,7 @@ def _(x, weight):
 @torch.library.custom_op("specla::gated_linear", mutates_args=())
 def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ weight^T``, ``weight = [gate; up]`` of ``2N`` rows -> ``[..., N]``
-    (``reference.gated_linear_reference``)."""
+    (``reference.gated_linear_reference``): a target's MLP, or an EAGLE head's (``head_gemms="triton"``)."""
     return ref.gated_linear_reference(x, weight)
 
 
