@@ -90,7 +90,7 @@ def sweep_site(name: str, rows: int, kind: str = "folded") -> dict:
             continue
         timings[tiles] = 1000 * graph_ms(lambda: [run(w) for w in weights], 10) / copies
     best = min((t for t in timings if t is not None), key=timings.get)
-    row.update(default_us=timings[None], default_tiles=list(triton_linear._tiles(n, k, gated)), best_us=timings[best], best_tiles=list(best))
+    row.update(default_us=timings[None], default_tiles=list(triton_linear._tiles(n, k, gated, normed=norm is not None)), best_us=timings[best], best_tiles=list(best))
     return row
 
 

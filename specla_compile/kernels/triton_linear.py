@@ -175,15 +175,19 @@ def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps
 Tiles = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_stages)
 
 
-def _tiles(n: int, k: int, gated: bool = False) -> Tiles:
+def _tiles(n: int, k: int, gated: bool = False, normed: bool = False) -> Tiles:
     """The head's (depth 1,024): 16 columns over 256-deep steps up to 2,048 columns (64-128 programs), else 32
     over 128, four stages (the best of each shape in ``gemv_gpu_eagle_head.md``); the GDN-1.3B pass's (depth
     2,048 and more), by the best at 1 row in ``fold_gpu.md``'s bare sweep: o_proj [2048, 2048] 32 over 256 and
     down [2048, 5632] 16 over 256, four stages; q/k/v/gates [8208, 2048] 64 over 256 and the gated gate/up
     [11264, 2048] 64 over 128, four stages; the LM head [32000, 2048] 64 over 128, three stages (its best at
-    16 rows)."""
+    16 rows). A gated weight with the norm in its loop at depth 2,048 and more: 32 over 256, four stages (the
+    1.3B-sized head's gate/up [16384, 2048] 21.4-22.2 us against 25.7-26.3 at 64 over 128, ``fold_gpu_head.md``;
+    the target's folded gate/up best at 32 over 256 too, ``fold_gpu.md``)."""
     if k < 2048:
         return (16, 256, 4) if n <= 2048 else (32, 128, 4)
+    if gated and normed:
+        return (32, 256, 4)
     if n <= 2048:
         return (32 if k <= 2048 else 16, 256, 4)
     if n > 16384:
@@ -261,6 +265,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
         raise ValueError(f"gated_linear: the weight holds gate and up rows, an even count, got {weight.shape[0]}")
     rows, n = x.shape[0], weight.shape[0] // 2
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _launch(_gated_kernel, x, weight, n, tiles or _tiles(2 * n, x.shape[1], gated=True), x, skip, skip_sum, weight, norm_weight, y,
+    tiles = tiles or _tiles(2 * n, x.shape[1], gated=True, normed=norm_weight is not None)
+    _launch(_gated_kernel, x, weight, n, tiles, x, skip, skip_sum, weight, norm_weight, y,
             rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y
