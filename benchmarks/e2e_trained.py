@@ -17,7 +17,8 @@ only the head's ``--draft-vocab`` most frequent training tokens (``EagleDrafter(
 ``eagle_chain_fr``, ``eagle_tree_d8_fr`` and ``eagle_tree_n32_fr``, the chain, the depth-8 tree and the 32-node
 depth-6 tree with it (for heads that accept long drafts), and ``eagle_tree_d4_fr_specla``, ``eagle_tree_fr_pytorch`` and
 ``eagle_tree_fr_mixed``, ``eagle_tree_d4_fr`` with the head's GEMMs as the fused specla ops and ``eagle_tree_fr`` with them
-as PyTorch code or as the default before ``"triton"`` (``"mixed"``), rather than the drafter's default (``EagleDrafter(head_gemms=...)``: A/Bs in one run), and ``eagle_tree_fr_t1`` and
+as PyTorch code or as the default before ``"triton"`` (``"mixed"``), rather than the drafter's default
+(``EagleDrafter(head_gemms=...)``: A/Bs in one run), and ``eagle_tree_fr_t1`` and
 ``eagle_tree_d4_fr_t1``, the trees ranked by the head's raw probabilities rather than by its calibrated ones
 (``EagleDrafter(acceptance_temperature=1.0)``; the others take the head's ``acceptance_temperature``); the tree's other shapes:
 ``eagle_tree_d4``, ``_d5`` and ``_d8`` (4, 5 and 8 levels deep in the same 16 nodes; a depth-6 tree caps an
@@ -97,9 +98,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n32")
 # drafting from the head's --draft-vocab most frequent tokens; "_specla" / "_pytorch" / "_mixed": the head's GEMMs as
 # the fused specla ops / as PyTorch code / as the default before "triton" (EagleDrafter(head_gemms=...)) instead of the
-# drafter's default; "_t1": the tree ranked
-# by the head's raw probabilities (acceptance_temperature=1) instead of its calibrated ones: each an A/B on one
-# checkpoint and one run
+# drafter's default; "_t1": the tree ranked by the head's raw probabilities (acceptance_temperature=1) instead of its
+# calibrated ones: each an A/B on one checkpoint and one run
 FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_n32_fr",
              "eagle_tree_d4_fr_specla", "eagle_tree_fr_pytorch", "eagle_tree_fr_mixed", "eagle_tree_fr_t1",
              "eagle_tree_d4_fr_t1")

@@ -381,8 +381,8 @@ def write_markdown(results: dict, out_dir: str) -> None:
         loop = results["loop"]
         title = (f"## One generate iteration ({loop.get('target', 'trained')}-shaped {loop['target_layers']}-layer target at "
                  f"hidden {loop['hidden']}, head MLP {loop.get('head_intermediate', shape.get('intermediate'))} wide, random "
-                 f"weights, {loop['new_tokens']} new tokens, {loop.get('attention') or 'default'} attention, "
-                 f"{loop.get('head_gemms', 'mixed')} head GEMMs; "
+                 f"weights, {loop['new_tokens']} new tokens, {loop.get('attention') or 'default'} attention"
+                 + (f", {loop['head_gemms']} head GEMMs" if "head_gemms" in loop else "") + "; "
                  "eagle_tree_host: SpecConfig(pipelined=False))")
         header = ("| route | ms per iteration | draft / verify / commit phases, ms | GPU kernels, ms | GPU waiting, ms | "
                   "syncs | copies | graph launches | kernel launches |")
