@@ -9,8 +9,8 @@ from 116 to 95 calls here took the H200's tree propose from 169 to 166 kernels o
 
     python benchmarks/eagle_kernels_cpu.py --out benchmarks/results   # eagle_kernels_cpu.{json,md}
 
-A count is a floor of the GPU's: cuBLAS may add a split-K reduction to a GEMM, and the custom ops are two
-kernels each on CUDA (``vocab_top_k``, ``draft_attention``).
+A count is a floor of the GPU's: cuBLAS may add a split-K reduction to a GEMM, and some custom ops are two
+kernels each on CUDA (``linear_top_k``, ``draft_attention``).
 """
 
 from __future__ import annotations

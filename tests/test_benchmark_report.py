@@ -191,15 +191,16 @@ def test_eagle_kernel_count_of_a_tree_propose():
     """eagle_kernels_cpu.py lists the device calls of a compiled tree propose (depth 6): the head runs 6 times
     (the catch-up, whose newest pair scores level 0, then levels 1-5), each with its attention as a specla op and
     its GEMMs as the fused ops (the fuse with its table rows and o_proj with its residual, q/k/v and gate/up
-    with their norms), so that only the down projection and the LM head are GEMMs of inductor's; each level's
-    top-k is a specla op, and no aten.topk is left (the beam is picked by fused elementwise work)."""
+    with their norms), so that only the down projection is a GEMM of
+    inductor's; each level's LM head and top-k are one specla op, and no aten.topk is left (the beam is picked by
+    fused elementwise work)."""
     from eagle_kernels_cpu import CONFIGS, device_calls
 
     calls = device_calls(CONFIGS["tree_k4_d6_n16"])
-    for op, per_head_call in (("draft_attention", 1), ("vocab_top_k", 1), ("linear_add", 2), ("norm_linear", 1),
-                              ("norm_gated_linear", 1)):
+    for op, per_head_call in (("draft_attention", 1), ("linear_top_k", 1), ("linear_add", 2), ("norm_linear", 1),
+                              ("norm_gated_linear", 1), ("vocab_top_k", 0)):
         assert calls.count(f"torch.ops.specla.{op}") == 6 * per_head_call, op
-    assert sum(c.startswith("extern_kernels.") for c in calls) == 12
+    assert sum(c.startswith("extern_kernels.") for c in calls) == 6
     assert not any("topk" in c for c in calls)
 
 

@@ -171,6 +171,20 @@ def test_vocab_top_k():
     assert torch.equal(vocab_top_k_reference(torch.zeros(1, 5), 3)[1], torch.tensor([[0, 1, 2]]))  # ties: lower ids first
 
 
+def test_linear_top_k():
+    """A tree level's LM head and children in one op: vocab_top_k of F.linear's scores, with and without a bias."""
+    gen = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(3, 16, generator=gen), torch.randn(50, 16, generator=gen), torch.randn(50, generator=gen)
+    for bias in (None, b):
+        torch.library.opcheck(ops.linear_top_k, (x, w, bias, 4))
+        log_probs, ids = ops.linear_top_k(x, w, bias, 4)
+        expected = torch.log_softmax(torch.nn.functional.linear(x, w, bias), -1).topk(4)
+        assert torch.equal(ids, expected.indices)
+        torch.testing.assert_close(log_probs, expected.values)
+    with pytest.raises(ValueError, match="1 <= k <= V"):
+        ops.linear_top_k(torch.empty(3, 16, device="meta"), torch.empty(50, 16, device="meta"), None, 51)
+
+
 def test_draft_attention():
     """A draft head's attention in one op: PyTorch's masked scaled-dot-product attention (fp64), zeros for a
     query that sees no key, a mask shared by every row."""

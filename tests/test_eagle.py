@@ -11,9 +11,10 @@ from safetensors.torch import load_file
 from tiny_lm import features_of, tiny_lm
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specla_compile.kernels import ops
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
-from specla_compile.runtime.drafters.eagle_head import HEAD_GEMMS, causal_mask, eagle_loss, unrolled_predictions
+from specla_compile.runtime.drafters.eagle_head import causal_mask, eagle_loss, unrolled_predictions
 from specla_compile.runtime.drafting import Draft, DraftRequest, PassOutputs
 from specla_compile.runtime.tree_builder import build_draft
 from specla_compile.tree import PAD
@@ -198,8 +199,14 @@ def test_cache_rollback_matches_recomputing_from_scratch(config, static):
     trees."""
     target, head = make(seed=2)
     drafter = EagleDrafter(head, target, static_shapes=static)
-    seen = []
+    seen = []  # each level's scores (a tree's levels call top_k, which gets them recorded too)
     drafter.logits = lambda hidden: seen.append(EagleDrafter.logits(drafter, hidden)) or seen[-1]
+
+    def recorded_top_k(hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        drafter.logits(hidden)
+        return EagleDrafter.top_k(drafter, hidden, k)
+
+    drafter.top_k = recorded_top_k
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (11, 3)]
     drafter.begin(seqs, [features_of(target, s) for s in seqs])
@@ -623,10 +630,11 @@ def test_attention_choice_changes_the_kernel_not_the_draft():
 @pytest.mark.parametrize("compiled", [False, True])
 def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     """``head_gemms="specla"`` runs the packed head's GEMMs as the fused specla ops (two
-    linear_add, one norm_linear and one norm_gated_linear per head call), ``"pytorch"`` as PyTorch code with no
-    specla GEMM op, ``"mixed"`` only the linear_adds as specla ops, ``"triton"`` the linear_adds and the bare
-    linear and gated_linear after PyTorch's norms, uncaptured and in the program inductor compiles (the default);
-    all draft the same tree; an unknown name is refused at construction."""
+    linear_add, one norm_linear and one norm_gated_linear per head call, and each tree level's LM head with its
+    top-k as one linear_top_k), ``"pytorch"`` as PyTorch code with no specla GEMM op (its levels: the framework's
+    LM head GEMM, then vocab_top_k), ``"mixed"`` only the fuse's and o_proj's linear_adds as specla ops, ``"triton"`` the linear_adds,
+    the bare linear and gated_linear after PyTorch's norms and linear_top_k, uncaptured and in the program
+    inductor compiles (the default); all draft the same tree; an unknown name is refused at construction."""
     from torch._inductor.utils import run_and_get_code
 
     target, head = make(seed=6)
@@ -634,7 +642,7 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(8))
     feats = features_of(target, seq)[:-1]
     drafts, fused_calls, gemm_calls = {}, {}, {}
-    ops_counted = (*HEAD_GEMMS["specla"]._fields, "linear", "gated_linear")
+    ops_counted = ("linear_add", "norm_linear", "norm_gated_linear", "linear_top_k", "linear", "gated_linear", "vocab_top_k")
     for gemms in ("specla", "pytorch", "mixed", "triton"):
         drafter = EagleDrafter(head, target, static_shapes=True, compiled=compiled, head_gemms=gemms)
         drafter.begin([seq[:-1]], [feats])
@@ -642,8 +650,8 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
         if compiled:
             drafts[gemms], code = run_and_get_code(propose)
             calls = [line for c in code for line in c.splitlines() if not line.lstrip().startswith("#")]
-            fused_calls[gemms] = {op: sum(re.search(rf"specla\.{op}\b", line) is not None for line in calls)
-                                  for op in ops_counted}
+            fused_calls[gemms] = {op: sum(re.search(rf"specla\.{op}\.default\(", line) is not None for line in calls)
+                                  for op in ops_counted}  # (calls, not the checks of their outputs' strides)
             gemm_calls[gemms] = sum("extern_kernels." in line for line in calls)
         else:
             counter = _Dispatches()
@@ -653,18 +661,24 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
             gemm_calls[gemms] = sum(counter.ops[op] for op in ("aten.mm", "aten.addmm", "aten.bmm"))
     # (fused ops in every head call, the catch-up's and each level's; the other way, their GEMMs are the
     # framework's, on top of the down projection and the LM head that both ways share)
-    assert set(fused_calls["pytorch"].values()) == {0}
-    assert fused_calls["specla"]["linear_add"] >= 2 * config.depth
-    assert min(fused_calls["specla"][op] for op in ("norm_linear", "norm_gated_linear")) >= config.depth
+    levels = {"vocab_top_k": config.depth, "linear_top_k": 0}
+    assert fused_calls["pytorch"] == {op: levels.get(op, 0) for op in ops_counted}
+    head_calls = fused_calls["specla"]["norm_linear"]  # (the catch-up's and each later level's)
+    assert head_calls >= config.depth and fused_calls["specla"]["norm_gated_linear"] == head_calls
+    assert fused_calls["specla"]["linear_add"] == 2 * head_calls  # (the fuse, o_proj)
     assert fused_calls["specla"]["linear"] == fused_calls["specla"]["gated_linear"] == 0
-    assert fused_calls["mixed"] == {"linear_add": fused_calls["specla"]["linear_add"], "norm_linear": 0,
-                                    "norm_gated_linear": 0, "linear": 0, "gated_linear": 0}
+    assert fused_calls["specla"]["linear_top_k"] == config.depth and fused_calls["specla"]["vocab_top_k"] == 0
+    assert fused_calls["mixed"] == {"linear_add": 2 * head_calls, "norm_linear": 0,
+                                    "norm_gated_linear": 0, "linear": 0, "gated_linear": 0, **levels}
     assert fused_calls["triton"] == {"linear_add": fused_calls["specla"]["linear_add"], "norm_linear": 0,
                                      "norm_gated_linear": 0, "linear": fused_calls["specla"]["norm_linear"],
-                                     "gated_linear": fused_calls["specla"]["norm_gated_linear"]}
-    assert gemm_calls["triton"] == gemm_calls["specla"]
-    assert gemm_calls["pytorch"] >= gemm_calls["mixed"] + 2 * config.depth
-    assert gemm_calls["mixed"] >= gemm_calls["specla"] + 2 * config.depth
+                                     "gated_linear": fused_calls["specla"]["norm_gated_linear"],
+                                     "linear_top_k": config.depth, "vocab_top_k": 0}
+    # (the framework's GEMMs: the down projection with specla or triton; with mixed, q/k/v, gate/up and each
+    # level's LM head too; with pytorch, the fuse and o_proj as well)
+    assert gemm_calls["triton"] == gemm_calls["specla"] == head_calls
+    assert gemm_calls["pytorch"] >= gemm_calls["mixed"] + 2 * head_calls
+    assert gemm_calls["mixed"] >= 3 * head_calls + config.depth
     assert_same_draft(drafts["specla"], drafts["pytorch"])
     assert_same_draft(drafts["mixed"], drafts["pytorch"])
     assert_same_draft(drafts["triton"], drafts["pytorch"])
@@ -687,6 +701,8 @@ def test_a_draft_vocabulary_drafts_what_the_masked_lm_head_drafts(config, compil
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[head.token_ranking[:40]] = False
     masked.logits = lambda hidden: EagleDrafter.logits(masked, hidden).masked_fill(outside, float("-inf"))
+    masked.top_k = lambda hidden, k: tuple(t.view(*hidden.shape[:-1], k)
+                                           for t in ops.vocab_top_k(masked.logits(hidden).flatten(0, -2), k))
     assert small._lm_weight.shape == (40, 32) and torch.equal(small._lm_weight, target.lm_head.weight[small.draft_vocab])
     gen = torch.Generator().manual_seed(9)
     seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (12, 6)]

@@ -20,7 +20,7 @@ from kernel_cases import (
     rel_err,
 )
 
-from specla_compile.kernels import dispatch, ops, triton_linear
+from specla_compile.kernels import dispatch, ops, triton_linear, triton_topk
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig, use_route
 
@@ -231,6 +231,29 @@ def test_vocab_top_k_at_a_real_vocabulary(rows, k, vocab):
         expected_lp, expected_ids = ref.vocab_top_k_reference(x, k)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(log_probs, expected_lp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("vocab, hidden", [(8192, 2048), (32000, 1024)])
+def test_linear_top_k_at_a_draft_heads_shapes(rows, vocab, hidden):
+    """A tree level's LM head and top-k in the GEMM's launch (bf16; a draft vocabulary at the GDN-1.3B width, a
+    whole one at the trained head's): with scores of small integers, exact in any summation order (and rounded
+    once to bf16), the reference's ids (ties to the lower id) and log-probabilities, also through the op; with random scores, the
+    picked tokens' log-probabilities match the reference's up to bf16 rounding."""
+    gen = torch.Generator().manual_seed(rows + vocab)
+    small = lambda *shape: torch.randint(-2, 3, shape, generator=gen).bfloat16().cuda()
+    x, w = small(rows, hidden), small(vocab, hidden)
+    # (the exact scores, rounded once: cuBLAS may reduce split-K partials in bf16, which rounds them twice)
+    expected_lp, expected_ids = ref.vocab_top_k_reference((x.double() @ w.double().T).bfloat16(), 4)
+    for log_probs, ids in (triton_topk.linear_top_k(x, w, None, 4), ops.linear_top_k(x, w, None, 4)):
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(log_probs, expected_lp, rtol=1e-5, atol=1e-5)
+    x = torch.randn(rows, hidden, generator=gen).bfloat16().cuda()
+    w = (torch.randn(vocab, hidden, generator=gen) / 8).bfloat16().cuda()
+    log_probs, ids = ops.linear_top_k(x, w, None, 4)
+    all_lp = torch.log_softmax(torch.nn.functional.linear(x, w).float(), -1)
+    torch.testing.assert_close(log_probs, all_lp.gather(1, ids), rtol=0, atol=0.1)
+    torch.testing.assert_close(log_probs, all_lp.topk(4).values, rtol=0, atol=0.1)
 
 
 def test_gather_paths_of_a_layer_stack_replays_in_a_cuda_graph():

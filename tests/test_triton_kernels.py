@@ -258,13 +258,15 @@ def test_vocab_top_k(rows, vocab, k, block, dtype, one_block):
     """The k best log-probabilities per row and their ids, against log_softmax + a stable sort, per chunk of
     ``block`` tokens and a merge, or a whole row in one block: random scores (several chunks, the last one
     partial, with fewer real tokens than k when k > vocab % block; a row's block padded past the vocabulary),
-    then scores with ties (the lower id first, across chunks too) and masked (-inf) entries."""
+    then scores with ties (the lower id first, across chunks too) and masked (-inf) entries, then large ones
+    (around 300, where a log-sum-exp added before the subtraction would lose the log-probabilities' digits)."""
     gen = torch.Generator().manual_seed(rows * vocab + k)
     scores = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
     tied = torch.randint(0, 4, (rows, vocab), generator=gen).to(dtype)
     tied[:, ::5] = float("-inf")
+    large = (300 + 3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
     blocks = {"block": block, "row_block": tk.ROW_BLOCK if one_block else 0}
-    for x in (scores, tied):
+    for x in (scores, tied, large):
         log_probs, ids = tk.vocab_top_k(x, k, **blocks)
         expected_lp, expected_ids = ref.vocab_top_k_reference(x, k)
         assert torch.equal(ids, expected_ids)
@@ -274,6 +276,34 @@ def test_vocab_top_k(rows, vocab, k, block, dtype, one_block):
     if block < vocab and not one_block:
         with pytest.raises(ValueError, match="at most 16 tokens per row"):
             tk.vocab_top_k(scores, block + 1, block=16, row_block=0)
+
+
+@interpreted
+@pytest.mark.parametrize("rows, vocab, k", [(1, 70, 7), (4, 100, 4), (20, 33, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter's bf16 tl.dot is wrong)
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+def test_linear_top_k(rows, vocab, k, dtype, bias):
+    """An LM head's scores and their k best in the GEMM's launch, then the merge, against F.linear then
+    log_softmax + a stable sort: scores of small integers (exact in half precision and in any summation
+    order; many ties, which go to the lower id across column blocks), then random ones (fp32; the last column block
+    partial, holding fewer real columns than k when k > vocab % 16; 17-32 rows take the wider row tile)."""
+    gen = torch.Generator().manual_seed(rows * vocab + k)
+    depth = 40
+    small = lambda *shape: torch.randint(-2, 3, shape, generator=gen).to(dtype)
+    cases = [(small(rows, depth), small(vocab, depth), small(vocab) if bias else None)]
+    if dtype == torch.float32:
+        cases.append((torch.randn(rows, depth, generator=gen), torch.randn(vocab, depth, generator=gen),
+                      torch.randn(vocab, generator=gen) if bias else None))
+    for x, w, b in cases:
+        log_probs, ids = tk.linear_top_k(x, w, b, k)
+        scores = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).to(dtype)
+        expected_lp, expected_ids = ref.vocab_top_k_reference(scores, k)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(log_probs, expected_lp, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="1 <= k <= min"):
+        tk.linear_top_k(x, w, b, 17)
+    with pytest.raises(ValueError, match="M <= 32"):
+        tk.linear_top_k(torch.zeros(33, depth, dtype=dtype), w, b, k)
 
 
 @interpreted

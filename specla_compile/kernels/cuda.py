@@ -102,6 +102,13 @@ ops.vocab_top_k.register_kernel("cuda")(triton_topk.vocab_top_k)
 ops.gather_paths_.register_kernel("cuda")(triton_gather.gather_paths_)
 
 
+@ops.linear_top_k.register_kernel("cuda")
+def _linear_top_k(x, weight, bias, k):
+    if not (_few_half_rows(x, weight, bias) and k <= triton_topk.LINEAR_TOP_K_MAX):
+        return triton_topk.vocab_top_k(torch.nn.functional.linear(x, weight, bias), k)
+    return triton_topk.linear_top_k(x.contiguous(), weight.contiguous(), _vector(bias), k)
+
+
 @ops.draft_attention.register_kernel("cuda")
 def _draft_attention(q, keys, values, mask, scale):
     if torch.float64 in (q.dtype, keys.dtype, values.dtype):

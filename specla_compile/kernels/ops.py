@@ -264,6 +264,23 @@ def _(scores, k):
     return scores.new_empty(scores.shape[0], k, dtype=torch.float32), scores.new_empty(scores.shape[0], k, dtype=torch.long)
 
 
+@torch.library.custom_op("specla::linear_top_k", mutates_args=())
+def linear_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft head's tree level through its LM head: :func:`vocab_top_k` of ``x [N, K] @ weight [V, K]^T + bias``
+    (``reference.linear_top_k_reference``); on CUDA, for a few half-precision rows, the scores stay in the
+    GEMM's launch (``triton_topk.linear_top_k``)."""
+    return ref.linear_top_k_reference(x, weight, bias, k)
+
+
+@linear_top_k.register_fake
+def _(x, weight, bias, k):
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or not 1 <= k <= weight.shape[0]:
+        raise ValueError(f"linear_top_k takes x [N, K], a weight [V, K] and 1 <= k <= V, got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} and k={k}")
+    return x.new_empty(x.shape[0], k, dtype=torch.float32), x.new_empty(x.shape[0], k, dtype=torch.long)
+
+
 @torch.library.custom_op("specla::draft_attention", mutates_args=())
 def draft_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> torch.Tensor:

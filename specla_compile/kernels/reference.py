@@ -299,6 +299,12 @@ def vocab_top_k_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, t
     return values[:, :k].contiguous(), ids[:, :k].contiguous()
 
 
+def linear_top_k_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vocab_top_k_reference` of the scores ``x [N, K] @ weight [V, K]^T + bias`` (in x's dtype)."""
+    return vocab_top_k_reference(torch.nn.functional.linear(x, weight, bias), k)
+
+
 def gather_paths_reference(srcs: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
     """Each ``srcs[i] [B, N, ...]`` along ``index [B, A]``: ``out[b, a] = src[b, index[b, a]]`` (-1 entries
     read node 0), one gather per tensor: a tree's accepted path of every fresh factor record."""

@@ -48,7 +48,9 @@ class Frontier:
 # Returns next-token scores ``[R, W, V]`` after each frontier node: log-probabilities or logits
 # (the builder applies log_softmax, so both work). A step object whose ``draft_vocab`` attribute is a tensor
 # of token ids scores only those tokens: column ``j`` of its scores is token ``draft_vocab[j]`` (exact ties
-# then go to the earlier column, not to the lower token id).
+# then go to the earlier column, not to the lower token id). A tree level calls the step object's ``top_k(frontier,
+# k)`` where it has one: ``(log_probs, columns) [R, W, min(k, V)]``, what ``ops.vocab_top_k`` of its scores gives
+# (a drafter that computes both in fewer launches).
 StepFn = Callable[[Frontier], torch.Tensor]
 
 
@@ -103,11 +105,8 @@ def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: b
     beam_score = torch.zeros(rows, 1, device=device)
     offset = 0
     for level in range(config.depth):
-        scores = _scores(step, frontier)
-        width, columns = frontier.tokens.shape[1], scores.shape[-1]
-        k = min(config.tree_top_k, columns)
-        # [R, W, k], children sorted by likelihood (log-probabilities of the k best only: one launch on GPUs)
-        child_lp, child_col = (t.view(rows, width, k) for t in ops.vocab_top_k(scores.reshape(rows * width, columns), k))
+        child_lp, child_col = _children(step, frontier, config.tree_top_k)
+        width, k = child_lp.shape[1:]
         child_tok = _token_ids(child_col, vocab)
         score = (beam_score[..., None] + child_lp).reshape(rows, width * k)
         cand_token.append(child_tok.reshape(rows, width * k))
@@ -123,6 +122,18 @@ def _tree(step: StepFn, pending: torch.Tensor, config: SpecConfig, fixed_size: b
     tokens, parents, scores = (torch.cat(x, dim=1) for x in (cand_token, cand_parent, cand_score))
     keep = _select(parents, scores, torch.cat(cand_depth), config)
     return _pack(pending, tokens, parents, keep, row_ix, config.budget + 1 if fixed_size else None)
+
+
+def _children(step: StepFn, frontier: Frontier, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each frontier node's ``min(k, V)`` most likely children ``[R, W, k]``, sorted by likelihood: their
+    log-probabilities and score columns (the log-probabilities of the k best only: one launch on GPUs)."""
+    top_k = getattr(step, "top_k", None)
+    if top_k is not None:
+        return top_k(frontier, k)
+    scores = _scores(step, frontier)
+    rows, width, columns = scores.shape
+    k = min(k, columns)
+    return tuple(t.view(rows, width, k) for t in ops.vocab_top_k(scores.reshape(rows * width, columns), k))
 
 
 def _best(score: torch.Tensor, k: int) -> torch.Tensor:

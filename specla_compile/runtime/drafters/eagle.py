@@ -197,8 +197,10 @@ class EagleDrafter(Drafter):
     propose, ``benchmarks/results/eagle_profile.md``) or ``"mixed"`` (specla's ``linear_add`` for the
     fuse and o_proj, PyTorch's for the rest; on the H200 a tree's propose replays 14% faster than with
     ``"pytorch"``, ``benchmarks/results/eagle_profile_head_gemms.md``) or ``"triton"`` (default: ``"mixed"`` with
-    q/k/v and gate/up as specla's bare Triton GEMMs after PyTorch's norms; 5% faster again at hidden 1024 and 2048,
-    ``eagle_profile_head_gemms_triton.md``). The same drafts with any of the four, up to rounding.
+    q/k/v and gate/up as specla's bare Triton GEMMs after PyTorch's norms, 5% faster again at hidden 1024 and 2048,
+    ``eagle_profile_head_gemms_triton.md``; and, as with ``"specla"``, each tree level's LM head and top-k as one
+    ``specla::linear_top_k``: 0.554 -> 0.540 ms a tree propose at hidden 2048,
+    ``eagle_profile_gdn13b_linear_top_k.md``). The same drafts with any of the four, up to rounding.
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
     at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
     saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat
@@ -527,6 +529,18 @@ class EagleDrafter(Drafter):
             return self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
 
+    def top_k(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``min(k, V)`` best score columns of :meth:`logits` after each of ``hidden [..., D]`` and their
+        log-probabilities, ``[..., k]`` each, best first: the LM head and the top-k as the head's GEMMs run them
+        (``HeadGemms.linear_top_k``: one specla op for ``"triton"`` and ``"specla"``)."""
+        weight, bias = self._lm_weight, self._lm_bias
+        if weight is None:
+            weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        k = min(k, weight.shape[0])
+        log_probs, columns = HEAD_GEMMS[self.head_gemms].linear_top_k(
+            hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, k)
+        return log_probs.view(*hidden.shape[:-1], k), columns.view(*hidden.shape[:-1], k)
+
     def _plan(self, request: DraftRequest, scratch: int, pad_to: int | None = None, round_up: bool = False) -> _Plan:
         """Check the rows' bookkeeping, make room in the buffers (``scratch`` columns for draft nodes), and move
         what the device needs there in one copy: per row its index, cached and new pair counts, new tokens and
@@ -685,6 +699,11 @@ class _TreeRollout:
         if frontier.depth > 0:
             self._advance(frontier)
         return self.drafter.logits(self.hidden)
+
+    def top_k(self, frontier: Frontier, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if frontier.depth > 0:
+            self._advance(frontier)
+        return self.drafter.top_k(self.hidden, k)
 
     def _advance(self, frontier: Frontier) -> None:
         width = frontier.tokens.shape[1]

@@ -29,11 +29,19 @@ from ..drafting import output_vocab_size
 
 
 class HeadGemms(NamedTuple):
-    """A packed head's GEMMs with the norms, residuals and gate around them (signatures of ``ops``)."""
+    """A packed head's GEMMs with the norms, residuals and gate around them, and a tree level's LM head with its
+    top-k (signatures of ``ops``)."""
 
     linear_add: Callable[..., torch.Tensor]
     norm_linear: Callable[..., torch.Tensor]
     norm_gated_linear: Callable[..., torch.Tensor]
+    linear_top_k: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _scores_then_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops.linear_top_k`` as two launches: the framework's GEMM writes the scores, ``specla::vocab_top_k`` reads them."""
+    return ops.vocab_top_k(F.linear(x, weight, bias), k)
 
 
 def _after_norm(gemm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -44,20 +52,24 @@ def _after_norm(gemm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 
 
 # as specla ops (one Triton launch each on CUDA), or as the PyTorch code they stand for (which inductor fuses)
-HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear),
-              "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference),
+HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear, ops.linear_top_k),
+              "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference,
+                                   _scores_then_top_k),
               # specla's linear_add for the two 1024-column GEMMs (the fuse, o_proj), where cuBLAS's kernel at 4 rows
               # streams their 2 MB in 5-8 us (H200 propose profile) against linear_add's 4-5 us; PyTorch's for the rest
-              "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference),
+              "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference,
+                                 _scores_then_top_k),
               # specla's GEMMs throughout (gate/up with silu(gate) * up), the norms PyTorch's: at the 1.3B-sized
               # head the bare Triton GEMMs stream q/k/v in 8.9 us against cuBLAS's 9.4 and gate/up with the gate
               # in 17.5 against cuBLAS's and inductor's 21.9 (fold_gpu_head.md, 24 weights in one graph)
-              "triton": HeadGemms(ops.linear_add, _after_norm(ops.linear), _after_norm(ops.gated_linear))}
+              "triton": HeadGemms(ops.linear_add, _after_norm(ops.linear), _after_norm(ops.gated_linear),
+                                  ops.linear_top_k)}
 # the default: on the H200 a depth-6 tree's propose (draft vocabulary 8192) replays in 0.349 ms with "triton"
 # against 0.369 with "mixed" at the trained head's shape (hidden 1024), 0.554 against 0.582 at the 1.3B-sized head
 # (benchmarks/results/eagle_profile{,_gdn13b}_head_gemms_triton.md; chains alike, 0.381 against 0.402 and 0.655
-# against 0.687). "mixed" had replaced "pytorch" the same way (0.362 against 0.419 ms, eagle_profile_head_gemms.md;
-# end to end 2.27x against 2.20x in one trained study); "specla" drafted no faster than "pytorch" (its norm-fused
+# against 0.687); with the levels' linear_top_k, 0.337 against 0.365 and 0.540 against 0.584
+# (eagle_profile_linear_top_k_only.md, eagle_profile_gdn13b_linear_top_k.md). "mixed" had replaced "pytorch" the
+# same way (0.362 against 0.419 ms, eagle_profile_head_gemms.md; end to end 2.27x against 2.20x in one trained study); "specla" drafted no faster than "pytorch" (its norm-fused
 # launches cost what cuBLAS's and inductor's kernels cost together)
 DEFAULT_HEAD_GEMMS = "triton"
 
