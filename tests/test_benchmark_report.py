@@ -191,7 +191,7 @@ def test_eagle_kernel_count_of_a_tree_propose():
     """eagle_kernels_cpu.py lists the device calls of a compiled tree propose (depth 6): the head runs 6 times
     (the catch-up, whose newest pair scores level 0, then levels 1-5), each with its attention as a specla op and
     its GEMMs as the fused ops (the fuse with its table rows and o_proj with its residual, q/k/v and gate/up
-    with their norms), so that only the down projection is a GEMM of
+    with their norms), so that only the down projection (too shallow here for specla's split kernel) is a GEMM of
     inductor's; each level's LM head and top-k are one specla op, and no aten.topk is left (the beam is picked by
     fused elementwise work)."""
     from eagle_kernels_cpu import CONFIGS, device_calls

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specla_compile.kernels import ops
 from specla_compile.runtime.config import SpecConfig
 from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
-from specla_compile.runtime.drafters.eagle_head import causal_mask, eagle_loss, unrolled_predictions
+from specla_compile.runtime.drafters.eagle_head import HEAD_GEMMS, causal_mask, eagle_loss, unrolled_predictions
 from specla_compile.runtime.drafting import Draft, DraftRequest, PassOutputs
 from specla_compile.runtime.tree_builder import build_draft
 from specla_compile.tree import PAD
@@ -665,7 +665,7 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     assert fused_calls["pytorch"] == {op: levels.get(op, 0) for op in ops_counted}
     head_calls = fused_calls["specla"]["norm_linear"]  # (the catch-up's and each later level's)
     assert head_calls >= config.depth and fused_calls["specla"]["norm_gated_linear"] == head_calls
-    assert fused_calls["specla"]["linear_add"] == 2 * head_calls  # (the fuse, o_proj)
+    assert fused_calls["specla"]["linear_add"] == 2 * head_calls  # (the fuse, o_proj: this down projection is PyTorch's)
     assert fused_calls["specla"]["linear"] == fused_calls["specla"]["gated_linear"] == 0
     assert fused_calls["specla"]["linear_top_k"] == config.depth and fused_calls["specla"]["vocab_top_k"] == 0
     assert fused_calls["mixed"] == {"linear_add": 2 * head_calls, "norm_linear": 0,
@@ -685,6 +685,21 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
     assert EagleDrafter(head, target).head_gemms == "triton"
     with pytest.raises(ValueError, match="head_gemms must be one of"):
         EagleDrafter(head, target, head_gemms="cublas")
+
+
+@pytest.mark.parametrize("gemms", ["specla", "triton"])
+def test_down_projection_takes_the_split_kernel_where_its_depth_splits(gemms):
+    """The head's down projection with its residual: ``specla::linear_add`` for a weight whose depth the CUDA
+    kernel splits ([8, 4096]), PyTorch's GEMM and add for a shallower one ([8, 2048]); the same sums either way."""
+    gen = torch.Generator().manual_seed(5)
+    for depth, ours in ((4096, 1), (2048, 0)):
+        hidden, weight = torch.randn(3, depth, generator=gen), torch.randn(8, depth, generator=gen)
+        residual = torch.randn(3, 8, generator=gen)
+        counter = _Dispatches()
+        with counter:
+            out = HEAD_GEMMS[gemms].down_add(hidden, weight, residual)
+        assert counter.ops["specla.linear_add"] == ours
+        torch.testing.assert_close(out, residual + hidden @ weight.T)
 
 
 @pytest.mark.parametrize("config, compiled", [(SpecConfig(mode="chain", depth=4), False),

@@ -256,6 +256,30 @@ def test_linear_top_k_at_a_draft_heads_shapes(rows, vocab, hidden):
     torch.testing.assert_close(log_probs, all_lp.topk(4).values, rtol=0, atol=0.1)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("n, k", [(1024, 8192), (1024, 4096)])
+def test_split_linear_at_a_down_projection_replays_in_a_cuda_graph(rows, n, k):
+    """A draft head's down projection with its residual (bf16, the trained head's [1024, 4096] and a deeper one,
+    depth split across programs, the last of each column block summing the partials): against fp64 PyTorch, the
+    same bits at every launch, and inside a captured graph replayed on new inputs (the block counters are back at
+    zero after every replay)."""
+    gen = torch.Generator().manual_seed(rows + n)
+    x, residual = (torch.randn(rows, size, generator=gen).bfloat16().cuda() for size in (k, n))
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16().cuda()
+    y = ops.linear_add(x, w, None, residual, None)
+    expected = x.double() @ w.double().T + residual.double()
+    assert rel_err(y, expected) <= 1e-2
+    assert torch.equal(y, ops.linear_add(x, w, None, residual, None))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.linear_add(x, w, None, residual, None)
+    for _ in range(3):
+        x.copy_(torch.randn(rows, k, generator=gen).bfloat16())
+        graph.replay()
+        assert torch.equal(captured, ops.linear_add(x, w, None, residual, None))
+    assert not triton_linear._counts[x.device].any()
+
+
 def test_gather_paths_of_a_layer_stack_replays_in_a_cuda_graph():
     """One 24-layer pass's records (bf16 keys/values/conv inputs, fp32 gates) gathered along tree paths by
     ``ops.gather_paths_`` inside a captured graph, replayed with new paths and new records: equal to one

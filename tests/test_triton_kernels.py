@@ -23,7 +23,7 @@ from kernel_cases import (
     rel_err,
 )
 
-from specla_compile.kernels import dispatch
+from specla_compile.kernels import dispatch, ops
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig
 
@@ -376,6 +376,27 @@ def _head_linear_inputs(rows: int, n: int, k: int, dtype: torch.dtype, seed: int
             "norm": (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype), "bias": torch.randn(n, generator=gen).to(dtype),
             "residual": torch.randn(rows, n, generator=gen).to(dtype), "table": torch.randn(7, n, generator=gen).to(dtype),
             "ids": torch.randint(0, 7, (rows,), generator=gen)}
+
+
+@interpreted
+@pytest.mark.parametrize("rows, dtype", [(1, torch.float32), (5, torch.float16), (20, torch.float32)])
+@pytest.mark.parametrize("residual", [False, True], ids=["no residual", "residual"])
+def test_split_linear_sums_its_depth_slices_in_order(rows, dtype, residual):
+    """A deep, narrow weight (a down projection) split along its depth: a depth of 4,100 in four slices (the last
+    one partial), 40 columns (two 32-column blocks, the last partial), with and without the residual, against
+    fp64 PyTorch; each block's last program sums the NaN-poisoned partials' buffer only where the programs wrote,
+    the block counters are back at zero after the launch, and a second launch gives the same bits."""
+    assert [ops.linear_split(torch.empty(shape, device="meta")) for shape in ((40, 4100), (1024, 8192), (2048, 8192),
+                                                                             (1024, 2048))] == [4, 8, 1, 1]
+    t = _head_linear_inputs(rows, 40, 4100, dtype, rows)
+    with poisoned_allocations():
+        y = tl_.linear(t["x"], t["w"], residual=t["residual"] if residual else None)
+        again = tl_.linear(t["x"], t["w"], residual=t["residual"] if residual else None)
+    expected = t["x"].double() @ t["w"].double().T + (t["residual"].double() if residual else 0)
+    assert y.dtype == dtype and y.shape == (rows, 40)
+    assert rel_err(y, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    assert torch.equal(y, again)
+    assert not tl_._counts[y.device].any()
 
 
 @interpreted

@@ -17,6 +17,12 @@ same weight), and the elementwise work around the GEMM happens in the same launc
   token table: one kernel fewer);
 - or, for a packed gate/up weight ``[2I, K]``, ``silu(gate) * up`` of the two halves (one kernel fewer).
 
+A deep, narrow weight (``ops.linear_split``: a draft head's down projection) gives too few column blocks to
+stream it well, one program per block over the whole depth (``gemv_gpu_eagle_head.md``: [1024, 4096] 9.2 us
+against 6.3 split four ways). There the depth is split across programs, each writing its fp32 partial sums;
+the column block's last program to finish adds them in split order (the same sums every run, whichever
+finishes last), adds the residual and stores: cuBLAS's split-K needs a reduction kernel and the residual a third.
+
 The GEMM's inputs round to the rows' dtype (``x * weight``, or for fp16 the normalized rows, as ``nn.RMSNorm``'s
 output does); products accumulate in fp32 (fp32 rows: full fp32 products, not TF32) and the epilogue rounds once
 at the store. Same results as ``reference.linear_add_reference``, ``norm_linear_reference`` and
@@ -29,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import LINEAR_MAX_ROWS
+from .ops import LINEAR_MAX_ROWS, linear_split
 from .pdl import launch_args, wait_upstream
 
 MAX_ROWS = LINEAR_MAX_ROWS  # rows the kernels take: tensor cores need 16 (32 past 16), missing rows load as zeros
@@ -172,6 +178,39 @@ def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps
     tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _split_linear_kernel(x_ptr, w_ptr, residual_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                         WIDE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid: (output column blocks, SPLIT). ``y = x @ W^T + residual?`` with the depth split: each program's
+    fp32 partial to ``partial_ptr [blocks, SPLIT, BLOCK_M, BLOCK_N]``; ``count_ptr [blocks]`` (zeros) counts a
+    block's finished programs, and the last one sums the partials in split order, stores ``y`` and sets the
+    count back to zero for the next launch."""
+    wait_upstream(USE_PDL)
+    block, split = tl.program_id(0), tl.program_id(1)
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    in_n, in_m = offs_n < N, offs_m < M
+    depth = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(split * depth, tl.minimum((split + 1) * depth, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=in_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+    tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(partial_ptr + (block * SPLIT + split) * BLOCK_M * BLOCK_N + tile, acc)
+    # (acq_rel: the partials stored above are visible to the program that counts last, which loads them from L2)
+    if tl.atomic_add(count_ptr + block, 1, sem="acq_rel") == SPLIT - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for part in tl.static_range(SPLIT):
+            total += tl.load(partial_ptr + (block * SPLIT + part) * BLOCK_M * BLOCK_N + tile, cache_modifier=".cg")
+        inside = in_m[:, None] & in_n[None, :]
+        if residual_ptr is not None:
+            total += tl.load(residual_ptr + offs_m[:, None] * N + offs_n[None, :], mask=inside, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=inside)
+        tl.atomic_xchg(count_ptr + block, 0)
+
+
 Tiles = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_stages)
 
 
@@ -193,6 +232,24 @@ def _tiles(n: int, k: int, gated: bool = False, normed: bool = False) -> Tiles:
     if n > 16384:
         return (64, 128, 3)
     return (64, 128, 4) if gated else (64, 256, 4)
+
+
+SPLIT_TILES = (32, 256, 4)  # a split GEMM's (BLOCK_N, BLOCK_K, num_stages): the best of gemv_gpu_eagle_head.md's down
+
+
+_counts: dict[torch.device, torch.Tensor] = {}  # per device: split GEMMs' block counters, zeros between launches
+MAX_SPLIT_BLOCKS = 256  # column blocks a split GEMM may have (8,192 columns at SPLIT_TILES)
+
+
+def _block_counts(blocks: int, device: torch.device) -> torch.Tensor:
+    """The device's block counters, at zero (each split launch leaves them so), allocated once: a captured graph
+    keeps their address. Every split launch on the device shares them, so they run in one stream's order, as a
+    pass's and a propose's kernels do."""
+    if blocks > MAX_SPLIT_BLOCKS:
+        raise ValueError(f"a split GEMM takes at most {MAX_SPLIT_BLOCKS} column blocks, got {blocks}")
+    if device not in _counts:
+        _counts[device] = torch.zeros(MAX_SPLIT_BLOCKS, dtype=torch.int32, device=device)
+    return _counts[device]
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, skip: torch.Tensor | None,
@@ -250,6 +307,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                  or (residual_rows is None and residual.shape[0] != rows)):
         raise ValueError(f"linear: residual must be contiguous [{rows} or table rows, {n}], got {tuple(residual.shape)}")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    split = linear_split(weight)
+    plain = norm_weight is None and skip is None and bias is None and residual_rows is None
+    if split > 1 and plain and tiles is None and rows:
+        block_n, block_k, stages = SPLIT_TILES
+        block_m, blocks = 16 if rows <= 16 else 32, triton.cdiv(n, block_n)
+        partials = torch.empty(blocks, split, block_m, block_n, dtype=torch.float32, device=x.device)
+        _split_linear_kernel[(blocks, split)](x, weight, residual, y, partials, _block_counts(blocks, x.device), rows, n,
+                                             x.shape[1], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                             IEEE=x.dtype == torch.float32, WIDE=weight.numel() >= 2**31, num_warps=4,
+                                             num_stages=stages, **launch_args(x.device))
+        return y
     _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, bias,
             residual, residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y

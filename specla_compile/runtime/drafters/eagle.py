@@ -199,8 +199,9 @@ class EagleDrafter(Drafter):
     ``"pytorch"``, ``benchmarks/results/eagle_profile_head_gemms.md``) or ``"triton"`` (default: ``"mixed"`` with
     q/k/v and gate/up as specla's bare Triton GEMMs after PyTorch's norms, 5% faster again at hidden 1024 and 2048,
     ``eagle_profile_head_gemms_triton.md``; and, as with ``"specla"``, each tree level's LM head and top-k as one
-    ``specla::linear_top_k``: 0.554 -> 0.540 ms a tree propose at hidden 2048,
-    ``eagle_profile_gdn13b_linear_top_k.md``). The same drafts with any of the four, up to rounding.
+    ``specla::linear_top_k`` and a down projection whose depth splits as ``specla::linear_add``: 0.349 -> 0.322 ms
+    a tree propose at hidden 1024, ``eagle_profile_linear_top_k.md``). The same drafts with any of the four, up to
+    rounding.
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
     at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
     saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat

@@ -36,6 +36,23 @@ class HeadGemms(NamedTuple):
     norm_linear: Callable[..., torch.Tensor]
     norm_gated_linear: Callable[..., torch.Tensor]
     linear_top_k: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    down_add: Callable[..., torch.Tensor]  # (hidden, weight, residual) -> residual + hidden @ weight^T
+
+
+def _add_after_down(hidden: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The down projection as PyTorch code: the framework's GEMM, then the residual as its own add (which inductor
+    fuses with what follows; inside the GEMM as addmm it took cuBLAS's bias-epilogue kernel, 3.4 us more per chain
+    level on the H200)."""
+    return residual + F.linear(hidden, weight)
+
+
+def _down_add(hidden: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The down projection as ``specla::linear_add`` where its kernel splits the weight's depth
+    (``ops.linear_split``): the residual in the GEMM's launch, where cuBLAS's split-K runs a GEMM and a reduction
+    and the add a third kernel; as PyTorch code elsewhere."""
+    if ops.linear_split(weight) > 1:
+        return ops.linear_add(hidden, weight, None, residual, None)
+    return _add_after_down(hidden, weight, residual)
 
 
 def _scores_then_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -52,24 +69,25 @@ def _after_norm(gemm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 
 
 # as specla ops (one Triton launch each on CUDA), or as the PyTorch code they stand for (which inductor fuses)
-HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear, ops.linear_top_k),
+HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear, ops.linear_top_k, _down_add),
               "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference,
-                                   _scores_then_top_k),
+                                   _scores_then_top_k, _add_after_down),
               # specla's linear_add for the two 1024-column GEMMs (the fuse, o_proj), where cuBLAS's kernel at 4 rows
               # streams their 2 MB in 5-8 us (H200 propose profile) against linear_add's 4-5 us; PyTorch's for the rest
               "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference,
-                                 _scores_then_top_k),
+                                 _scores_then_top_k, _add_after_down),
               # specla's GEMMs throughout (gate/up with silu(gate) * up), the norms PyTorch's: at the 1.3B-sized
               # head the bare Triton GEMMs stream q/k/v in 8.9 us against cuBLAS's 9.4 and gate/up with the gate
               # in 17.5 against cuBLAS's and inductor's 21.9 (fold_gpu_head.md, 24 weights in one graph)
               "triton": HeadGemms(ops.linear_add, _after_norm(ops.linear), _after_norm(ops.gated_linear),
-                                  ops.linear_top_k)}
+                                  ops.linear_top_k, _down_add)}
 # the default: on the H200 a depth-6 tree's propose (draft vocabulary 8192) replays in 0.349 ms with "triton"
 # against 0.369 with "mixed" at the trained head's shape (hidden 1024), 0.554 against 0.582 at the 1.3B-sized head
 # (benchmarks/results/eagle_profile{,_gdn13b}_head_gemms_triton.md; chains alike, 0.381 against 0.402 and 0.655
-# against 0.687); with the levels' linear_top_k, 0.337 against 0.365 and 0.540 against 0.584
-# (eagle_profile_linear_top_k_only.md, eagle_profile_gdn13b_linear_top_k.md). "mixed" had replaced "pytorch" the
-# same way (0.362 against 0.419 ms, eagle_profile_head_gemms.md; end to end 2.27x against 2.20x in one trained study); "specla" drafted no faster than "pytorch" (its norm-fused
+# against 0.687); with the levels' linear_top_k and (at hidden 1024) the split down projection, 0.322 against 0.369
+# and 0.540 against 0.584 (eagle_profile_linear_top_k.md, eagle_profile_gdn13b_linear_top_k.md). "mixed" had
+# replaced "pytorch" the same way (0.362 against 0.419 ms, eagle_profile_head_gemms.md; end to end 2.27x against
+# 2.20x in one trained study); "specla" drafted no faster than "pytorch" (its norm-fused
 # launches cost what cuBLAS's and inductor's kernels cost together)
 DEFAULT_HEAD_GEMMS = "triton"
 
@@ -252,15 +270,12 @@ class EagleHead(nn.Module):
         if self.gate_up_weight is None:
             x = x + self.o_proj(attn.reshape(rows, s, -1))
             h = self.mlp_norm(x)
-            hidden = F.silu(self.gate_proj(h)) * self.up_proj(h)
-        else:  # packed for inference: the residual, the norm and the gate inside the GEMMs' launches
-            gemms = gemms or HEAD_GEMMS[DEFAULT_HEAD_GEMMS]
-            x = gemms.linear_add(attn.reshape(rows, s, -1), self.o_proj.weight, None, x, None)
-            hidden = gemms.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps, self.gate_up_weight)
-        # (the residual as its own add, which inductor fuses with what follows: adding it inside the GEMM (addmm)
-        # took cuBLAS's bias-epilogue kernel, 3.4 us more per chain level on the H200 and no faster for the tree;
-        # this 4096-deep GEMM stays cuBLAS's, which streams it faster than one program per column block)
-        return x + self.down_proj(hidden)
+            return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        # packed for inference: the residuals, the norm and the gate inside the GEMMs' launches
+        gemms = gemms or HEAD_GEMMS[DEFAULT_HEAD_GEMMS]
+        x = gemms.linear_add(attn.reshape(rows, s, -1), self.o_proj.weight, None, x, None)
+        hidden = gemms.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps, self.gate_up_weight)
+        return gemms.down_add(hidden, self.down_proj.weight, x)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head's own weights only) to ``path``."""
