@@ -687,6 +687,28 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
         EagleDrafter(head, target, head_gemms="cublas")
 
 
+def test_a_tree_levels_top_k_follows_the_lm_head_modules_forward():
+    """A tree level's children come from the LM head's weight in one op where the head is an ``nn.Linear``,
+    and from the module's own forward where it is not (a subclass whose forward is not ``F.linear`` of its
+    weight): both the k best of what :meth:`EagleDrafter.logits` scores."""
+    class ScaledHead(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * torch.linspace(1, -1, self.out_features, dtype=x.dtype)
+
+    hidden = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for scaled in (False, True):
+        target, head = make(seed=9)
+        if scaled:
+            plain = target.lm_head
+            target.lm_head = ScaledHead(plain.in_features, plain.out_features, bias=False, dtype=torch.float64)
+            target.lm_head.weight.data.copy_(plain.weight.data)
+        drafter = EagleDrafter(head, target)
+        log_probs, columns = drafter.top_k(hidden, 4)
+        expected = torch.log_softmax(drafter.logits(hidden), -1).topk(4)
+        assert torch.equal(columns, expected.indices)
+        torch.testing.assert_close(log_probs, expected.values.float())
+
+
 @pytest.mark.parametrize("gemms", ["specla", "triton"])
 def test_down_projection_takes_the_split_kernel_where_its_depth_splits(gemms):
     """The head's down projection with its residual: ``specla::linear_add`` for a weight whose depth the CUDA

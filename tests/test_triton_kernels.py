@@ -300,8 +300,12 @@ def test_linear_top_k(rows, vocab, k, dtype, bias):
         expected_lp, expected_ids = ref.vocab_top_k_reference(scores, k)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(log_probs, expected_lp, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="1 <= k <= min"):
+    with pytest.raises(ValueError, match="a k that linear_top_k_fits"):
         tk.linear_top_k(x, w, b, 17)
+    meta = lambda *shape: torch.empty(shape, device="meta")
+    # (a draft vocabulary and a whole one fit one merge; a 150k-token vocabulary's 4,748 column blocks do not)
+    assert tk.linear_top_k_fits(meta(8192, 2048), 4) and tk.linear_top_k_fits(meta(32000, 1024), 4)
+    assert not tk.linear_top_k_fits(meta(151936, 1024), 4) and not tk.linear_top_k_fits(meta(8192, 2048), 65)
     with pytest.raises(ValueError, match="M <= 32"):
         tk.linear_top_k(torch.zeros(33, depth, dtype=dtype), w, b, k)
 

@@ -104,7 +104,7 @@ ops.gather_paths_.register_kernel("cuda")(triton_gather.gather_paths_)
 
 @ops.linear_top_k.register_kernel("cuda")
 def _linear_top_k(x, weight, bias, k):
-    if not (_few_half_rows(x, weight, bias) and k <= triton_topk.LINEAR_TOP_K_MAX):
+    if not (_few_half_rows(x, weight, bias) and triton_topk.linear_top_k_fits(weight, k)):
         return triton_topk.vocab_top_k(torch.nn.functional.linear(x, weight, bias), k)
     return triton_topk.linear_top_k(x.contiguous(), weight.contiguous(), _vector(bias), k)
 

@@ -199,7 +199,9 @@ def _split_linear_kernel(x_ptr, w_ptr, residual_ptr, y_ptr, partial_ptr, count_p
         acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
     tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(partial_ptr + (block * SPLIT + split) * BLOCK_M * BLOCK_N + tile, acc)
-    # (acq_rel: the partials stored above are visible to the program that counts last, which loads them from L2)
+    # (every warp's stores before the count, whose release makes them visible to the program that counts last,
+    # which loads them from L2: the barrier does not leave that order to where the compiler puts its own)
+    tl.debug_barrier()
     if tl.atomic_add(count_ptr + block, 1, sem="acq_rel") == SPLIT - 1:
         total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for part in tl.static_range(SPLIT):

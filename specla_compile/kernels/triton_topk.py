@@ -38,7 +38,6 @@ def _pick_k(values, ids, alive, out_v, out_i, K: tl.constexpr):
         alive = alive & (ids != best_i)
 
 
-LINEAR_TOP_K_MAX = 16  # the k linear_top_k picks at most: one column block of the narrowest tiles holds them
 ROW_BLOCK = 8192  # the largest vocabulary that one program holds in registers (one launch)
 
 
@@ -173,19 +172,31 @@ def vocab_top_k(scores: torch.Tensor, k: int, *, block: int = 2048,
     return _merge(*parts, k)
 
 
+MAX_MERGED = 4096  # candidates (column blocks x k) a row's merge takes in one program; more spill its registers
+
+
+def linear_top_k_fits(weight: torch.Tensor, k: int) -> bool:
+    """Whether :func:`linear_top_k` takes ``weight [V, K]`` and ``k``: k within a column block and the blocks'
+    candidates within one merge program (a 150k-token vocabulary at hidden 1,024 would be 4,748 blocks: the
+    scores then go through ``vocab_top_k``'s 2,048-token chunks)."""
+    block_n = _tiles(*weight.shape)[0]
+    return 1 <= k <= min(weight.shape[0], block_n) and triton.cdiv(weight.shape[0], block_n) * k <= MAX_MERGED
+
+
 def linear_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``vocab_top_k(F.linear(x, weight, bias), k)`` for ``x [M <= MAX_ROWS, K]`` (contiguous, the weight's
-    dtype) and ``k`` up to a column block: the scores' blocks and their partials in the GEMM's launch
-    (``triton_linear``'s tiles for the weight), then the merge."""
+    dtype) and a weight and ``k`` that :func:`linear_top_k_fits`: the scores' blocks and their partials in the
+    GEMM's launch (``triton_linear``'s tiles for the weight), then the merge."""
+    if (x.dim() != 2 or weight.dim() != 2 or x.shape[0] > MAX_ROWS or x.shape[1] != weight.shape[1]
+            or not linear_top_k_fits(weight, k) or not (x.is_contiguous() and weight.is_contiguous())
+            or x.dtype != weight.dtype
+            or (bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous()))):
+        raise ValueError(f"linear_top_k takes x [M <= {MAX_ROWS}, K], a weight [N, K] of its dtype, both contiguous, "
+                         f"a contiguous bias [N] or None and a k that linear_top_k_fits; got {tuple(x.shape)} "
+                         f"{x.dtype}, {tuple(weight.shape)} {weight.dtype} and k={k}")
     n = weight.shape[0]
     block_n, block_k, stages = _tiles(n, weight.shape[1])
-    if (x.dim() != 2 or x.shape[0] > MAX_ROWS or x.shape[1] != weight.shape[1] or not 1 <= k <= min(n, block_n)
-            or not (x.is_contiguous() and weight.is_contiguous()) or x.dtype != weight.dtype
-            or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous()))):
-        raise ValueError(f"linear_top_k takes x [M <= {MAX_ROWS}, K], a weight [N, K] of its dtype, both contiguous, "
-                         f"a contiguous bias [N] or None and 1 <= k <= min(N, {block_n}); got {tuple(x.shape)} "
-                         f"{x.dtype}, {tuple(weight.shape)} {weight.dtype} and k={k}")
     rows, chunks = x.shape[0], triton.cdiv(n, block_n)
     parts = _partials(rows, chunks, k, x.device)
     if rows:

@@ -533,10 +533,16 @@ class EagleDrafter(Drafter):
     def top_k(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``min(k, V)`` best score columns of :meth:`logits` after each of ``hidden [..., D]`` and their
         log-probabilities, ``[..., k]`` each, best first: the LM head and the top-k as the head's GEMMs run them
-        (``HeadGemms.linear_top_k``: one specla op for ``"triton"`` and ``"specla"``)."""
+        (``HeadGemms.linear_top_k``: one specla op for ``"triton"`` and ``"specla"``); an LM head module other than
+        ``nn.Linear`` runs as :meth:`logits` does, then ``specla::vocab_top_k``."""
         weight, bias = self._lm_weight, self._lm_bias
+        if weight is None and type(self.lm_head) is not nn.Linear:  # (its forward may not be F.linear of its weight)
+            scores = self.logits(hidden)
+            k = min(k, scores.shape[-1])
+            log_probs, columns = ops.vocab_top_k(scores.reshape(-1, scores.shape[-1]), k)
+            return log_probs.view(*hidden.shape[:-1], k), columns.view(*hidden.shape[:-1], k)
         if weight is None:
-            weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+            weight, bias = self.lm_head.weight, self.lm_head.bias
         k = min(k, weight.shape[0])
         log_probs, columns = HEAD_GEMMS[self.head_gemms].linear_top_k(
             hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, k)
