@@ -161,11 +161,14 @@ def _select(parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, co
     # candidates, ROOT at level 1, so a root path holds at most ``depth`` of them).
     above = ancestor_mask_device(parents, height=config.depth).transpose(1, 2)  # [R, i, j]: i is j or above it
     keep = (above & keep[:, None, :]).any(-1)
-    # The ``budget`` best kept nodes (all of them in a row that keeps fewer): kept nodes by score, best
-    # first, then the dropped ones (NaN sorts last). Stable (candidates are in depth order), so ancestors
-    # rank before descendants.
-    order = (-scores).masked_fill(~keep, float("nan")).sort(dim=-1, stable=True).indices[:, : config.budget]
-    return keep & torch.zeros_like(keep).scatter(1, order, True)
+    # The ``budget`` best kept nodes (all of them in a row that keeps fewer): each kept node's rank among the
+    # kept ones by score, ties to the earlier candidate (candidates are in depth order, so ancestors rank before
+    # descendants), counted pairwise as ``_best`` does (a sort and a scatter are kernels of their own on the GPU).
+    score = scores.nan_to_num(nan=float("-inf"))
+    index = torch.arange(m, device=scores.device)
+    other, this = score[:, None, :], score[:, :, None]
+    ahead = keep[:, None, :] & ((other > this) | ((other == this) & (index[None, :] < index[:, None])))
+    return keep & (ahead.sum(-1) < config.budget)
 
 
 def _pack(
