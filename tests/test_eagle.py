@@ -688,25 +688,38 @@ def test_head_gemms_choice_changes_the_kernels_not_the_draft(compiled):
 
 
 def test_a_tree_levels_top_k_follows_the_lm_head_modules_forward():
-    """A tree level's children come from the LM head's weight in one op where the head is an ``nn.Linear``,
-    and from the module's own forward where it is not (a subclass whose forward is not ``F.linear`` of its
-    weight): both the k best of what :meth:`EagleDrafter.logits` scores."""
+    """A tree level's children come from the LM head's weight in one op (``top_k``) where the head is an
+    ``nn.Linear`` and the head's GEMMs fuse it, the k best of what :meth:`EagleDrafter.logits` scores; from the
+    module's own forward where it is not (a subclass whose forward is not ``F.linear`` of its weight), or with
+    ``"mixed"`` GEMMs, through the tree builder's scores: the same trees as the uncached oracle, which calls the
+    module."""
     class ScaledHead(torch.nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x) * torch.linspace(1, -1, self.out_features, dtype=x.dtype)
 
     hidden = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    for scaled in (False, True):
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8, tau=3.0)
+    seqs = [torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(4))]
+    for scaled, gemms in ((False, "triton"), (True, "triton"), (False, "mixed")):
         target, head = make(seed=9)
         if scaled:
             plain = target.lm_head
             target.lm_head = ScaledHead(plain.in_features, plain.out_features, bias=False, dtype=torch.float64)
             target.lm_head.weight.data.copy_(plain.weight.data)
-        drafter = EagleDrafter(head, target)
-        log_probs, columns = drafter.top_k(hidden, 4)
-        expected = torch.log_softmax(drafter.logits(hidden), -1).topk(4)
-        assert torch.equal(columns, expected.indices)
-        torch.testing.assert_close(log_probs, expected.values.float())
+        drafter = EagleDrafter(head, target, head_gemms=gemms)
+        assert drafter.fuses_top_k() == (not scaled and gemms == "triton")
+        if drafter.fuses_top_k():
+            log_probs, columns = drafter.top_k(hidden, 4)
+            expected = torch.log_softmax(drafter.logits(hidden), -1).topk(4)
+            assert torch.equal(columns, expected.indices)
+            torch.testing.assert_close(log_probs, expected.values.float())
+        else:
+            with pytest.raises(ValueError, match="scores through logits"):
+                drafter.top_k(hidden, 4)
+        drafter.begin([s[:-1] for s in seqs], [features_of(target, s)[:-1] for s in seqs])
+        draft = drafter.propose(DraftRequest([0], seqs), config)
+        expected = build_draft(scratch_step(drafter, target, seqs, []), torch.stack([s[-1] for s in seqs]), config)
+        assert_same_draft(draft, expected)
 
 
 @pytest.mark.parametrize("gemms", ["specla", "triton"])

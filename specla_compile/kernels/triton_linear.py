@@ -111,6 +111,16 @@ def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.conste
 
 
 @triton.jit
+def _rows_times(x_ptr, w_ptr, offs_m, in_m, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                WIDE: tl.constexpr):
+    """The rows' block at ``k0`` (``x [M, K]`` as they are: no norm, zeros past M and K) ``@ W[offs_n, k0 : k0 +
+    BLOCK_K]^T`` in fp32."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=in_m[:, None] & (offs_k[None, :] < K), other=0.0)
+    return _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+
+
+@triton.jit
 def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                    TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr, USE_PDL: tl.constexpr):
@@ -194,9 +204,7 @@ def _split_linear_kernel(x_ptr, w_ptr, residual_ptr, y_ptr, partial_ptr, count_p
     depth = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(split * depth, tl.minimum((split + 1) * depth, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=in_m[:, None] & (offs_k[None, :] < K), other=0.0)
-        acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+        acc += _rows_times(x_ptr, w_ptr, offs_m, in_m, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
     tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(partial_ptr + (block * SPLIT + split) * BLOCK_M * BLOCK_N + tile, acc)
     # (every warp's stores before the count, whose release makes them visible to the program that counts last,

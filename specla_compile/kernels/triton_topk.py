@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_args, wait_upstream
-from .triton_linear import MAX_ROWS, _tiles, _times
+from .triton_linear import MAX_ROWS, _rows_times, _tiles
 
 
 @triton.jit
@@ -85,9 +85,7 @@ def _linear_top_k_kernel(x_ptr, w_ptr, bias_ptr, part_m, part_s, part_v, part_i,
     in_n, in_m = offs_n < N, offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=in_m[:, None] & (offs_k[None, :] < K), other=0.0)
-        acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+        acc += _rows_times(x_ptr, w_ptr, offs_m, in_m, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
     scores = tl.where(in_n[None, :], acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))

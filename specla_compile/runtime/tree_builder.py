@@ -136,15 +136,22 @@ def _children(step: StepFn, frontier: Frontier, k: int) -> tuple[torch.Tensor, t
     return tuple(t.view(rows, width, k) for t in ops.vocab_top_k(scores.reshape(rows * width, columns), k))
 
 
-def _best(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest of each row's few candidates ``score [R, n]``, best first, ties to the lower
-    index: each candidate's rank counted pairwise, elementwise work that inductor fuses with its neighbours
-    (``topk`` is two kernels, about 10 us on the H200, for a level's 16 candidates)."""
+def _ranks(score: torch.Tensor, among: torch.Tensor | None = None) -> torch.Tensor:
+    """Each candidate's rank among a row's few candidates ``score [R, n]`` (or among those ``among [R, n]``
+    marks), best first, ties to the lower index, NaN as -inf: counted pairwise, elementwise work that inductor
+    fuses with its neighbours (``topk`` is two kernels, about 10 us on the H200, for a level's 16 candidates, and
+    a sort and a scatter are kernels of their own)."""
     score = score.nan_to_num(nan=float("-inf"))  # (NaN compares false with everything: ranks would repeat)
     index = torch.arange(score.shape[-1], device=score.device)
     other, this = score[:, None, :], score[:, :, None]
     ahead = (other > this) | ((other == this) & (index[None, :] < index[:, None]))  # [R, n, n]: j ranks before i
-    rank = ahead.sum(-1)
+    return (ahead if among is None else ahead & among[:, None, :]).sum(-1)
+
+
+def _best(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest of each row's few candidates ``score [R, n]``, best first, ties to the lower
+    index (:func:`_ranks`)."""
+    rank = _ranks(score)
     return (rank[:, None, :] == torch.arange(k, device=score.device)[:, None]).int().argmax(-1)
 
 
@@ -161,14 +168,9 @@ def _select(parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor, co
     # candidates, ROOT at level 1, so a root path holds at most ``depth`` of them).
     above = ancestor_mask_device(parents, height=config.depth).transpose(1, 2)  # [R, i, j]: i is j or above it
     keep = (above & keep[:, None, :]).any(-1)
-    # The ``budget`` best kept nodes (all of them in a row that keeps fewer): each kept node's rank among the
-    # kept ones by score, ties to the earlier candidate (candidates are in depth order, so ancestors rank before
-    # descendants), counted pairwise as ``_best`` does (a sort and a scatter are kernels of their own on the GPU).
-    score = scores.nan_to_num(nan=float("-inf"))
-    index = torch.arange(m, device=scores.device)
-    other, this = score[:, None, :], score[:, :, None]
-    ahead = keep[:, None, :] & ((other > this) | ((other == this) & (index[None, :] < index[:, None])))
-    return keep & (ahead.sum(-1) < config.budget)
+    # The ``budget`` best kept nodes (all of them in a row that keeps fewer): ranked among the kept ones, ties to
+    # the earlier candidate (candidates are in depth order, so ancestors rank before descendants).
+    return keep & (_ranks(scores, among=keep) < config.budget)
 
 
 def _pack(

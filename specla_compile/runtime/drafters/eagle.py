@@ -530,17 +530,20 @@ class EagleDrafter(Drafter):
             return self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
 
+    def fuses_top_k(self) -> bool:
+        """Whether a tree level's LM head and top-k run as one op, :meth:`top_k` (``HeadGemms.linear_top_k``: with
+        ``"triton"`` and ``"specla"``, over an ``nn.Linear``'s rows or the draft vocabulary's copy); otherwise the
+        tree builder scores through :meth:`logits` (an LM head module's own forward), then takes the top-k."""
+        return HEAD_GEMMS[self.head_gemms].linear_top_k is not None and (
+            self._lm_weight is not None or type(self.lm_head) is nn.Linear)
+
     def top_k(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``min(k, V)`` best score columns of :meth:`logits` after each of ``hidden [..., D]`` and their
-        log-probabilities, ``[..., k]`` each, best first: the LM head and the top-k as the head's GEMMs run them
-        (``HeadGemms.linear_top_k``: one specla op for ``"triton"`` and ``"specla"``); an LM head module other than
-        ``nn.Linear`` runs as :meth:`logits` does, then ``specla::vocab_top_k``."""
+        log-probabilities, ``[..., k]`` each, best first, as one op (where :meth:`fuses_top_k`)."""
+        if not self.fuses_top_k():
+            raise ValueError(f"EagleDrafter.top_k: head_gemms={self.head_gemms!r} with a {type(self.lm_head).__name__} "
+                             "LM head scores through logits() (fuses_top_k() is False)")
         weight, bias = self._lm_weight, self._lm_bias
-        if weight is None and type(self.lm_head) is not nn.Linear:  # (its forward may not be F.linear of its weight)
-            scores = self.logits(hidden)
-            k = min(k, scores.shape[-1])
-            log_probs, columns = ops.vocab_top_k(scores.reshape(-1, scores.shape[-1]), k)
-            return log_probs.view(*hidden.shape[:-1], k), columns.view(*hidden.shape[:-1], k)
         if weight is None:
             weight, bias = self.lm_head.weight, self.lm_head.bias
         k = min(k, weight.shape[0])
@@ -701,6 +704,8 @@ class _TreeRollout:
         self.seen = (columns < plan.lengths[:, None])[:, None]  # [R, W, columns] each frontier node may attend to
         self.hidden = drafter._last_hidden[plan.rows][:, None]  # [R, W, D] of the current frontier
         self.base = plan.lengths - 1  # the pending pair's position
+        if not drafter.fuses_top_k():  # (the builder then scores through __call__, then takes the top-k)
+            self.top_k = None
 
     def __call__(self, frontier: Frontier) -> torch.Tensor:
         if frontier.depth > 0:

@@ -35,7 +35,7 @@ class HeadGemms(NamedTuple):
     linear_add: Callable[..., torch.Tensor]
     norm_linear: Callable[..., torch.Tensor]
     norm_gated_linear: Callable[..., torch.Tensor]
-    linear_top_k: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    linear_top_k: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None  # (None: the tree builder's scores, then top-k)
     down_add: Callable[..., torch.Tensor]  # (hidden, weight, residual) -> residual + hidden @ weight^T
 
 
@@ -55,12 +55,6 @@ def _down_add(hidden: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     return _add_after_down(hidden, weight, residual)
 
 
-def _scores_then_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ops.linear_top_k`` as two launches: the framework's GEMM writes the scores, ``specla::vocab_top_k`` reads them."""
-    return ops.vocab_top_k(F.linear(x, weight, bias), k)
-
-
 def _after_norm(gemm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``(x, norm_weight, eps, weight) -> gemm(rms_norm(x), weight)``: the norm as PyTorch code (one small inductor
     kernel), the GEMM as a specla op. At hidden 2048 on the H200 a norm inside the GEMM's weight loop costs 4 us a
@@ -71,11 +65,11 @@ def _after_norm(gemm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 # as specla ops (one Triton launch each on CUDA), or as the PyTorch code they stand for (which inductor fuses)
 HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gated_linear, ops.linear_top_k, _down_add),
               "pytorch": HeadGemms(ref.linear_add_reference, ref.norm_linear_reference, ref.norm_gated_linear_reference,
-                                   _scores_then_top_k, _add_after_down),
+                                   None, _add_after_down),
               # specla's linear_add for the two 1024-column GEMMs (the fuse, o_proj), where cuBLAS's kernel at 4 rows
               # streams their 2 MB in 5-8 us (H200 propose profile) against linear_add's 4-5 us; PyTorch's for the rest
               "mixed": HeadGemms(ops.linear_add, ref.norm_linear_reference, ref.norm_gated_linear_reference,
-                                 _scores_then_top_k, _add_after_down),
+                                 None, _add_after_down),
               # specla's GEMMs throughout (gate/up with silu(gate) * up), the norms PyTorch's: at the 1.3B-sized
               # head the bare Triton GEMMs stream q/k/v in 8.9 us against cuBLAS's 9.4 and gate/up with the gate
               # in 17.5 against cuBLAS's and inductor's 21.9 (fold_gpu_head.md, 24 weights in one graph)
