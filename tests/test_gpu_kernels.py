@@ -280,6 +280,41 @@ def test_split_linear_at_a_down_projection_replays_in_a_cuda_graph(rows, n, k):
     assert not triton_linear._counts[x.device].any()
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("hidden", [1024, 2048])
+def test_int8_head_ops_at_the_heads_shapes(rows, hidden):
+    """A draft head's GEMMs with weight-only int8 (per-row scales) on the GPU at the trained head's and the
+    1.3B-sized head's shapes, bf16 rows: the fuse with its bias and table rows, q/k/v after a norm, gate/up with its
+    gate, the down projection with its residual (split at hidden 1024) and a draft vocabulary's LM head with its
+    top-k, against fp64 PyTorch of the integers times their scales."""
+    gen = torch.Generator().manual_seed(rows + hidden)
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
+
+    def int8(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, scale = ref.quantize_rows(torch.randn(n, k, generator=gen) / k**0.5)
+        return q.cuda(), scale.cuda(), q.double().cuda() * scale.double().cuda()[:, None]
+
+    x, norm, bias, table = make(rows, hidden), 1 + make(hidden, scale=0.2), make(hidden), make(32000, hidden)
+    ids = torch.randint(0, 32000, (rows,), generator=gen).cuda()
+    d = lambda t: t.double()
+    q, scale, w = int8(hidden, hidden)
+    assert rel_err(ops.linear_add(x, q, bias, table, ids, scale),
+                   ref.linear_add_reference(d(x), w, d(bias), d(table), ids)) <= 1e-2
+    q, scale, w = int8(3 * hidden, hidden)
+    assert rel_err(ops.norm_linear(x, norm, 1e-6, q, scale), ref.norm_linear_reference(d(x), d(norm), 1e-6, w)) <= 1e-2
+    q, scale, w = int8(8 * hidden, hidden)
+    assert rel_err(ops.gated_linear(x, q, scale), ref.gated_linear_reference(d(x), w)) <= 1e-2
+    q, scale, w = int8(hidden, 4 * hidden)
+    wide, residual = make(rows, 4 * hidden), make(rows, hidden)
+    assert rel_err(ops.linear_add(wide, q, None, residual, None, scale), d(wide) @ w.T + d(residual)) <= 1e-2
+    q, scale, w = int8(8192, hidden)
+    log_probs, ids = ops.linear_top_k(x, q, None, 4, scale)
+    all_lp = torch.log_softmax(d(x) @ w.T, -1)
+    torch.testing.assert_close(log_probs.double(), all_lp.gather(1, ids), rtol=0, atol=0.05)
+    torch.testing.assert_close(log_probs.double(), all_lp.topk(4).values, rtol=0, atol=0.05)
+    assert not triton_linear._counts[x.device].any()
+
+
 def test_gather_paths_of_a_layer_stack_replays_in_a_cuda_graph():
     """One 24-layer pass's records (bf16 keys/values/conv inputs, fp32 gates) gathered along tree paths by
     ``ops.gather_paths_`` inside a captured graph, replayed with new paths and new records: equal to one

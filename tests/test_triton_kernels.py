@@ -392,6 +392,8 @@ def test_split_linear_sums_its_depth_slices_in_order(rows, dtype, residual):
     the block counters are back at zero after the launch, and a second launch gives the same bits."""
     assert [ops.linear_split(torch.empty(shape, device="meta")) for shape in ((40, 4100), (1024, 8192), (2048, 8192),
                                                                              (1024, 2048))] == [4, 8, 1, 1]
+    assert [ops.linear_split(torch.empty(shape, dtype=torch.int8, device="meta"))
+            for shape in ((2048, 8192), (4096, 8192))] == [8, 1]  # (int8: up to 2,048 columns)
     t = _head_linear_inputs(rows, 40, 4100, dtype, rows)
     with poisoned_allocations():
         y = tl_.linear(t["x"], t["w"], residual=t["residual"] if residual else None)
@@ -463,6 +465,53 @@ def test_linear_adds_a_skip_before_its_norm_and_writes_the_sum(rows, gated):
                                                 gated=gated)
     assert y.shape == (rows, 40) and rel_err(y, expected) <= 1e-5
     assert torch.equal(summed, t["x"] + skip)
+
+
+@interpreted
+@pytest.mark.parametrize("rows, dtype", [(3, torch.float32), (5, torch.float16), (20, torch.float32)])
+def test_int8_weights_scale_each_output_column(rows, dtype):
+    """Weight-only int8 (``reference.quantize_rows``, per output row) in every head kernel, against fp64 PyTorch of
+    the integers times their scales: a plain GEMM, one with the norm before and the bias and table rows after, the
+    gated gate/up (its two halves' scales apart), a depth split four ways with its residual, and a tree level's LM
+    head with its top-k; rows of weights a few times apart in size, random inputs."""
+    gen = torch.Generator().manual_seed(rows)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+
+    def int8(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, scale = ref.quantize_rows(torch.randn(n, k, generator=gen) * (0.2 + 4 * torch.rand(n, 1, generator=gen)))
+        return q, scale, q.double() * scale.double()[:, None]
+
+    t = _head_linear_inputs(rows, 40, 300, dtype, rows)
+    d = {name: v.double() if v.is_floating_point() else v for name, v in t.items()}
+    q, scale, w = int8(40, 300)
+    with poisoned_allocations():
+        plain = tl_.linear(t["x"], q, weight_scale=scale)
+        full = tl_.linear(t["x"], q, t["bias"], t["table"], t["ids"], t["norm"], 1e-5, weight_scale=scale)
+    assert rel_err(plain, d["x"] @ w.T) <= tol
+    normed = torch.nn.functional.rms_norm(d["x"], (300,), d["norm"], 1e-5)
+    assert rel_err(full, torch.nn.functional.linear(normed, w, d["bias"]) + d["table"][t["ids"]]) <= tol
+    q, scale, w = int8(80, 300)
+    gate, up = (d["x"] @ w.T).chunk(2, dim=-1)
+    assert rel_err(tl_.gated_linear(t["x"], q, weight_scale=scale), torch.nn.functional.silu(gate) * up) <= tol
+    q, scale, w = int8(40, 4100)
+    x = torch.randn(rows, 4100, generator=gen).to(dtype)
+    assert rel_err(tl_.linear(x, q, residual=t["residual"], weight_scale=scale),
+                   x.double() @ w.T + d["residual"]) <= tol
+    assert not tl_._counts[x.device].any()
+    q, scale, w = int8(2100, 2048)  # (a wide weight at depth 2,048: int8 steps twice as deep)
+    assert tl_._tiles(2100, 2048, int8=True)[1] == 2 * tl_._tiles(2100, 2048)[1]
+    x = torch.randn(rows, 2048, generator=gen).to(dtype)
+    assert rel_err(tl_.linear(x, q, weight_scale=scale), x.double() @ w.T) <= tol
+    q, scale, w = int8(100, 300)
+    log_probs, ids = tk.linear_top_k(t["x"], q, None, 4, scale)
+    expected_lp, expected_ids = ref.vocab_top_k_reference(d["x"] @ w.T, 4)
+    assert torch.allclose(log_probs, expected_lp, atol=50 * tol)  # (scores near 50: fp16 rounds them by 0.03)
+    if dtype == torch.float32:  # (half precision's rounded scores may reorder near-ties)
+        assert torch.equal(ids, expected_ids)
+    with pytest.raises(ValueError, match="an int8 weight with its scale"):
+        tl_.linear(t["x"], q)
+    with pytest.raises(ValueError, match="scale in float32"):
+        tl_.linear(t["x"], q, weight_scale=scale.double())
 
 
 @interpreted

@@ -103,10 +103,10 @@ ops.gather_paths_.register_kernel("cuda")(triton_gather.gather_paths_)
 
 
 @ops.linear_top_k.register_kernel("cuda")
-def _linear_top_k(x, weight, bias, k):
-    if not (_few_half_rows(x, weight, bias) and triton_topk.linear_top_k_fits(weight, k)):
-        return triton_topk.vocab_top_k(torch.nn.functional.linear(x, weight, bias), k)
-    return triton_topk.linear_top_k(x.contiguous(), weight.contiguous(), _vector(bias), k)
+def _linear_top_k(x, weight, bias, k, weight_scale=None):
+    if not (_few_half_rows(x, bias) and _weight_fits(x, weight, weight_scale) and triton_topk.linear_top_k_fits(weight, k)):
+        return triton_topk.vocab_top_k(reference.scaled_linear(x, weight, weight_scale, bias), k)
+    return triton_topk.linear_top_k(x.contiguous(), weight.contiguous(), _vector(bias), k, _vector(weight_scale))
 
 
 @ops.draft_attention.register_kernel("cuda")
@@ -127,6 +127,13 @@ def _few_half_rows(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
             and all(t.dtype == x.dtype for t in tensors if t is not None))
 
 
+def _weight_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """The weight in the rows' dtype, or int8 with its fp32 scale (the kernels widen its integers)."""
+    if weight_scale is None:
+        return weight.dtype == x.dtype
+    return weight.dtype == torch.int8 and weight_scale.dtype == torch.float32
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
@@ -138,41 +145,45 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 @ops.linear_add.register_kernel("cuda")
-def _linear_add(x, weight, bias, residual, residual_rows):
-    if not _few_half_rows(x, weight, bias, residual):
-        return _reference_of(ops.linear_add)(x, weight, bias, residual, residual_rows)
+def _linear_add(x, weight, bias, residual, residual_rows, weight_scale=None):
+    if not (_few_half_rows(x, bias, residual) and _weight_fits(x, weight, weight_scale)):
+        return _reference_of(ops.linear_add)(x, weight, bias, residual, residual_rows, weight_scale)
     table = residual_rows is not None
     y = triton_linear.linear(_rows(x), weight.contiguous(), _vector(bias), residual.contiguous() if table else _rows(residual),
-                             _vector(residual_rows))
+                             _vector(residual_rows), weight_scale=_vector(weight_scale))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 @ops.linear.register_kernel("cuda")
-def _linear(x, weight):
-    if not _few_half_rows(x, weight):
-        return _reference_of(ops.linear)(x, weight)
-    return triton_linear.linear(_rows(x), weight.contiguous()).view(*x.shape[:-1], weight.shape[0])
+def _linear(x, weight, weight_scale=None):
+    if not (_few_half_rows(x) and _weight_fits(x, weight, weight_scale)):
+        return _reference_of(ops.linear)(x, weight, weight_scale)
+    return triton_linear.linear(_rows(x), weight.contiguous(), weight_scale=_vector(weight_scale)).view(
+        *x.shape[:-1], weight.shape[0])
 
 
 @ops.gated_linear.register_kernel("cuda")
-def _gated_linear(x, weight):
-    if not _few_half_rows(x, weight):
-        return _reference_of(ops.gated_linear)(x, weight)
-    return triton_linear.gated_linear(_rows(x), weight.contiguous()).view(*x.shape[:-1], weight.shape[0] // 2)
+def _gated_linear(x, weight, weight_scale=None):
+    if not (_few_half_rows(x) and _weight_fits(x, weight, weight_scale)):
+        return _reference_of(ops.gated_linear)(x, weight, weight_scale)
+    return triton_linear.gated_linear(_rows(x), weight.contiguous(), weight_scale=_vector(weight_scale)).view(
+        *x.shape[:-1], weight.shape[0] // 2)
 
 
 @ops.norm_linear.register_kernel("cuda")
-def _norm_linear(x, norm_weight, eps, weight):
-    if not _few_half_rows(x, norm_weight, weight):
-        return _reference_of(ops.norm_linear)(x, norm_weight, eps, weight)
-    return triton_linear.linear(_rows(x), weight.contiguous(), norm_weight=_vector(norm_weight), eps=eps).view(*x.shape[:-1], weight.shape[0])
+def _norm_linear(x, norm_weight, eps, weight, weight_scale=None):
+    if not (_few_half_rows(x, norm_weight) and _weight_fits(x, weight, weight_scale)):
+        return _reference_of(ops.norm_linear)(x, norm_weight, eps, weight, weight_scale)
+    return triton_linear.linear(_rows(x), weight.contiguous(), norm_weight=_vector(norm_weight), eps=eps,
+                                weight_scale=_vector(weight_scale)).view(*x.shape[:-1], weight.shape[0])
 
 
 @ops.norm_gated_linear.register_kernel("cuda")
-def _norm_gated_linear(x, norm_weight, eps, weight):
-    if not _few_half_rows(x, norm_weight, weight):
-        return _reference_of(ops.norm_gated_linear)(x, norm_weight, eps, weight)
-    return triton_linear.gated_linear(_rows(x), weight.contiguous(), _vector(norm_weight), eps).view(*x.shape[:-1], weight.shape[0] // 2)
+def _norm_gated_linear(x, norm_weight, eps, weight, weight_scale=None):
+    if not (_few_half_rows(x, norm_weight) and _weight_fits(x, weight, weight_scale)):
+        return _reference_of(ops.norm_gated_linear)(x, norm_weight, eps, weight, weight_scale)
+    return triton_linear.gated_linear(_rows(x), weight.contiguous(), _vector(norm_weight), eps,
+                                      weight_scale=_vector(weight_scale)).view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def _add_norm_linear(op: torch.library.CustomOpDef, project: Callable) -> Callable:

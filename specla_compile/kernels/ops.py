@@ -265,16 +265,16 @@ def _(scores, k):
 
 
 @torch.library.custom_op("specla::linear_top_k", mutates_args=())
-def linear_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
+                 weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft head's tree level through its LM head: :func:`vocab_top_k` of ``x [N, K] @ weight [V, K]^T + bias``
     (``reference.linear_top_k_reference``); on CUDA, for a few half-precision rows, the scores stay in the
-    GEMM's launch (``triton_topk.linear_top_k``)."""
-    return ref.linear_top_k_reference(x, weight, bias, k)
+    GEMM's launch (``triton_topk.linear_top_k``). ``weight_scale``: as in :func:`linear_add`."""
+    return ref.linear_top_k_reference(x, weight, bias, k, weight_scale)
 
 
 @linear_top_k.register_fake
-def _(x, weight, bias, k):
+def _(x, weight, bias, k, weight_scale=None):
     if x.dim() != 2 or x.shape[1] != weight.shape[1] or not 1 <= k <= weight.shape[0]:
         raise ValueError(f"linear_top_k takes x [N, K], a weight [V, K] and 1 <= k <= V, got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and k={k}")
@@ -304,9 +304,12 @@ def linear_split(weight: torch.Tensor) -> int:
     """In how many depth slices the CUDA kernels of ``linear`` and ``linear_add`` (no norm, bias or table rows)
     stream ``weight [N, K]``: ``K // LINEAR_SPLIT_DEPTH`` for a deep, narrow one (K >= 4,096, N <= 1,024: a
     draft head's down projection at hidden 1,024, whose propose replays 4% faster on the H200 than with cuBLAS's
-    split-K, its reduction and the residual's add; at [2048, 8192] it was 1% slower); 1 otherwise."""
+    split-K, its reduction and the residual's add; at [2048, 8192] it was 1% slower in bf16; in int8, which cuBLAS
+    does not take, N <= 2,048: one program per 16 columns over the whole depth took 14.9 us there against
+    cuBLAS's bf16 12.7); 1 otherwise."""
     n, k = weight.shape
-    return k // LINEAR_SPLIT_DEPTH if k >= 4 * LINEAR_SPLIT_DEPTH and n <= 1024 else 1
+    widest = 2048 if weight.dtype == torch.int8 else 1024
+    return k // LINEAR_SPLIT_DEPTH if k >= 4 * LINEAR_SPLIT_DEPTH and n <= widest else 1
 
 # A draft head's GEMMs with what surrounds them (the norm before, the residual after, the gate): on CUDA one
 # Triton launch each for a few rows (``triton_linear``), where the framework runs two or three kernels.
@@ -314,62 +317,66 @@ def linear_split(weight: torch.Tensor) -> int:
 
 @torch.library.custom_op("specla::linear_add", mutates_args=())
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-               residual_rows: torch.Tensor | None) -> torch.Tensor:
+               residual_rows: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T + bias + residual`` -> ``[..., N]``; ``residual`` is ``[..., N]``, or a
-    table ``[V, N]`` whose rows ``residual_rows [...]`` picks (``reference.linear_add_reference``)."""
-    return ref.linear_add_reference(x, weight, bias, residual, residual_rows)
+    table ``[V, N]`` whose rows ``residual_rows [...]`` picks (``reference.linear_add_reference``).
+    ``weight_scale [N]``: ``weight`` is int8, standing for ``weight * weight_scale[:, None]``
+    (``reference.quantize_rows``; the linear ops below alike)."""
+    return ref.linear_add_reference(x, weight, bias, residual, residual_rows, weight_scale)
 
 
 @linear_add.register_fake
-def _(x, weight, bias, residual, residual_rows):
+def _(x, weight, bias, residual, residual_rows, weight_scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("specla::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T`` -> ``[..., N]``: a target's GEMM routed to specla's kernel
     (``lowering/fold_norms.route_linears``), or an EAGLE head's q/k/v (``head_gemms="triton"``); on CUDA it
     launches with PDL on Hopper."""
-    return torch.nn.functional.linear(x, weight)
+    return ref.scaled_linear(x, weight, weight_scale)
 
 
 @linear.register_fake
-def _(x, weight):
+def _(x, weight, weight_scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("specla::gated_linear", mutates_args=())
-def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ weight^T``, ``weight = [gate; up]`` of ``2N`` rows -> ``[..., N]``
     (``reference.gated_linear_reference``): a target's MLP, or an EAGLE head's (``head_gemms="triton"``)."""
-    return ref.gated_linear_reference(x, weight)
+    return ref.gated_linear_reference(x, weight, weight_scale)
 
 
 @gated_linear.register_fake
-def _(x, weight):
+def _(x, weight, weight_scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 
 @torch.library.custom_op("specla::norm_linear", mutates_args=())
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``rms_norm(x) @ weight^T`` -> ``[..., N]`` (``reference.norm_linear_reference``)."""
-    return ref.norm_linear_reference(x, norm_weight, eps, weight)
+    return ref.norm_linear_reference(x, norm_weight, eps, weight, weight_scale)
 
 
 @norm_linear.register_fake
-def _(x, norm_weight, eps, weight):
+def _(x, norm_weight, eps, weight, weight_scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("specla::norm_gated_linear", mutates_args=())
-def norm_gated_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+def norm_gated_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``rms_norm(x) @ weight^T``, ``weight = [gate; up]`` of ``2N`` rows -> ``[..., N]``
     (``reference.norm_gated_linear_reference``)."""
-    return ref.norm_gated_linear_reference(x, norm_weight, eps, weight)
+    return ref.norm_gated_linear_reference(x, norm_weight, eps, weight, weight_scale)
 
 
 @norm_gated_linear.register_fake
-def _(x, norm_weight, eps, weight):
+def _(x, norm_weight, eps, weight, weight_scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 

@@ -299,10 +299,31 @@ def vocab_top_k_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, t
     return values[:, :k].contiguous(), ids[:, :k].contiguous()
 
 
-def linear_top_k_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`vocab_top_k_reference` of the scores ``x [N, K] @ weight [V, K]^T + bias`` (in x's dtype)."""
-    return vocab_top_k_reference(torch.nn.functional.linear(x, weight, bias), k)
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8 of ``weight [N, K]``, symmetric per output row: ``(data [N, K] int8, scale [N] fp32)`` with
+    ``weight ~ data * scale[:, None]`` (each row's largest magnitude at 127)."""
+    wide = weight.detach().float()
+    scale = (wide.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return (wide / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias``, where with ``weight_scale [N]`` an int8 ``weight`` stands for ``weight *
+    weight_scale[:, None]`` (:func:`quantize_rows`): the integers times x accumulated in fp32 (fp64 for fp64 x),
+    scaled per column, the bias added and rounded to x's dtype once, as the kernels do."""
+    if weight_scale is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    y = torch.nn.functional.linear(x.to(wide), weight.to(wide)) * weight_scale.to(wide)
+    return (y if bias is None else y + bias.to(wide)).to(x.dtype)
+
+
+def linear_top_k_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
+                           weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vocab_top_k_reference` of the scores ``x [N, K] @ weight [V, K]^T + bias`` (in x's dtype; an int8
+    weight with its ``weight_scale``, :func:`scaled_linear`)."""
+    return vocab_top_k_reference(scaled_linear(x, weight, weight_scale, bias), k)
 
 
 def gather_paths_reference(srcs: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
@@ -337,26 +358,31 @@ def draft_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch
 
 
 def linear_add_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                         residual_rows: torch.Tensor | None) -> torch.Tensor:
+                         residual_rows: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T + bias + residual`` over the last dimension; with ``residual_rows`` (indices shaped as
-    ``x``'s leading dimensions), ``residual`` is a table whose rows they pick."""
-    return torch.nn.functional.linear(x, weight, bias) + (residual if residual_rows is None else residual[residual_rows])
+    ``x``'s leading dimensions), ``residual`` is a table whose rows they pick (an int8 weight with its
+    ``weight_scale``: :func:`scaled_linear`)."""
+    return scaled_linear(x, weight, weight_scale, bias) + (residual if residual_rows is None else residual[residual_rows])
 
 
-def norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
-    """``rms_norm(x) @ weight^T`` (the norm scaled by ``norm_weight``, as ``nn.RMSNorm``)."""
-    return torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight)
+def norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``rms_norm(x) @ weight^T`` (the norm scaled by ``norm_weight``, as ``nn.RMSNorm``; an int8 weight with its
+    ``weight_scale``, :func:`scaled_linear`)."""
+    return scaled_linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight, weight_scale)
 
 
-def gated_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, where ``[gate, up]`` are the two halves of ``x @ weight^T`` (an MLP's packed gate/up)."""
-    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+def gated_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up``, where ``[gate, up]`` are the two halves of ``x @ weight^T`` (an MLP's packed gate/up; an
+    int8 weight with its ``weight_scale``, :func:`scaled_linear`)."""
+    gate, up = scaled_linear(x, weight, weight_scale).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
-def norm_gated_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+def norm_gated_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``gated_linear_reference`` of ``rms_norm(x)`` (as ``norm_linear_reference``)."""
-    return gated_linear_reference(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight)
+    return gated_linear_reference(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight, weight_scale)
 
 
 def rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -98,16 +98,25 @@ def _rows_ahead(x_ptr, skip_ptr, sum_ptr, norm_ptr, inverse_rms, M, K, k0, x_nex
 
 @triton.jit
 def _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
-    """``x @ W[offs_n, k0 : k0 + BLOCK_K]^T`` in fp32 (``W [*, K]`` row-major; IEEE: fp32 products, not TF32;
-    WIDE: offsets past 2^31 elements, in int64)."""
+    """``x @ W[offs_n, k0 : k0 + BLOCK_K]^T`` in fp32 (``W [*, K]`` row-major, x's dtype or int8; IEEE: fp32
+    products, not TF32; WIDE: offsets past 2^31 elements, in int64)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     rows = offs_n[:, None].to(tl.int64) if WIDE else offs_n[:, None]
     w = tl.load(w_ptr + rows * K + offs_k[None, :], mask=in_n[:, None] & (offs_k[None, :] < K), other=0.0)
+    w = w.to(x.dtype)  # (an int8 weight's integers, exact in x's dtype; its scale comes after the sum)
     if IEEE:
         product = tl.dot(x, tl.trans(w), input_precision="ieee")
     else:
         product = tl.dot(x, tl.trans(w))
     return product
+
+
+@triton.jit
+def _scaled(acc, scale_ptr, offs_n, in_n):
+    """``acc [BLOCK_M, BLOCK_N]`` times an int8 weight's per-column ``scale`` (none: as it is)."""
+    if scale_ptr is not None:
+        acc *= tl.load(scale_ptr + offs_n, mask=in_n, other=0.0)[None, :]
+    return acc
 
 
 @triton.jit
@@ -121,10 +130,11 @@ def _rows_times(x_ptr, w_ptr, offs_m, in_m, offs_n, in_n, K, k0, BLOCK_K: tl.con
 
 
 @triton.jit
-def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr, M, N, K, eps,
+def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, scale_ptr, norm_ptr, bias_ptr, residual_ptr, residual_rows_ptr, y_ptr,
+                   M, N, K, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                    TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid: (output column blocks,). ``y = norm?(x + skip?) @ W^T + bias? + residual?[rows?]``."""
+    """Grid: (output column blocks,). ``y = norm?(x + skip?) @ (W * scale?)^T + bias? + residual?[rows?]``."""
     wait_upstream(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -142,6 +152,7 @@ def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual
                                                              x_next, squares_next, BLOCK_M, BLOCK_K, PREFETCH)
         squares += block_squares
         acc += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+    acc = _scaled(acc, scale_ptr, offs_n, in_n)
     if norm_ptr is not None and not TWO_PASS:
         acc *= tl.rsqrt(squares / K + eps)[:, None]
     if bias_ptr is not None:
@@ -156,7 +167,7 @@ def _linear_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, bias_ptr, residual
 
 
 @triton.jit
-def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, scale_ptr, norm_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TWO_PASS: tl.constexpr, PREFETCH: tl.constexpr,
                   WIDE: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (output column blocks,). ``W = [gate; up]`` of ``2N`` rows; ``y = silu(gate) * up`` of
@@ -180,6 +191,7 @@ def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps
         squares += block_squares
         gate += _times(x, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
         up += _times(x, w_ptr, offs_n + N, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+    gate, up = _scaled(gate, scale_ptr, offs_n, in_n), _scaled(up, scale_ptr, offs_n + N, in_n)
     if norm_ptr is not None and not TWO_PASS:
         scale = tl.rsqrt(squares / K + eps)[:, None]
         gate, up = gate * scale, up * scale
@@ -189,7 +201,7 @@ def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, norm_ptr, y_ptr, M, N, K, eps
 
 
 @triton.jit
-def _split_linear_kernel(x_ptr, w_ptr, residual_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, SPLIT: tl.constexpr,
+def _split_linear_kernel(x_ptr, w_ptr, scale_ptr, residual_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                          WIDE: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (output column blocks, SPLIT). ``y = x @ W^T + residual?`` with the depth split: each program's
@@ -214,6 +226,7 @@ def _split_linear_kernel(x_ptr, w_ptr, residual_ptr, y_ptr, partial_ptr, count_p
         total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for part in tl.static_range(SPLIT):
             total += tl.load(partial_ptr + (block * SPLIT + part) * BLOCK_M * BLOCK_N + tile, cache_modifier=".cg")
+        total = _scaled(total, scale_ptr, offs_n, in_n)
         inside = in_m[:, None] & in_n[None, :]
         if residual_ptr is not None:
             total += tl.load(residual_ptr + offs_m[:, None] * N + offs_n[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -224,7 +237,7 @@ def _split_linear_kernel(x_ptr, w_ptr, residual_ptr, y_ptr, partial_ptr, count_p
 Tiles = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_stages)
 
 
-def _tiles(n: int, k: int, gated: bool = False, normed: bool = False) -> Tiles:
+def _tiles(n: int, k: int, gated: bool = False, normed: bool = False, int8: bool = False) -> Tiles:
     """The head's (depth 1,024): 16 columns over 256-deep steps up to 2,048 columns (64-128 programs), else 32
     over 128, four stages (the best of each shape in ``gemv_gpu_eagle_head.md``); the GDN-1.3B pass's (depth
     2,048 and more), by the best at 1 row in ``fold_gpu.md``'s bare sweep: o_proj [2048, 2048] 32 over 256 and
@@ -232,7 +245,13 @@ def _tiles(n: int, k: int, gated: bool = False, normed: bool = False) -> Tiles:
     [11264, 2048] 64 over 128, four stages; the LM head [32000, 2048] 64 over 128, three stages (its best at
     16 rows). A gated weight with the norm in its loop at depth 2,048 and more: 32 over 256, four stages (the
     1.3B-sized head's gate/up [16384, 2048] 21.4-22.2 us against 25.7-26.3 at 64 over 128, ``fold_gpu_head.md``;
-    the target's folded gate/up best at 32 over 256 too, ``fold_gpu.md``)."""
+    the target's folded gate/up best at 32 over 256 too, ``fold_gpu.md``). An int8 weight of more than 2,048
+    columns at depth 2,048 and more takes steps twice as deep (the same bytes a step: the 1.3B-sized head's q/k/v
+    8.3 -> 7.9 us, gate/up 14.2 -> 13.0 at 4 rows on the H200; at hidden 1,024 and for narrower weights deeper
+    steps were slower)."""
+    if int8 and k >= 2048 and n > 2048:
+        block_n, block_k, stages = _tiles(n, k, gated, normed)
+        return block_n, 2 * block_k, stages
     if k < 2048:
         return (16, 256, 4) if n <= 2048 else (32, 128, 4)
     if gated and normed:
@@ -263,13 +282,12 @@ def _block_counts(blocks: int, device: torch.device) -> torch.Tensor:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, skip: torch.Tensor | None,
-           skip_sum: torch.Tensor | None) -> None:
+           skip_sum: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > MAX_ROWS:
         raise ValueError(f"the linear kernels take x [M <= {MAX_ROWS}, K] and a weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
     _check_vector(norm_weight, x.shape[1], "norm weight")
-    if not (x.is_contiguous() and weight.is_contiguous()) or weight.dtype != x.dtype:
-        raise ValueError(f"the linear kernels take contiguous x and weight of one dtype, got {x.dtype} and {weight.dtype}")
+    check_weight(x, weight, weight_scale)
     if (skip is None) != (skip_sum is None) or (skip is not None and any(
             t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous() for t in (skip, skip_sum))):
         raise ValueError(f"the linear kernels take a skip and its sum's output together, contiguous, of x's shape "
@@ -279,6 +297,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
         raise ValueError("the linear kernels write the skip's sum to memory of its own, not x's, the skip's or the weight's")
     if skip is not None and x.dtype == torch.float16:  # (the two-pass norm of fp16 reads x before the sum exists)
         raise ValueError("the linear kernels add a skip to float32 or bfloat16 rows only")
+
+
+def check_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+    """Contiguous rows and weight, the weight in the rows' dtype, or int8 with its fp32 per-row scale."""
+    int8 = weight.dtype == torch.int8 and weight_scale is not None
+    if not (x.is_contiguous() and weight.is_contiguous()) or not (weight.dtype == x.dtype and weight_scale is None or int8):
+        raise ValueError(f"the linear kernels take contiguous x and weight of one dtype (or an int8 weight with its "
+                         f"scale), got {x.dtype} and {weight.dtype}")
+    if int8 and weight_scale.dtype != torch.float32:
+        raise ValueError(f"the linear kernels take an int8 weight's scale in float32, got {weight_scale.dtype}")
+    _check_vector(weight_scale, weight.shape[0], "weight scale")
 
 
 def _check_vector(t: torch.Tensor | None, size: int, what: str) -> None:
@@ -305,11 +334,13 @@ def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, columns: int, tiles: 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
            norm_weight: torch.Tensor | None = None, eps: float = 0.0, skip: torch.Tensor | None = None,
-           skip_sum: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+           skip_sum: torch.Tensor | None = None, tiles: Tiles | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` -> ``rms_norm(x + skip) @ weight^T + bias + residual[residual_rows]`` ``[M, N]``, each term
     optional (without ``residual_rows``, ``residual`` is ``[M, N]``; with it, a table ``[V, N]``). With ``skip``,
-    ``x + skip`` (rounded to x's dtype) is written to ``skip_sum``."""
-    _check(x, weight, norm_weight, skip, skip_sum)
+    ``x + skip`` (rounded to x's dtype) is written to ``skip_sum``. ``weight_scale [N]``: the weight is int8,
+    standing for ``weight * weight_scale[:, None]``."""
+    _check(x, weight, norm_weight, skip, skip_sum, weight_scale)
     rows, n = x.shape[0], weight.shape[0]
     _check_vector(bias, n, "bias")
     _check_vector(residual_rows, rows, "residual_rows")
@@ -323,27 +354,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         block_n, block_k, stages = SPLIT_TILES
         block_m, blocks = 16 if rows <= 16 else 32, triton.cdiv(n, block_n)
         partials = torch.empty(blocks, split, block_m, block_n, dtype=torch.float32, device=x.device)
-        _split_linear_kernel[(blocks, split)](x, weight, residual, y, partials, _block_counts(blocks, x.device), rows, n,
+        _split_linear_kernel[(blocks, split)](x, weight, weight_scale, residual, y, partials, _block_counts(blocks, x.device), rows, n,
                                              x.shape[1], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                              IEEE=x.dtype == torch.float32, WIDE=weight.numel() >= 2**31, num_warps=4,
                                              num_stages=stages, **launch_args(x.device))
         return y
-    _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1]), x, skip, skip_sum, weight, norm_weight, bias,
-            residual, residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
+    _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1], int8=weight_scale is not None), x, skip, skip_sum, weight, weight_scale,
+            norm_weight, bias, residual, residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  skip: torch.Tensor | None = None, skip_sum: torch.Tensor | None = None,
-                 tiles: Tiles | None = None) -> torch.Tensor:
+                 tiles: Tiles | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]``, ``weight [2N, K]`` (gate rows, then up rows) -> ``silu(gate) * up`` ``[M, N]`` of
-    ``rms_norm(x + skip) @ weight^T`` (norm and skip optional; the sum written to ``skip_sum``, as ``linear``)."""
-    _check(x, weight, norm_weight, skip, skip_sum)
+    ``rms_norm(x + skip) @ weight^T`` (norm and skip optional; the sum written to ``skip_sum``, an int8 weight's
+    ``weight_scale [2N]``: as ``linear``)."""
+    _check(x, weight, norm_weight, skip, skip_sum, weight_scale)
     if weight.shape[0] % 2:
         raise ValueError(f"gated_linear: the weight holds gate and up rows, an even count, got {weight.shape[0]}")
     rows, n = x.shape[0], weight.shape[0] // 2
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    tiles = tiles or _tiles(2 * n, x.shape[1], gated=True, normed=norm_weight is not None)
-    _launch(_gated_kernel, x, weight, n, tiles, x, skip, skip_sum, weight, norm_weight, y,
+    tiles = tiles or _tiles(2 * n, x.shape[1], gated=True, normed=norm_weight is not None, int8=weight_scale is not None)
+    _launch(_gated_kernel, x, weight, n, tiles, x, skip, skip_sum, weight, weight_scale, norm_weight, y,
             rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
     return y

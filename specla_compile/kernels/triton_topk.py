@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_args, wait_upstream
-from .triton_linear import MAX_ROWS, _rows_times, _tiles
+from .triton_linear import MAX_ROWS, _rows_times, _scaled, _tiles, check_weight
 
 
 @triton.jit
@@ -73,11 +73,11 @@ def _chunk_top_k_kernel(scores, part_m, part_s, part_v, part_i, V, K: tl.constex
 
 
 @triton.jit
-def _linear_top_k_kernel(x_ptr, w_ptr, bias_ptr, part_m, part_s, part_v, part_i, M, N, K, TOP: tl.constexpr,
+def _linear_top_k_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, part_m, part_s, part_v, part_i, M, N, K, TOP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                          WIDE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid: (column blocks,). One block of the scores ``x [M, K] @ W^T + bias`` (rounded to x's dtype, as
-    ``F.linear`` rounds them) and, per row, ``_chunk_top_k_kernel``'s partials of that block."""
+    """Grid: (column blocks,). One block of the scores ``x [M, K] @ (W * scale?)^T + bias`` (rounded to x's dtype,
+    as ``F.linear`` rounds them) and, per row, ``_chunk_top_k_kernel``'s partials of that block."""
     wait_upstream(USE_PDL)
     chunk, chunks = tl.program_id(0), tl.num_programs(0)
     offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,6 +86,7 @@ def _linear_top_k_kernel(x_ptr, w_ptr, bias_ptr, part_m, part_s, part_v, part_i,
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         acc += _rows_times(x_ptr, w_ptr, offs_m, in_m, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+    acc = _scaled(acc, scale_ptr, offs_n, in_n)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
     scores = tl.where(in_n[None, :], acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
@@ -181,24 +182,25 @@ def linear_top_k_fits(weight: torch.Tensor, k: int) -> bool:
     return 1 <= k <= min(weight.shape[0], block_n) and triton.cdiv(weight.shape[0], block_n) * k <= MAX_MERGED
 
 
-def linear_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
+                 weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``vocab_top_k(F.linear(x, weight, bias), k)`` for ``x [M <= MAX_ROWS, K]`` (contiguous, the weight's
     dtype) and a weight and ``k`` that :func:`linear_top_k_fits`: the scores' blocks and their partials in the
-    GEMM's launch (``triton_linear``'s tiles for the weight), then the merge."""
+    GEMM's launch (``triton_linear``'s tiles for the weight), then the merge. ``weight_scale [N]``: the weight is
+    int8, standing for ``weight * weight_scale[:, None]`` (as ``triton_linear.linear``)."""
     if (x.dim() != 2 or weight.dim() != 2 or x.shape[0] > MAX_ROWS or x.shape[1] != weight.shape[1]
-            or not linear_top_k_fits(weight, k) or not (x.is_contiguous() and weight.is_contiguous())
-            or x.dtype != weight.dtype
+            or not linear_top_k_fits(weight, k)
             or (bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous()))):
-        raise ValueError(f"linear_top_k takes x [M <= {MAX_ROWS}, K], a weight [N, K] of its dtype, both contiguous, "
+        raise ValueError(f"linear_top_k takes x [M <= {MAX_ROWS}, K], a weight [N, K], "
                          f"a contiguous bias [N] or None and a k that linear_top_k_fits; got {tuple(x.shape)} "
                          f"{x.dtype}, {tuple(weight.shape)} {weight.dtype} and k={k}")
+    check_weight(x, weight, weight_scale)
     n = weight.shape[0]
     block_n, block_k, stages = _tiles(n, weight.shape[1])
     rows, chunks = x.shape[0], triton.cdiv(n, block_n)
     parts = _partials(rows, chunks, k, x.device)
     if rows:
-        _linear_top_k_kernel[(chunks,)](x, weight, bias, *parts, rows, n, x.shape[1], TOP=k,
+        _linear_top_k_kernel[(chunks,)](x, weight, weight_scale, bias, *parts, rows, n, x.shape[1], TOP=k,
                                         BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
                                         IEEE=x.dtype == torch.float32, WIDE=weight.numel() >= 2**31, num_warps=4,
                                         num_stages=stages, **launch_args(x.device))
