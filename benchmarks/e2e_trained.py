@@ -99,10 +99,11 @@ TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n3
 # drafting from the head's --draft-vocab most frequent tokens; "_specla" / "_pytorch" / "_mixed": the head's GEMMs as
 # the fused specla ops / as PyTorch code / as the default before "triton" (EagleDrafter(head_gemms=...)) instead of the
 # drafter's default; "_t1": the tree ranked by the head's raw probabilities (acceptance_temperature=1) instead of its
-# calibrated ones: each an A/B on one checkpoint and one run
+# calibrated ones; "_int8": the head's GEMMs and LM head rows as weight-only int8 (EagleDrafter(quantize="int8")):
+# each an A/B on one checkpoint and one run
 FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_n32_fr",
              "eagle_tree_d4_fr_specla", "eagle_tree_fr_pytorch", "eagle_tree_fr_mixed", "eagle_tree_fr_t1",
-             "eagle_tree_d4_fr_t1")
+             "eagle_tree_d4_fr_t1", "eagle_tree_fr_int8")
 ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
 DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
@@ -155,6 +156,7 @@ def spec_configs() -> dict:
         "eagle_tree_fr_mixed": eagle_tree(6),
         "eagle_tree_fr_t1": eagle_tree(6),
         "eagle_tree_d4_fr_t1": eagle_tree(4),
+        "eagle_tree_fr_int8": eagle_tree(6),
         "eagle_tree_d4": eagle_tree(4),
         "eagle_tree_d5": eagle_tree(5),
         "eagle_tree_d8": eagle_tree(8),
@@ -524,13 +526,15 @@ class Bench:
             self.drafters.update(dict.fromkeys(("eagle_chain", "eagle_tree", *TREE_SHAPES), eagle))
         options_of = {route: (route.rsplit("_", 1)[1] if route.endswith(("_specla", "_pytorch", "_mixed"))
                               else DEFAULT_HEAD_GEMMS,
-                              1.0 if route.endswith("_t1") else None)
-                      for route in FR_ROUTES}  # (head_gemms, acceptance_temperature: None is the head's own)
-        for gemms, temperature in sorted({options_of[r] for r in FR_ROUTES if r in args.routes}, key=str):
+                              1.0 if route.endswith("_t1") else None,
+                              "int8" if route.endswith("_int8") else None)
+                      for route in FR_ROUTES}  # (head_gemms, acceptance_temperature: None is the head's own, quantize)
+        for options in sorted({options_of[r] for r in FR_ROUTES if r in args.routes}, key=str):
+            gemms, temperature, quantize = options
             frequent = EagleDrafter.from_pretrained(args.eagle, self.model, dtype=self.dtype, head_gemms=gemms,
-                                                    acceptance_temperature=temperature,
+                                                    acceptance_temperature=temperature, quantize=quantize,
                                                     draft_vocab=min(args.draft_vocab, output_vocab_size(self.model)))
-            self.drafters.update({route: frequent for route in FR_ROUTES if options_of[route] == (gemms, temperature)})
+            self.drafters.update({route: frequent for route in FR_ROUTES if options_of[route] == options})
         # the generator compiles the model with backend="specla" (and the options that suit a model it prefills eagerly)
         # shared_features: every route, plain decoding and the n-gram routes included, through one engine and graph
         self.gen = SpeculativeGenerator(self.model, self.drafters["ngram_chain"], self.configs["ngram_chain"],
@@ -741,7 +745,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "eagle_tree_fr_mixed (the head's GEMMs as the fused specla ops, as PyTorch code or as the "
                         "default before triton, not the drafter's default), eagle_tree_fr_t1 and "
                         "eagle_tree_d4_fr_t1 (trees ranked by the head's raw "
-                        "probabilities, not its calibrated ones) and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
+                        "probabilities, not its calibrated ones), eagle_tree_fr_int8 (the head's weights as int8) "
+                        "and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
                         "eagle_tree_n32: 32 nodes) run when named")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="the draft vocabulary of the *_fr* routes: the head's most frequent training "

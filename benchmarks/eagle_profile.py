@@ -170,10 +170,11 @@ def loop_section(args, results: dict) -> None:
                               "head_intermediate": head.config.intermediate_size, "new_tokens": 128,
                               "attention": attention, "head_gemms": args.head_gemms[0]}
     # the routes, then the tree drafting from each draft vocabulary (as the study's _fr routes), on its own drafter
-    runs = [(route, route, drafter) for route in LOOP_ROUTES]
-    runs += [(f"eagle_tree, draft vocabulary {vocab}", "eagle_tree", EagleDrafter(
+    runs = [(route, route, drafter) for route in LOOP_ROUTES if route == "plain" or route in args.loop_routes]
+    runs += [(f"eagle_tree, draft vocabulary {vocab}{quantized_name(quantize)}", "eagle_tree", EagleDrafter(
         head, model, attention=attention, head_gemms=args.head_gemms[0], inductor_options=args.propose_inductor,
-        draft_vocab=vocab)) for vocab in args.draft_vocab if vocab]
+        draft_vocab=vocab, quantize=None if quantize == "none" else quantize))
+        for vocab, quantize in itertools.product(args.draft_vocab, args.quantize) if vocab]
     sequences = {}
     for route, kind, route_drafter in runs:
         gen.drafter = route_drafter
@@ -218,12 +219,18 @@ def loop_section(args, results: dict) -> None:
             print("   ", line, flush=True)
         save_json(results, args.out)  # (a call cut short keeps the routes before)
     # pipelined and host-loop drafting run the same passes over the same drafts: the same tokens, bit for bit
-    loop["identical_to_host_loop"] = sequences["eagle_tree"] == sequences["eagle_tree_host"]
+    if {"eagle_tree", "eagle_tree_host"} <= sequences.keys():
+        loop["identical_to_host_loop"] = sequences["eagle_tree"] == sequences["eagle_tree_host"]
     loop["identical_to_plain"] = {route: tokens == sequences["plain"] for route, tokens in sequences.items() if route != "plain"}
-    print(f"loop outputs: pipelined tree == host-loop tree: {loop['identical_to_host_loop']}; "
+    print(f"loop outputs: pipelined tree == host-loop tree: {loop.get('identical_to_host_loop', '-')}; "
           f"== plain ({args.dtype}, random weights: near-ties may differ): {loop['identical_to_plain']}", flush=True)
     gen.drafter = drafter
     loop["one_token_calls"] = one_token_calls(gen, configs["eagle_tree"], prompt)
+
+
+def quantized_name(quantize: str) -> str:
+    """A route name's word on the head's weights (``--quantize``): none for its own."""
+    return "" if quantize == "none" else f", {quantize} head weights"
 
 
 def median_call(call, times: int = 11):
@@ -255,6 +262,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--sections", nargs="+", choices=("propose", "loop"), default=["propose", "loop"])
     p.add_argument("--calls", type=int, default=3, help="timed generate calls per route (loop)")
+    p.add_argument("--loop-routes", nargs="+", choices=LOOP_ROUTES, default=list(LOOP_ROUTES),
+                   help="the loop section's routes besides plain decoding, which always runs (every output's reference), "
+                        "and each --draft-vocab tree")
     p.add_argument("--target", choices=("trained", "gdn-1.3b"), default="trained",
                    help="the loop section's target: the trained study's shape, or the GDN-1.3B shape of e2e_gpu.py")
     p.add_argument("--hidden", type=int, default=None, help="the propose section's head width (default: the target's)")
@@ -271,6 +281,9 @@ def main() -> None:
     p.add_argument("--head-gemms", nargs="+", choices=sorted(HEAD_GEMMS), default=[DEFAULT_HEAD_GEMMS],
                    help="how the head's GEMMs run (EagleDrafter's head_gemms) in the propose section: the fused specla "
                         "ops, or PyTorch code that inductor compiles; the loop section drafts with the first")
+    p.add_argument("--quantize", nargs="+", choices=("none", "int8"), default=["none"],
+                   help="the head's weights in the propose section (EagleDrafter's quantize), and in the loop section "
+                        "for each --draft-vocab tree: its own, or weight-only int8 copies")
     p.add_argument("--draft-vocab", nargs="+", type=int, default=[0],
                    help="draft vocabularies to time in the propose section, and in the loop section each one's tree "
                         "beside the whole vocabulary's (0: the whole vocabulary; a random token ranking: the cost does "
@@ -323,17 +336,20 @@ def propose_section(args, results: dict) -> None:
     head = EagleHead(head_config(target, args)).to("cuda", dtype)
     results["propose_head_intermediate"] = head.config.intermediate_size
     head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
-    for (name, config), attention, vocab, gemms in itertools.product(CONFIGS.items(), args.attention, args.draft_vocab,
-                                                                     args.head_gemms):
+    for (name, config), attention, vocab, gemms, quantize in itertools.product(
+            CONFIGS.items(), args.attention, args.draft_vocab, args.head_gemms, args.quantize):
         draft_vocab = vocab or None
         name = (f"{name}, {attention} attention" + (f", draft vocabulary {vocab}" if vocab else "")
-                + (f", {gemms} head GEMMs" if len(args.head_gemms) > 1 else ""))
-        route = results["routes"][name] = {"attention": attention, "draft_vocab": draft_vocab, "head_gemms": gemms}
+                + (f", {gemms} head GEMMs" if len(args.head_gemms) > 1 else "") + quantized_name(quantize))
+        route = results["routes"][name] = {"attention": attention, "draft_vocab": draft_vocab, "head_gemms": gemms,
+                                           "quantize": quantize}
         for mode, static in (("graphed", None), ("uncaptured", False)):
-            if mode == "uncaptured" and (attention, draft_vocab, gemms) != (args.attention[0], None, args.head_gemms[0]):
+            if mode == "uncaptured" and (attention, draft_vocab, gemms, quantize) != (
+                    args.attention[0], None, args.head_gemms[0], args.quantize[0]):
                 continue  # (none of them changes a propose's launch count much)
             drafter = EagleDrafter(head, target, static_shapes=static, attention=attention, draft_vocab=draft_vocab,
-                                   head_gemms=gemms, inductor_options=args.propose_inductor)
+                                   head_gemms=gemms, inductor_options=args.propose_inductor,
+                                   quantize=None if quantize == "none" else quantize)
             route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden, dtype)
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph
@@ -402,8 +418,8 @@ def write_markdown(results: dict, out_dir: str) -> None:
                 same = "" if "same_first_token" not in call else f", same first token: {call['same_first_token']}"
                 lines.append(f"- one-token call, {name}: {call['call_ms']:.2f} ms, of which prefill {call['prefill_ms']:.2f} ms "
                              f"({call['prefill_passes']} pass{'es' if call['prefill_passes'] != 1 else ''}{same})")
-        if "identical_to_host_loop" in loop:
-            lines.append(f"- outputs: pipelined tree drafting identical to the host loop's: {loop['identical_to_host_loop']}; "
+        if "identical_to_plain" in loop:
+            lines.append(f"- outputs: pipelined tree drafting identical to the host loop's: {loop.get('identical_to_host_loop', '-')}; "
                          f"identical to plain decoding ({shape.get('dtype', 'bfloat16')}, random weights): {loop['identical_to_plain']}")
         lines.append("")
     lines += [f"- {note}" for note in results.get("notes", [])]

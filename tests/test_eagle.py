@@ -737,6 +737,47 @@ def test_down_projection_takes_the_split_kernel_where_its_depth_splits(gemms):
         torch.testing.assert_close(out, residual + hidden @ weight.T)
 
 
+@pytest.mark.parametrize("gemms, compiled", [("triton", False), ("triton", True), ("pytorch", False)])
+def test_int8_weights_draft_what_their_dequantized_weights_draft(gemms, compiled):
+    """``quantize="int8"``: each GEMM of the head and the draft levels' LM head rows stream int8 copies, one scale
+    per row; a chain and a tree drafted with them, uncaptured and compiled, are those of a float drafter whose
+    weights are the integers times their scales (so every GEMM applies its own scale: a scale missed or misplaced
+    changes the scores); the float weights are what the tables (the fuse's token half) still use. Anything but
+    None or "int8" is refused."""
+    target, head = make(seed=11)
+    seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3))
+    quantized = EagleDrafter(head, target, static_shapes=True, compiled=compiled, head_gemms=gemms,
+                             acceptance_temperature=1.0, quantize="int8")
+    assert {name: w.dtype for name, (w, _) in quantized._int8.items()} == dict.fromkeys(
+        ("fuse", "qkv", "o", "gate_up", "down"), torch.int8)
+    assert quantized._lm_weight.dtype == torch.int8 and quantized._lm_scale.shape == (VOCAB,)
+    def wide(name: str) -> torch.Tensor:
+        q, scale = quantized._int8[name]
+        return q.double() * scale.double()[:, None]
+
+    float_target, float_head = make(seed=11)
+    d, i = head.config.hidden_size, head.config.intermediate_size
+    with torch.no_grad():
+        float_head.fuse.weight[:, d:] = wide("fuse")
+        for proj, w in zip((float_head.q_proj, float_head.k_proj, float_head.v_proj), wide("qkv").split(d)):
+            proj.weight.copy_(w)
+        float_head.gate_proj.weight.copy_(wide("gate_up")[:i])
+        float_head.up_proj.weight.copy_(wide("gate_up")[i:])
+        float_head.o_proj.weight.copy_(wide("o"))
+        float_head.down_proj.weight.copy_(wide("down"))
+        float_target.lm_head.weight.copy_(quantized._lm_weight.double() * quantized._lm_scale.double()[:, None])
+    dequantized = EagleDrafter(float_head, float_target, static_shapes=True, compiled=compiled, head_gemms=gemms,
+                               acceptance_temperature=1.0)
+    EagleDrafter(head, target)  # (another drafter of the same head: its float weights leave this one's int8 as they are)
+    for drafter in (quantized, dequantized):
+        drafter.begin([seq[:-1]], [features_of(target, seq)[:-1]])
+    for config in (SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8), SpecConfig(mode="chain", depth=4)):
+        assert_same_draft(quantized.propose(DraftRequest([0], [seq]), config),
+                          dequantized.propose(DraftRequest([0], [seq]), config))
+    with pytest.raises(ValueError, match="quantize must be None or 'int8'"):
+        EagleDrafter(head, target, quantize="fp8")
+
+
 @pytest.mark.parametrize("config, compiled", [(SpecConfig(mode="chain", depth=4), False),
                                               (SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8), False),
                                               (SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8), True)])

@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...kernels import TRITON_KERNELS, ops
+from ...kernels.reference import quantize_rows
 from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest, PassOutputs
 from ..graph_capture import capture
@@ -202,6 +203,9 @@ class EagleDrafter(Drafter):
     ``specla::linear_top_k`` and a down projection whose depth splits as ``specla::linear_add``: 0.349 -> 0.322 ms
     a tree propose at hidden 1024, ``eagle_profile_linear_top_k.md``). The same drafts with any of the four, up to
     rounding.
+    ``quantize="int8"``: the head's GEMMs and the draft levels' LM head rows stream weight-only int8 copies (per
+    output row, :meth:`EagleHead.int8_weights`): half the bytes per draft level, which at batch 1 bound its
+    GEMMs. The drafts may differ where int8 rounding reorders near-ties; the output never does (the target verifies).
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
     at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
     saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat
@@ -220,7 +224,9 @@ class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead, target: nn.Module, static_shapes: bool | None = None,
                  compiled: bool | None = None, attention: str | None = None, draft_vocab: int | None = None,
                  head_gemms: str = DEFAULT_HEAD_GEMMS, acceptance_temperature: float | None = None,
-                 inductor_options: dict | None = None):
+                 inductor_options: dict | None = None, quantize: str | None = None):
+        if quantize not in (None, "int8"):
+            raise ValueError(f"EagleDrafter: quantize must be None or 'int8', got {quantize!r}")
         if attention is not None and attention not in ATTENTION:
             raise ValueError(f"EagleDrafter: attention must be None or one of {sorted(ATTENTION)}, got {attention!r}")
         if head_gemms not in HEAD_GEMMS:
@@ -237,6 +243,7 @@ class EagleDrafter(Drafter):
         embed = target.get_input_embeddings()
         table = embed.weight.shape[0] * head.config.hidden_size * head.fuse.weight.element_size()
         head.pack_projections(embed if table <= TOKEN_FUSE_BYTES else None)
+        self._int8 = head.int8_weights() if quantize else None  # (the drafter's own: other drafters share the head)
         self.head_gemms = head_gemms
         if inductor_options is None and head.fuse.weight.is_cuda:
             from ...kernels import pdl  # (imports Triton, which CUDA implies)
@@ -260,12 +267,16 @@ class EagleDrafter(Drafter):
         self.acceptance_temperature = float(head.config.acceptance_temperature if acceptance_temperature is None
                                             else acceptance_temperature)
         self._lm_weight = self._lm_bias = None  # the draft levels' LM rows, where they differ from the target's
-        if self.draft_vocab is not None or self.acceptance_temperature != 1.0:
+        self._lm_scale = None  # (their per-row scale, where quantized: _lm_weight is int8)
+        if self.draft_vocab is not None or self.acceptance_temperature != 1.0 or quantize:
             bias = getattr(self.lm_head, "bias", None)
             rows = slice(None) if self.draft_vocab is None else self.draft_vocab
             with torch.no_grad():  # (copies: those tokens' rows, scaled by 1 / T)
                 self._lm_weight = self.lm_head.weight[rows] / self.acceptance_temperature
                 self._lm_bias = None if bias is None else bias[rows] / self.acceptance_temperature
+                if quantize:
+                    self._lm_weight, self._lm_scale = quantize_rows(self._lm_weight)
+        self.quantize = quantize
         self.vocab_size = head.config.vocab_size
         self._cached: list[int] = []  # per row: pairs in the buffers
         self._features: list[torch.Tensor] = []  # per row: committed features waiting for their pair
@@ -448,15 +459,15 @@ class EagleDrafter(Drafter):
     def project(self, features: torch.Tensor, tokens: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head's :meth:`EagleHead.project` of pairs of ``features`` and token ids (their ids where the head
-        holds the token table, else their embeddings), with the chosen GEMMs."""
+        holds the token table, else their embeddings), with the chosen GEMMs and weights."""
         pairs = tokens if self.head.token_fuse is not None else self.embed(tokens).to(self._dtype)
-        return self.head.project(features, pairs, positions, HEAD_GEMMS[self.head_gemms])
+        return self.head.project(features, pairs, positions, HEAD_GEMMS[self.head_gemms], self._int8)
 
     def attend(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
-        """The head's :meth:`EagleHead.attend` with the chosen attention kernel and GEMMs."""
+        """The head's :meth:`EagleHead.attend` with the chosen attention kernel, GEMMs and weights."""
         return self.head.attend(x, q, keys, values, mask, _specla_attention if self.attention == "specla" else None,
-                                HEAD_GEMMS[self.head_gemms])
+                                HEAD_GEMMS[self.head_gemms], self._int8)
 
     def _check_host_state(self) -> None:
         if self._device_cached is not None:
@@ -528,6 +539,9 @@ class EagleDrafter(Drafter):
         the draft vocabulary's tokens."""
         if self._lm_weight is None:
             return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        if self._lm_scale is not None:  # (int8 rows: specla's GEMM, as the head's)
+            scores = ops.linear(hidden.to(self.lm_head.weight.dtype), self._lm_weight, self._lm_scale)
+            return scores if self._lm_bias is None else scores + self._lm_bias
         return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
 
     def fuses_top_k(self) -> bool:
@@ -548,7 +562,7 @@ class EagleDrafter(Drafter):
             weight, bias = self.lm_head.weight, self.lm_head.bias
         k = min(k, weight.shape[0])
         log_probs, columns = HEAD_GEMMS[self.head_gemms].linear_top_k(
-            hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias, k)
+            hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head.weight.dtype), weight, bias, k, self._lm_scale)
         return log_probs.view(*hidden.shape[:-1], k), columns.view(*hidden.shape[:-1], k)
 
     def _plan(self, request: DraftRequest, scratch: int, pad_to: int | None = None, round_up: bool = False) -> _Plan:

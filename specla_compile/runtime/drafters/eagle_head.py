@@ -36,30 +36,36 @@ class HeadGemms(NamedTuple):
     norm_linear: Callable[..., torch.Tensor]
     norm_gated_linear: Callable[..., torch.Tensor]
     linear_top_k: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None  # (None: the tree builder's scores, then top-k)
-    down_add: Callable[..., torch.Tensor]  # (hidden, weight, residual) -> residual + hidden @ weight^T
+    down_add: Callable[..., torch.Tensor]  # (hidden, weight, residual, weight_scale) -> residual + hidden @ weight^T
+    # (each takes an int8 weight's per-row scale as its last argument, ``weight_scale``: ``ref.scaled_linear``)
 
 
-def _add_after_down(hidden: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def _add_after_down(hidden: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The down projection as PyTorch code: the framework's GEMM, then the residual as its own add (which inductor
     fuses with what follows; inside the GEMM as addmm it took cuBLAS's bias-epilogue kernel, 3.4 us more per chain
-    level on the H200)."""
+    level on the H200). An int8 weight: specla's GEMM (the framework's has no int8 weight of bf16 rows)."""
+    if weight_scale is not None:
+        return residual + ops.linear(hidden, weight, weight_scale)
     return residual + F.linear(hidden, weight)
 
 
-def _down_add(hidden: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def _down_add(hidden: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+              weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The down projection as ``specla::linear_add`` where its kernel splits the weight's depth
     (``ops.linear_split``): the residual in the GEMM's launch, where cuBLAS's split-K runs a GEMM and a reduction
     and the add a third kernel; as PyTorch code elsewhere."""
     if ops.linear_split(weight) > 1:
-        return ops.linear_add(hidden, weight, None, residual, None)
-    return _add_after_down(hidden, weight, residual)
+        return ops.linear_add(hidden, weight, None, residual, None, weight_scale)
+    return _add_after_down(hidden, weight, residual, weight_scale)
 
 
 def _after_norm(gemm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``(x, norm_weight, eps, weight) -> gemm(rms_norm(x), weight)``: the norm as PyTorch code (one small inductor
-    kernel), the GEMM as a specla op. At hidden 2048 on the H200 a norm inside the GEMM's weight loop costs 4 us a
-    call, a norm kernel before it 2 (``benchmarks/results/fold_gpu_head.md``)."""
-    return lambda x, norm_weight, eps, weight: gemm(F.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight)
+    """``(x, norm_weight, eps, weight, weight_scale) -> gemm(rms_norm(x), weight, weight_scale)``: the norm as PyTorch
+    code (one small inductor kernel), the GEMM as a specla op. At hidden 2048 on the H200 a norm inside the GEMM's
+    weight loop costs 4 us a call, a norm kernel before it 2 (``benchmarks/results/fold_gpu_head.md``)."""
+    return lambda x, norm_weight, eps, weight, weight_scale=None: gemm(
+        F.rms_norm(x, (x.shape[-1],), norm_weight, eps), weight, weight_scale)
 
 
 # as specla ops (one Triton launch each on CUDA), or as the PyTorch code they stand for (which inductor fuses)
@@ -84,6 +90,9 @@ HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gate
 # 2.20x in one trained study); "specla" drafted no faster than "pytorch" (its norm-fused
 # launches cost what cuBLAS's and inductor's kernels cost together)
 DEFAULT_HEAD_GEMMS = "triton"
+
+# a packed head's GEMM weights as int8 and their per-row scales, by name (EagleHead.int8_weights)
+Int8Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -210,6 +219,18 @@ class EagleHead(nn.Module):
             self.token_fuse = (embed.weight.float() @ self.fuse.weight[:, :d].float().T).to(self.fuse.weight.dtype)
             self.feature_fuse_weight = self.fuse.weight[:, d:].contiguous()
 
+    @torch.no_grad()
+    def int8_weights(self) -> Int8Weights:
+        """Weight-only int8 copies of a packed head's GEMM weights (the fuse's feature half where a token table
+        is packed, q/k/v, o_proj, gate/up, down), each row scaled by its largest magnitude
+        (``reference.quantize_rows``), for :meth:`project` and :meth:`attend`: half the bytes a draft level reads.
+        A draft head only proposes, so their rounding moves acceptance, never the output."""
+        if self.qkv_weight is None:
+            raise ValueError("EagleHead.int8_weights: pack_projections() first")
+        weights = {"fuse": self.feature_fuse_weight, "qkv": self.qkv_weight, "o": self.o_proj.weight,
+                   "gate_up": self.gate_up_weight, "down": self.down_proj.weight}
+        return {name: ref.quantize_rows(w) for name, w in weights.items() if w is not None}
+
     def forward(
         self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,13 +242,16 @@ class EagleHead(nn.Module):
         return self.attend(x, q, k, v, mask), k, v
 
     def project(
-        self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, gemms: HeadGemms | None = None
+        self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, gemms: HeadGemms | None = None,
+        int8: Int8Weights | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """First half of :meth:`forward`: the fused input ``x [R, S, D]`` and the pairs' queries, keys and
         values ``[R, H, S, d]`` (RoPE applied), for a caller that keeps its keys in its own buffers. ``embeds``:
         the tokens' embeddings ``[R, S, D]``, or their ids ``[R, S]`` once packed with the target's embedding.
-        ``gemms``: how a packed head runs its GEMMs (one of ``HEAD_GEMMS``; default ``DEFAULT_HEAD_GEMMS``'s)."""
+        ``gemms``: how a packed head runs its GEMMs (one of ``HEAD_GEMMS``; default ``DEFAULT_HEAD_GEMMS``'s);
+        ``int8``: the weights it streams instead (:meth:`int8_weights`; default: its own)."""
         gemms = gemms or HEAD_GEMMS[DEFAULT_HEAD_GEMMS]  # (read by a packed head only)
+        weight_of = lambda name, weight: (int8 or {}).get(name, (weight, None))
         rows, s, _ = features.shape
         heads, dim = self.config.num_heads, self.config.head_dim
         if embeds.is_floating_point():
@@ -235,14 +259,16 @@ class EagleHead(nn.Module):
         elif self.token_fuse is None:
             raise ValueError("EagleHead.project takes token ids only after pack_projections(embed); pass embeddings")
         else:  # (the table's rows added in the GEMM's epilogue)
-            x = gemms.linear_add(features, self.feature_fuse_weight, self.fuse.bias, self.token_fuse, embeds)
+            weight, scale = weight_of("fuse", self.feature_fuse_weight)
+            x = gemms.linear_add(features, weight, self.fuse.bias, self.token_fuse, embeds, scale)
         split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)
         cos, sin = _rope(positions, dim // 2, self.config.rope_theta, x.dtype)
         if self.qkv_weight is None:
             h = self.attn_norm(x)
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         else:  # (the norm inside the GEMM's launch)
-            q, k, v = gemms.norm_linear(x, self.attn_norm.weight, self.config.rms_norm_eps, self.qkv_weight).chunk(3, dim=-1)
+            q, k, v = gemms.norm_linear(x, self.attn_norm.weight, self.config.rms_norm_eps,
+                                        *weight_of("qkv", self.qkv_weight)).chunk(3, dim=-1)
         # queries and keys rotated together: one set of elementwise ops, not two
         q, k = _rotate(torch.stack([split(q), split(k)]), cos, sin).unbind(0)
         return x, q, k, split(v)
@@ -250,12 +276,13 @@ class EagleHead(nn.Module):
     def attend(
         self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
         attention: Callable[..., torch.Tensor] | None = None, gemms: HeadGemms | None = None,
+        int8: Int8Weights | None = None,
     ) -> torch.Tensor:
         """Second half of :meth:`forward`: ``q`` attends over ``keys, values [R, H, T, d]`` under ``mask
         [R or 1, S, T]``; returns the predicted next features ``[R, S, D]``. ``attention(q, keys, values,
         mask) -> [R, S, H, d]``, when given, replaces PyTorch's ``scaled_dot_product_attention`` (a drafter's
-        own kernel, which writes the heads side by side as the output projection reads them). ``gemms``: as in
-        :meth:`project`."""
+        own kernel, which writes the heads side by side as the output projection reads them). ``gemms``, ``int8``: as
+        in :meth:`project`."""
         rows, s, _ = x.shape
         if attention is None:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None]).transpose(1, 2)
@@ -267,9 +294,13 @@ class EagleHead(nn.Module):
             return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
         # packed for inference: the residuals, the norm and the gate inside the GEMMs' launches
         gemms = gemms or HEAD_GEMMS[DEFAULT_HEAD_GEMMS]
-        x = gemms.linear_add(attn.reshape(rows, s, -1), self.o_proj.weight, None, x, None)
-        hidden = gemms.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps, self.gate_up_weight)
-        return gemms.down_add(hidden, self.down_proj.weight, x)
+        weight_of = lambda name, weight: (int8 or {}).get(name, (weight, None))
+        weight, scale = weight_of("o", self.o_proj.weight)
+        x = gemms.linear_add(attn.reshape(rows, s, -1), weight, None, x, None, scale)
+        hidden = gemms.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps,
+                                         *weight_of("gate_up", self.gate_up_weight))
+        weight, scale = weight_of("down", self.down_proj.weight)
+        return gemms.down_add(hidden, weight, x, scale)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the head's own weights only) to ``path``."""
