@@ -4,8 +4,9 @@ per GEMM, and the tiles it takes (``triton_linear._tiles``'s int8 rule, ``ops.li
 Each shape of the head at hidden 2048 and 1024 (the fuse's feature half and o_proj, q/k/v, gate/up with its gate,
 down; 4 rows, as a tree level's frontier), 24 distinct weights per shape replayed in one CUDA graph (the weights do
 not stay in L2), microseconds per call: cuBLAS in bf16, specla's kernel in bf16, and in int8 at bf16's tiles (and
-bf16's split rule), with steps twice as deep, with blocks twice as wide, and as the op picks (the int8 rules); then a
-draft vocabulary's LM head with its top-k (16 rows).
+bf16's split rule), with steps twice as deep, with blocks twice as wide, as the op picks (the int8 rules), and at the
+op's tiles with 8 warps a program instead of 4 (more threads to widen the integers; not yet measured); then a draft
+vocabulary's LM head with its top-k (16 rows).
 
     python benchmarks/int8_gemm_gpu.py --out DIR     # DIR/int8_gemm_gpu.{json,md}
 """
@@ -23,7 +24,8 @@ from specla_compile.kernels import ops, triton_linear
 from specla_compile.kernels.reference import quantize_rows
 
 COPIES = 24
-VARIANTS = ("cublas", "bf16", "int8 at bf16's tiles", "int8 deeper steps", "int8 wider blocks", "int8 as the op picks")
+VARIANTS = ("cublas", "bf16", "int8 at bf16's tiles", "int8 deeper steps", "int8 wider blocks", "int8 as the op picks",
+            "int8, 8 warps")
 
 
 def head_shapes(hidden: int) -> dict[str, tuple[int, int]]:
@@ -42,6 +44,9 @@ def call(variant: str, x: torch.Tensor, weight: torch.Tensor, q: torch.Tensor, s
     elif variant == "int8 as the op picks" or (variant == "int8 at bf16's tiles" and not gated
                                                 and ops.linear_split(weight) > 1):
         op(x, q, scale)
+    elif variant == "int8, 8 warps":
+        tiles = triton_linear._tiles(*weight.shape, gated=gated, int8=True)
+        (triton_linear.gated_linear if gated else triton_linear.linear)(x, q, tiles=tiles, weight_scale=scale, warps=8)
     else:
         block_n, block_k, stages = triton_linear._tiles(*weight.shape, gated=gated)
         tiles = {"int8 at bf16's tiles": (block_n, block_k, stages), "int8 deeper steps": (block_n, 2 * block_k, stages),
@@ -88,7 +93,7 @@ def write_report(results: dict, out_dir: str) -> None:
             lines.append(f"| {hidden} | {name} | " + " | ".join(str(row.get(v, "-")) for v in VARIANTS) + " |")
         top = shapes["lm_top_k"]
         lines.append(f"| {hidden} | LM head [8192, {hidden}] with top-4, 16 rows | - | {top['bf16']} | - | - | - | "
-                     f"{top['int8']} |")
+                     f"{top['int8']} | - |")
     lines += ["", *[f"- {note}" for note in results.get("notes", [])]]
     with open(os.path.join(out_dir, "int8_gemm_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -737,13 +737,13 @@ def test_down_projection_takes_the_split_kernel_where_its_depth_splits(gemms):
         torch.testing.assert_close(out, residual + hidden @ weight.T)
 
 
-@pytest.mark.parametrize("gemms, compiled", [("triton", False), ("triton", True), ("pytorch", False)])
+@pytest.mark.parametrize("gemms, compiled", [("triton", False), ("triton", True), ("specla", False)])
 def test_int8_weights_draft_what_their_dequantized_weights_draft(gemms, compiled):
     """``quantize="int8"``: each GEMM of the head and the draft levels' LM head rows stream int8 copies, one scale
     per row; a chain and a tree drafted with them, uncaptured and compiled, are those of a float drafter whose
     weights are the integers times their scales (so every GEMM applies its own scale: a scale missed or misplaced
     changes the scores); the float weights are what the tables (the fuse's token half) still use. Anything but
-    None or "int8" is refused."""
+    None or "int8" is refused, and so are int8 with PyTorch's GEMMs and with an LM head other than an nn.Linear."""
     target, head = make(seed=11)
     seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3))
     quantized = EagleDrafter(head, target, static_shapes=True, compiled=compiled, head_gemms=gemms,
@@ -776,6 +776,11 @@ def test_int8_weights_draft_what_their_dequantized_weights_draft(gemms, compiled
                           dequantized.propose(DraftRequest([0], [seq]), config))
     with pytest.raises(ValueError, match="quantize must be None or 'int8'"):
         EagleDrafter(head, target, quantize="fp8")
+    with pytest.raises(ValueError, match="takes head_gemms in"):
+        EagleDrafter(head, target, quantize="int8", head_gemms="mixed")
+    target.lm_head = type("SubclassedHead", (torch.nn.Linear,), {})(32, VOCAB, bias=False, dtype=torch.float64)
+    with pytest.raises(ValueError, match="an nn.Linear LM head"):
+        EagleDrafter(head, target, quantize="int8")
 
 
 @pytest.mark.parametrize("config, compiled", [(SpecConfig(mode="chain", depth=4), False),

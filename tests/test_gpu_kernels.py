@@ -280,13 +280,13 @@ def test_split_linear_at_a_down_projection_replays_in_a_cuda_graph(rows, n, k):
     assert not triton_linear._counts[x.device].any()
 
 
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("rows", [1, 4, 16, 20])
 @pytest.mark.parametrize("hidden", [1024, 2048])
 def test_int8_head_ops_at_the_heads_shapes(rows, hidden):
     """A draft head's GEMMs with weight-only int8 (per-row scales) on the GPU at the trained head's and the
     1.3B-sized head's shapes, bf16 rows: the fuse with its bias and table rows, q/k/v after a norm, gate/up with its
     gate, the down projection with its residual (split at hidden 1024) and a draft vocabulary's LM head with its
-    top-k, against fp64 PyTorch of the integers times their scales."""
+    top-k, against fp64 PyTorch of the integers times their scales (20 rows: the kernels' 32-row tiles)."""
     gen = torch.Generator().manual_seed(rows + hidden)
     make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
 

@@ -472,8 +472,8 @@ def test_linear_adds_a_skip_before_its_norm_and_writes_the_sum(rows, gated):
 def test_int8_weights_scale_each_output_column(rows, dtype):
     """Weight-only int8 (``reference.quantize_rows``, per output row) in every head kernel, against fp64 PyTorch of
     the integers times their scales: a plain GEMM, one with the norm before and the bias and table rows after, the
-    gated gate/up (its two halves' scales apart), a depth split four ways with its residual, and a tree level's LM
-    head with its top-k; rows of weights a few times apart in size, random inputs."""
+    gated gate/up (its two halves' scales apart; with its norm too), a depth split four ways with its residual, and a
+    tree level's LM head with its bias and top-k; rows of weights a few times apart in size, random inputs."""
     gen = torch.Generator().manual_seed(rows)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
 
@@ -493,6 +493,8 @@ def test_int8_weights_scale_each_output_column(rows, dtype):
     q, scale, w = int8(80, 300)
     gate, up = (d["x"] @ w.T).chunk(2, dim=-1)
     assert rel_err(tl_.gated_linear(t["x"], q, weight_scale=scale), torch.nn.functional.silu(gate) * up) <= tol
+    assert rel_err(tl_.gated_linear(t["x"], q, t["norm"], 1e-5, weight_scale=scale),
+                   ref.norm_gated_linear_reference(d["x"], d["norm"], 1e-5, w)) <= tol
     q, scale, w = int8(40, 4100)
     x = torch.randn(rows, 4100, generator=gen).to(dtype)
     assert rel_err(tl_.linear(x, q, residual=t["residual"], weight_scale=scale),
@@ -503,11 +505,22 @@ def test_int8_weights_scale_each_output_column(rows, dtype):
     x = torch.randn(rows, 2048, generator=gen).to(dtype)
     assert rel_err(tl_.linear(x, q, weight_scale=scale), x.double() @ w.T) <= tol
     q, scale, w = int8(100, 300)
-    log_probs, ids = tk.linear_top_k(t["x"], q, None, 4, scale)
-    expected_lp, expected_ids = ref.vocab_top_k_reference(d["x"] @ w.T, 4)
+    bias = torch.randn(100, generator=gen).to(dtype)
+    log_probs, ids = tk.linear_top_k(t["x"], q, bias, 4, scale)
+    expected_lp, expected_ids = ref.vocab_top_k_reference(d["x"] @ w.T + bias.double(), 4)
     assert torch.allclose(log_probs, expected_lp, atol=50 * tol)  # (scores near 50: fp16 rounds them by 0.03)
     if dtype == torch.float32:  # (half precision's rounded scores may reorder near-ties)
         assert torch.equal(ids, expected_ids)
+    if dtype == torch.float16:  # (the op on a weight too wide for one merge: int8 scores from the GEMM kernel, then top-k)
+        from specla_compile.kernels import cuda
+
+        q, scale, w = int8(4200, 300)
+        assert not tk.linear_top_k_fits(q, 32)
+        log_probs, ids = cuda._linear_top_k(t["x"], q, None, 32, scale)
+        # (on the CPU its GEMM is the reference's: the weight dequantized in fp16, three roundings of ~5e-4 each)
+        scores = d["x"] @ w.T
+        torch.testing.assert_close(log_probs, ref.vocab_top_k_reference(scores, 32)[0].float(),
+                                   atol=3e-3 * scores.abs().max().item(), rtol=0)
     with pytest.raises(ValueError, match="an int8 weight with its scale"):
         tl_.linear(t["x"], q)
     with pytest.raises(ValueError, match="scale in float32"):

@@ -105,7 +105,8 @@ ops.gather_paths_.register_kernel("cuda")(triton_gather.gather_paths_)
 @ops.linear_top_k.register_kernel("cuda")
 def _linear_top_k(x, weight, bias, k, weight_scale=None):
     if not (_few_half_rows(x, bias) and _weight_fits(x, weight, weight_scale) and triton_topk.linear_top_k_fits(weight, k)):
-        return triton_topk.vocab_top_k(reference.scaled_linear(x, weight, weight_scale, bias), k)
+        return triton_topk.vocab_top_k(ops.linear(x, weight, weight_scale) if bias is None
+                                       else reference.scaled_linear(x, weight, weight_scale, bias), k)
     return triton_topk.linear_top_k(x.contiguous(), weight.contiguous(), _vector(bias), k, _vector(weight_scale))
 
 

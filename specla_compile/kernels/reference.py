@@ -310,13 +310,16 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T + bias``, where with ``weight_scale [N]`` an int8 ``weight`` stands for ``weight *
-    weight_scale[:, None]`` (:func:`quantize_rows`): the integers times x accumulated in fp32 (fp64 for fp64 x),
-    scaled per column, the bias added and rounded to x's dtype once, as the kernels do."""
+    weight_scale[:, None]`` (:func:`quantize_rows`). fp32 and fp64 rows: the integers times x in their dtype, then each
+    column scaled, rounded once as the kernels do. Half-precision rows (the paths that fall back here, e.g. a prompt's
+    catch-up of more rows than the kernels take): the weight dequantized in their dtype, a copy of half an fp32 one's
+    bytes (the integers' own sums could overflow fp16)."""
     if weight_scale is None:
         return torch.nn.functional.linear(x, weight, bias)
-    wide = torch.promote_types(x.dtype, torch.float32)
-    y = torch.nn.functional.linear(x.to(wide), weight.to(wide)) * weight_scale.to(wide)
-    return (y if bias is None else y + bias.to(wide)).to(x.dtype)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return torch.nn.functional.linear(x, weight.to(x.dtype) * weight_scale.to(x.dtype)[:, None], bias)
+    y = torch.nn.functional.linear(x, weight.to(x.dtype)) * weight_scale.to(x.dtype)
+    return y if bias is None else y + bias
 
 
 def linear_top_k_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,

@@ -321,13 +321,13 @@ PREFETCH = True  # the rows a step ahead where the norm works on them (``_rows_a
 
 
 def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, columns: int, tiles: Tiles, *args, prefetch: bool,
-            **kwargs) -> None:
+            warps: int, **kwargs) -> None:
     block_n, block_k, stages = tiles
     rows = x.shape[0]
     if rows:
         kernel[(triton.cdiv(columns, block_n),)](*args, BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
                                                  IEEE=x.dtype == torch.float32, TWO_PASS=x.dtype == torch.float16,
-                                                 num_warps=4, num_stages=stages, PREFETCH=PREFETCH and prefetch,
+                                                 num_warps=warps, num_stages=stages, PREFETCH=PREFETCH and prefetch,
                                                  WIDE=weight.numel() >= 2**31, **launch_args(x.device), **kwargs)
 
 
@@ -335,11 +335,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
            norm_weight: torch.Tensor | None = None, eps: float = 0.0, skip: torch.Tensor | None = None,
            skip_sum: torch.Tensor | None = None, tiles: Tiles | None = None,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, warps: int = 4) -> torch.Tensor:
     """``x [M, K]`` -> ``rms_norm(x + skip) @ weight^T + bias + residual[residual_rows]`` ``[M, N]``, each term
     optional (without ``residual_rows``, ``residual`` is ``[M, N]``; with it, a table ``[V, N]``). With ``skip``,
     ``x + skip`` (rounded to x's dtype) is written to ``skip_sum``. ``weight_scale [N]``: the weight is int8,
-    standing for ``weight * weight_scale[:, None]``."""
+    standing for ``weight * weight_scale[:, None]``. ``tiles`` and ``warps``: a benchmark's choice (the split
+    kernel, where the weight splits, takes its own)."""
     _check(x, weight, norm_weight, skip, skip_sum, weight_scale)
     rows, n = x.shape[0], weight.shape[0]
     _check_vector(bias, n, "bias")
@@ -359,14 +360,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                              IEEE=x.dtype == torch.float32, WIDE=weight.numel() >= 2**31, num_warps=4,
                                              num_stages=stages, **launch_args(x.device))
         return y
-    _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1], int8=weight_scale is not None), x, skip, skip_sum, weight, weight_scale,
-            norm_weight, bias, residual, residual_rows, y, rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
+    _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1], int8=weight_scale is not None), x, skip, skip_sum,
+            weight, weight_scale, norm_weight, bias, residual, residual_rows, y, rows, n, x.shape[1], eps,
+            prefetch=norm_weight is not None or skip is not None, warps=warps)
     return y
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  skip: torch.Tensor | None = None, skip_sum: torch.Tensor | None = None,
-                 tiles: Tiles | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 tiles: Tiles | None = None, weight_scale: torch.Tensor | None = None, warps: int = 4) -> torch.Tensor:
     """``x [M, K]``, ``weight [2N, K]`` (gate rows, then up rows) -> ``silu(gate) * up`` ``[M, N]`` of
     ``rms_norm(x + skip) @ weight^T`` (norm and skip optional; the sum written to ``skip_sum``, an int8 weight's
     ``weight_scale [2N]``: as ``linear``)."""
@@ -377,5 +379,5 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     tiles = tiles or _tiles(2 * n, x.shape[1], gated=True, normed=norm_weight is not None, int8=weight_scale is not None)
     _launch(_gated_kernel, x, weight, n, tiles, x, skip, skip_sum, weight, weight_scale, norm_weight, y,
-            rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None)
+            rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None, warps=warps)
     return y

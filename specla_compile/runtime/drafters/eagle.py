@@ -47,6 +47,8 @@ from ..graph_capture import capture
 from ..tree_builder import Frontier, build_draft
 from .eagle_head import DEFAULT_HEAD_GEMMS, HEAD_GEMMS, EagleHead
 
+INT8_HEAD_GEMMS = ("triton", "specla")  # the head_gemms whose every GEMM is a specla op (quantize="int8")
+
 log = logging.getLogger("specla_compile")
 
 PROPOSE_PROGRAMS = 64  # compiled propose programs a process may hold (EagleDrafter._device_propose)
@@ -203,7 +205,8 @@ class EagleDrafter(Drafter):
     ``specla::linear_top_k`` and a down projection whose depth splits as ``specla::linear_add``: 0.349 -> 0.322 ms
     a tree propose at hidden 1024, ``eagle_profile_linear_top_k.md``). The same drafts with any of the four, up to
     rounding.
-    ``quantize="int8"``: the head's GEMMs and the draft levels' LM head rows stream weight-only int8 copies (per
+    ``quantize="int8"`` (with ``head_gemms`` "triton" or "specla" and an ``nn.Linear`` LM head): the head's GEMMs
+    and the draft levels' LM head rows stream weight-only int8 copies (per
     output row, :meth:`EagleHead.int8_weights`): half the bytes per draft level, which at batch 1 bound its
     GEMMs. The drafts may differ where int8 rounding reorders near-ties; the output never does (the target verifies).
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
@@ -231,6 +234,10 @@ class EagleDrafter(Drafter):
             raise ValueError(f"EagleDrafter: attention must be None or one of {sorted(ATTENTION)}, got {attention!r}")
         if head_gemms not in HEAD_GEMMS:
             raise ValueError(f"EagleDrafter: head_gemms must be one of {sorted(HEAD_GEMMS)}, got {head_gemms!r}")
+        if quantize and (head_gemms not in INT8_HEAD_GEMMS or type(target.get_output_embeddings()) is not nn.Linear):
+            raise ValueError(f"EagleDrafter: quantize='int8' takes head_gemms in {INT8_HEAD_GEMMS} (specla's kernels; the "
+                             f"others' PyTorch GEMMs would widen each int8 weight at every call) and an nn.Linear LM head, "
+                             f"got {head_gemms!r} and {type(target.get_output_embeddings()).__name__}")
         if draft_vocab is not None and head.token_ranking is None:
             raise ValueError("EagleDrafter: draft_vocab needs a head with a token ranking (one trained by "
                              "examples/train_eagle.py since the ranking was added)")
@@ -539,7 +546,7 @@ class EagleDrafter(Drafter):
         the draft vocabulary's tokens."""
         if self._lm_weight is None:
             return self.lm_head(hidden.to(self.lm_head.weight.dtype))
-        if self._lm_scale is not None:  # (int8 rows: specla's GEMM, as the head's)
+        if self._lm_scale is not None:  # (int8 rows: specla's GEMM, as the head's; a bias added after its rounding)
             scores = ops.linear(hidden.to(self.lm_head.weight.dtype), self._lm_weight, self._lm_scale)
             return scores if self._lm_bias is None else scores + self._lm_bias
         return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
