@@ -52,6 +52,7 @@ def run_script(argv: list[str], monkeypatch) -> None:
         ("model:{root}/drafter", ["--mode", "chain", "--depth", "3"]),
         ("eagle:{root}/eagle", ["--mode", "tree", "--depth", "2", "--budget", "4"]),
         ("eagle:{root}/eagle_ranked", ["--mode", "tree", "--depth", "2", "--budget", "4", "--draft-vocab", "64"]),
+        ("eagle:{root}/eagle", ["--mode", "chain", "--depth", "3", "--quantize", "int8"]),
     ],
 )
 def test_generate_runs_with_each_drafter(drafter, shape, checkpoints, tmp_path, monkeypatch, capsys):
@@ -97,6 +98,8 @@ def bad_inputs(root: Path) -> list[tuple[list[str], str]]:
         (["--sample-top-k", "-2"], "top_k must be >= 0"),
         (["--prompt", ""], "--prompt is empty"),
         (["--draft-vocab", "8"], "--draft-vocab needs --drafter eagle:PATH"),
+        (["--quantize", "int8"], "--quantize needs --drafter eagle:PATH"),
+        (["--quantize", "int4"], "argument --quantize: invalid choice"),
         (["--drafter", f"eagle:{root / 'eagle'}", "--draft-vocab", "8"], "has no token ranking"),
         (["--drafter", f"eagle:{root / 'eagle_ranked'}", "--draft-vocab", "0"], "--draft-vocab must be >= 1"),
         (["--inner", "bogus"], "argument --inner: invalid choice"),
