@@ -94,6 +94,11 @@ DEFAULT_HEAD_GEMMS = "triton"
 # a packed head's GEMM weights as int8 and their per-row scales, by name (EagleHead.int8_weights)
 Int8Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
+
+def _streamed(int8: Int8Weights | None, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, scale)`` a GEMM streams: the int8 copy of ``name`` and its scale, or ``weight`` itself and None."""
+    return (int8 or {}).get(name, (weight, None))
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -251,7 +256,6 @@ class EagleHead(nn.Module):
         ``gemms``: how a packed head runs its GEMMs (one of ``HEAD_GEMMS``; default ``DEFAULT_HEAD_GEMMS``'s);
         ``int8``: the weights it streams instead (:meth:`int8_weights`; default: its own)."""
         gemms = gemms or HEAD_GEMMS[DEFAULT_HEAD_GEMMS]  # (read by a packed head only)
-        weight_of = lambda name, weight: (int8 or {}).get(name, (weight, None))
         rows, s, _ = features.shape
         heads, dim = self.config.num_heads, self.config.head_dim
         if embeds.is_floating_point():
@@ -259,7 +263,7 @@ class EagleHead(nn.Module):
         elif self.token_fuse is None:
             raise ValueError("EagleHead.project takes token ids only after pack_projections(embed); pass embeddings")
         else:  # (the table's rows added in the GEMM's epilogue)
-            weight, scale = weight_of("fuse", self.feature_fuse_weight)
+            weight, scale = _streamed(int8, "fuse", self.feature_fuse_weight)
             x = gemms.linear_add(features, weight, self.fuse.bias, self.token_fuse, embeds, scale)
         split = lambda t: t.view(rows, s, heads, dim).transpose(1, 2)
         cos, sin = _rope(positions, dim // 2, self.config.rope_theta, x.dtype)
@@ -268,7 +272,7 @@ class EagleHead(nn.Module):
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         else:  # (the norm inside the GEMM's launch)
             q, k, v = gemms.norm_linear(x, self.attn_norm.weight, self.config.rms_norm_eps,
-                                        *weight_of("qkv", self.qkv_weight)).chunk(3, dim=-1)
+                                        *_streamed(int8, "qkv", self.qkv_weight)).chunk(3, dim=-1)
         # queries and keys rotated together: one set of elementwise ops, not two
         q, k = _rotate(torch.stack([split(q), split(k)]), cos, sin).unbind(0)
         return x, q, k, split(v)
@@ -294,12 +298,11 @@ class EagleHead(nn.Module):
             return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
         # packed for inference: the residuals, the norm and the gate inside the GEMMs' launches
         gemms = gemms or HEAD_GEMMS[DEFAULT_HEAD_GEMMS]
-        weight_of = lambda name, weight: (int8 or {}).get(name, (weight, None))
-        weight, scale = weight_of("o", self.o_proj.weight)
+        weight, scale = _streamed(int8, "o", self.o_proj.weight)
         x = gemms.linear_add(attn.reshape(rows, s, -1), weight, None, x, None, scale)
         hidden = gemms.norm_gated_linear(x, self.mlp_norm.weight, self.config.rms_norm_eps,
-                                         *weight_of("gate_up", self.gate_up_weight))
-        weight, scale = weight_of("down", self.down_proj.weight)
+                                         *_streamed(int8, "gate_up", self.gate_up_weight))
+        weight, scale = _streamed(int8, "down", self.down_proj.weight)
         return gemms.down_add(hidden, weight, x, scale)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
