@@ -488,6 +488,9 @@ def test_int8_weights_scale_each_output_column(rows, dtype):
         plain = tl_.linear(t["x"], q, weight_scale=scale)
         full = tl_.linear(t["x"], q, t["bias"], t["table"], t["ids"], t["norm"], 1e-5, weight_scale=scale)
     assert rel_err(plain, d["x"] @ w.T) <= tol
+    from specla_compile.kernels import cuda  # (the op's CUDA path: an int8 LM head's scores with their bias)
+
+    assert rel_err(cuda._linear(t["x"], q, scale, t["bias"]), d["x"] @ w.T + d["bias"]) <= tol
     normed = torch.nn.functional.rms_norm(d["x"], (300,), d["norm"], 1e-5)
     assert rel_err(full, torch.nn.functional.linear(normed, w, d["bias"]) + d["table"][t["ids"]]) <= tol
     q, scale, w = int8(80, 300)
@@ -511,14 +514,13 @@ def test_int8_weights_scale_each_output_column(rows, dtype):
     assert torch.allclose(log_probs, expected_lp, atol=50 * tol)  # (scores near 50: fp16 rounds them by 0.03)
     if dtype == torch.float32:  # (half precision's rounded scores may reorder near-ties)
         assert torch.equal(ids, expected_ids)
-    if dtype == torch.float16:  # (the op on a weight too wide for one merge: int8 scores from the GEMM kernel, then top-k)
-        from specla_compile.kernels import cuda
-
+    if dtype == torch.float16:  # (the op on a weight too wide for one merge: int8 scores from the GEMM, then top-k)
         q, scale, w = int8(4200, 300)
+        bias = torch.randn(4200, generator=gen).to(dtype)
         assert not tk.linear_top_k_fits(q, 32)
-        log_probs, ids = cuda._linear_top_k(t["x"], q, None, 32, scale)
+        log_probs, ids = cuda._linear_top_k(t["x"], q, bias, 32, scale)
         # (on the CPU its GEMM is the reference's: the weight dequantized in fp16, three roundings of ~5e-4 each)
-        scores = d["x"] @ w.T
+        scores = d["x"] @ w.T + bias.double()
         torch.testing.assert_close(log_probs, ref.vocab_top_k_reference(scores, 32)[0].float(),
                                    atol=3e-3 * scores.abs().max().item(), rtol=0)
     with pytest.raises(ValueError, match="an int8 weight with its scale"):

@@ -105,8 +105,9 @@ ops.gather_paths_.register_kernel("cuda")(triton_gather.gather_paths_)
 @ops.linear_top_k.register_kernel("cuda")
 def _linear_top_k(x, weight, bias, k, weight_scale=None):
     if not (_few_half_rows(x, bias) and _weight_fits(x, weight, weight_scale) and triton_topk.linear_top_k_fits(weight, k)):
-        return triton_topk.vocab_top_k(ops.linear(x, weight, weight_scale) if bias is None
-                                       else reference.scaled_linear(x, weight, weight_scale, bias), k)
+        # (an int8 weight's scores from specla's GEMM, which takes it; a float one's from the framework's, as before)
+        scores = torch.nn.functional.linear(x, weight, bias) if weight_scale is None else ops.linear(x, weight, weight_scale, bias)
+        return triton_topk.vocab_top_k(scores, k)
     return triton_topk.linear_top_k(x.contiguous(), weight.contiguous(), _vector(bias), k, _vector(weight_scale))
 
 
@@ -156,10 +157,10 @@ def _linear_add(x, weight, bias, residual, residual_rows, weight_scale=None):
 
 
 @ops.linear.register_kernel("cuda")
-def _linear(x, weight, weight_scale=None):
-    if not (_few_half_rows(x) and _weight_fits(x, weight, weight_scale)):
-        return _reference_of(ops.linear)(x, weight, weight_scale)
-    return triton_linear.linear(_rows(x), weight.contiguous(), weight_scale=_vector(weight_scale)).view(
+def _linear(x, weight, weight_scale=None, bias=None):
+    if not (_few_half_rows(x, bias) and _weight_fits(x, weight, weight_scale)):
+        return _reference_of(ops.linear)(x, weight, weight_scale, bias)
+    return triton_linear.linear(_rows(x), weight.contiguous(), _vector(bias), weight_scale=_vector(weight_scale)).view(
         *x.shape[:-1], weight.shape[0])
 
 

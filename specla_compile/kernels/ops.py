@@ -331,15 +331,16 @@ def _(x, weight, bias, residual, residual_rows, weight_scale=None):
 
 
 @torch.library.custom_op("specla::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ weight [N, K]^T`` -> ``[..., N]``: a target's GEMM routed to specla's kernel
-    (``lowering/fold_norms.route_linears``), or an EAGLE head's q/k/v (``head_gemms="triton"``); on CUDA it
-    launches with PDL on Hopper."""
-    return ref.scaled_linear(x, weight, weight_scale)
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T + bias`` -> ``[..., N]``: a target's GEMM routed to specla's kernel
+    (``lowering/fold_norms.route_linears``), an EAGLE head's q/k/v (``head_gemms="triton"``), or an int8 LM head's
+    scores (the bias added before the one rounding); on CUDA it launches with PDL on Hopper."""
+    return ref.scaled_linear(x, weight, weight_scale, bias)
 
 
 @linear.register_fake
-def _(x, weight, weight_scale=None):
+def _(x, weight, weight_scale=None, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

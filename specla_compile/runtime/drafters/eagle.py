@@ -45,9 +45,7 @@ from ..config import SpecConfig
 from ..drafting import Draft, Drafter, DraftRequest, PassOutputs
 from ..graph_capture import capture
 from ..tree_builder import Frontier, build_draft
-from .eagle_head import DEFAULT_HEAD_GEMMS, HEAD_GEMMS, EagleHead
-
-INT8_HEAD_GEMMS = ("triton", "specla")  # the head_gemms whose every GEMM is a specla op (quantize="int8")
+from .eagle_head import DEFAULT_HEAD_GEMMS, HEAD_GEMMS, INT8_HEAD_GEMMS, EagleHead
 
 log = logging.getLogger("specla_compile")
 
@@ -546,9 +544,8 @@ class EagleDrafter(Drafter):
         the draft vocabulary's tokens."""
         if self._lm_weight is None:
             return self.lm_head(hidden.to(self.lm_head.weight.dtype))
-        if self._lm_scale is not None:  # (int8 rows: specla's GEMM, as the head's; a bias added after its rounding)
-            scores = ops.linear(hidden.to(self.lm_head.weight.dtype), self._lm_weight, self._lm_scale)
-            return scores if self._lm_bias is None else scores + self._lm_bias
+        if self._lm_scale is not None:  # (int8 rows: specla's GEMM, as the head's)
+            return ops.linear(hidden.to(self.lm_head.weight.dtype), self._lm_weight, self._lm_scale, self._lm_bias)
         return nn.functional.linear(hidden.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
 
     def fuses_top_k(self) -> bool:

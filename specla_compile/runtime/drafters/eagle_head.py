@@ -90,6 +90,7 @@ HEAD_GEMMS = {"specla": HeadGemms(ops.linear_add, ops.norm_linear, ops.norm_gate
 # 2.20x in one trained study); "specla" drafted no faster than "pytorch" (its norm-fused
 # launches cost what cuBLAS's and inductor's kernels cost together)
 DEFAULT_HEAD_GEMMS = "triton"
+INT8_HEAD_GEMMS = ("triton", "specla")  # those whose every GEMM is a specla op, which takes int8 weights
 
 # a packed head's GEMM weights as int8 and their per-row scales, by name (EagleHead.int8_weights)
 Int8Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
