@@ -5,7 +5,7 @@ Each shape of the head at hidden 2048 and 1024 (the fuse's feature half and o_pr
 down; 4 rows, as a tree level's frontier), 24 distinct weights per shape replayed in one CUDA graph (the weights do
 not stay in L2), microseconds per call: cuBLAS in bf16, specla's kernel in bf16, and in int8 at bf16's tiles (and
 bf16's split rule), with steps twice as deep, with blocks twice as wide, as the op picks (the int8 rules), and at the
-op's tiles with 8 warps a program instead of 4 (more threads to widen the integers; not yet measured); then a draft
+op's tiles with 8 warps a program instead of 4 (more threads to widen the integers: measured slower, see the results' notes); then a draft
 vocabulary's LM head with its top-k (16 rows).
 
     python benchmarks/int8_gemm_gpu.py --out DIR     # DIR/int8_gemm_gpu.{json,md}
