@@ -99,11 +99,11 @@ TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n3
 # drafting from the head's --draft-vocab most frequent tokens; "_specla" / "_pytorch" / "_mixed": the head's GEMMs as
 # the fused specla ops / as PyTorch code / as the default before "triton" (EagleDrafter(head_gemms=...)) instead of the
 # drafter's default; "_t1": the tree ranked by the head's raw probabilities (acceptance_temperature=1) instead of its
-# calibrated ones; "_int8": the head's GEMMs and LM head rows as weight-only int8 (EagleDrafter(quantize="int8")):
-# each an A/B on one checkpoint and one run
+# calibrated ones; "_unquantized": the head's own weights, where the drafter's default streams its GEMMs and LM head
+# rows as weight-only int8 (on CUDA; EagleDrafter(quantize="none")): each an A/B on one checkpoint and one run
 FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_n32_fr",
              "eagle_tree_d4_fr_specla", "eagle_tree_fr_pytorch", "eagle_tree_fr_mixed", "eagle_tree_fr_t1",
-             "eagle_tree_d4_fr_t1", "eagle_tree_fr_int8")
+             "eagle_tree_d4_fr_t1", "eagle_tree_fr_unquantized")
 ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
 DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
@@ -156,7 +156,7 @@ def spec_configs() -> dict:
         "eagle_tree_fr_mixed": eagle_tree(6),
         "eagle_tree_fr_t1": eagle_tree(6),
         "eagle_tree_d4_fr_t1": eagle_tree(4),
-        "eagle_tree_fr_int8": eagle_tree(6),
+        "eagle_tree_fr_unquantized": eagle_tree(6),
         "eagle_tree_d4": eagle_tree(4),
         "eagle_tree_d5": eagle_tree(5),
         "eagle_tree_d8": eagle_tree(8),
@@ -527,7 +527,7 @@ class Bench:
         options_of = {route: (route.rsplit("_", 1)[1] if route.endswith(("_specla", "_pytorch", "_mixed"))
                               else DEFAULT_HEAD_GEMMS,
                               1.0 if route.endswith("_t1") else None,
-                              "int8" if route.endswith("_int8") else None)
+                              "none" if route.endswith("_unquantized") else None)
                       for route in FR_ROUTES}  # (head_gemms, acceptance_temperature: None is the head's own, quantize)
         for options in sorted({options_of[r] for r in FR_ROUTES if r in args.routes}, key=str):
             gemms, temperature, quantize = options

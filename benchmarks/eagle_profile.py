@@ -173,7 +173,7 @@ def loop_section(args, results: dict) -> None:
     runs = [(route, route, drafter) for route in LOOP_ROUTES if route == "plain" or route in args.loop_routes]
     runs += [(f"eagle_tree, draft vocabulary {vocab}{quantized_name(quantize)}", "eagle_tree", EagleDrafter(
         head, model, attention=attention, head_gemms=args.head_gemms[0], inductor_options=args.propose_inductor,
-        draft_vocab=vocab, quantize=None if quantize == "none" else quantize))
+        draft_vocab=vocab, quantize=quantize))
         for vocab, quantize in itertools.product(args.draft_vocab, args.quantize) if vocab]
     sequences = {}
     for route, kind, route_drafter in runs:
@@ -349,7 +349,7 @@ def propose_section(args, results: dict) -> None:
                 continue  # (none of them changes a propose's launch count much)
             drafter = EagleDrafter(head, target, static_shapes=static, attention=attention, draft_vocab=draft_vocab,
                                    head_gemms=gemms, inductor_options=args.propose_inductor,
-                                   quantize=None if quantize == "none" else quantize)
+                                   quantize=quantize)
             route[mode] = run(drafter, config, args.prompt, args.iterations, args.hidden, dtype)
             if mode == "graphed":
                 graph = next(iter(drafter._graphs.values())).graph

@@ -608,7 +608,7 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     assert calls[:2] == ["plain", "plain"] and lengths[:2] == [min(measured), max(measured)] and min(measured) < max(measured)
     # each prompt's timed runs come after an untimed plain call (1 token) and one (2 tokens) of the first route of each
     # EAGLE drafter: the whole vocabulary's, and the draft vocabulary's with the default, specla, PyTorch and mixed GEMMs,
-    # T = 1 and int8 weights
+    # T = 1 and the head's own weights
     warm_ups = [i for i, (route, n) in enumerate(zip(calls, tokens)) if (route, n) == ("plain", 1)]
     assert len(warm_ups) == 2
     for i in warm_ups:
@@ -744,7 +744,7 @@ def test_the_draft_vocabulary_route_needs_a_ranked_head(checkpoints, prompt_file
 def test_route_suffixes_pick_the_drafters_options(checkpoints, prompt_files, tmp_path):
     """The draft-vocabulary routes share a drafter per option set: ``_specla`` / ``_pytorch`` / ``_mixed`` draft with
     the fused head GEMMs / PyTorch code / the default before ``"triton"``, ``_t1`` ranks its tree by the head's raw probabilities,
-    ``_int8`` drafts with int8 weights; the others take the head's calibrated temperature, the default GEMMs and its own weights. Each drafter's first route runs untimed before a prompt."""
+    ``_unquantized`` drafts with the head's own weights (the default: int8 on CUDA); the others take the head's calibrated temperature, the default GEMMs and the default weights. Each drafter's first route runs untimed before a prompt."""
     import shutil
 
     calibrated = tmp_path / "eagle"
@@ -754,15 +754,16 @@ def test_route_suffixes_pick_the_drafters_options(checkpoints, prompt_files, tmp
     args = E.parse_args(["--target", str(checkpoints / "target"), "--eagle", str(calibrated), "--prompts-dir", str(prompt_files),
                          "--suites", "gsm8k", "--device", "cpu", "--inner", "eager", "--routes", "eagle_tree_fr",
                          "eagle_tree_d4_fr", "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1", "eagle_tree_d4_fr_specla",
-                         "eagle_tree_fr_pytorch", "eagle_tree_fr_mixed", "eagle_tree_fr_int8"])
+                         "eagle_tree_fr_pytorch", "eagle_tree_fr_mixed", "eagle_tree_fr_unquantized"])
     bench = E.Bench(args)
     drafters = bench.drafters
     assert drafters["eagle_tree_fr"] is drafters["eagle_tree_d4_fr"] and drafters["eagle_tree_fr_t1"] is drafters["eagle_tree_d4_fr_t1"]
     options = {r: (drafters[r].head_gemms, drafters[r].acceptance_temperature, drafters[r].quantize) for r in args.routes[1:]}
-    assert options == {"eagle_tree_fr": ("triton", 0.5, None), "eagle_tree_d4_fr": ("triton", 0.5, None),
-                       "eagle_tree_fr_t1": ("triton", 1.0, None), "eagle_tree_d4_fr_t1": ("triton", 1.0, None),
-                       "eagle_tree_d4_fr_specla": ("specla", 0.5, None), "eagle_tree_fr_pytorch": ("pytorch", 0.5, None),
-                       "eagle_tree_fr_mixed": ("mixed", 0.5, None), "eagle_tree_fr_int8": ("triton", 0.5, "int8")}
+    assert options == {"eagle_tree_fr": ("triton", 0.5, "none"), "eagle_tree_d4_fr": ("triton", 0.5, "none"),
+                       "eagle_tree_fr_t1": ("triton", 1.0, "none"), "eagle_tree_d4_fr_t1": ("triton", 1.0, "none"),
+                       "eagle_tree_d4_fr_specla": ("specla", 0.5, "none"), "eagle_tree_fr_pytorch": ("pytorch", 0.5, "none"),
+                       "eagle_tree_fr_mixed": ("mixed", 0.5, "none"), "eagle_tree_fr_unquantized": ("triton", 0.5, "none")}
+    assert drafters["eagle_tree_fr_unquantized"] is not drafters["eagle_tree_fr"]  # (on CUDA the default is int8)
     warmups = bench.prompt_warmups(args.routes)  # (plain's, then one route of each drafter)
     assert warmups[0] == ("plain", 1) and all(tokens == 2 for _, tokens in warmups[1:])
     assert sorted(id(drafters[r]) for r, _ in warmups[1:]) == sorted({id(drafters[r]) for r in args.routes[1:]})

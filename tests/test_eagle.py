@@ -743,7 +743,8 @@ def test_int8_weights_draft_what_their_dequantized_weights_draft(gemms, compiled
     per row; a chain and a tree drafted with them, uncaptured and compiled, are those of a float drafter whose
     weights are the integers times their scales (so every GEMM applies its own scale: a scale missed or misplaced
     changes the scores); the float weights are what the tables (the fuse's token half) still use. Anything but
-    None or "int8" is refused, and so are int8 with PyTorch's GEMMs and with an LM head other than an nn.Linear."""
+    None, "none" or "int8" is refused, and so are int8 with PyTorch's GEMMs and with an LM head other than an nn.Linear.
+    On the CPU the default (None) keeps the head's own weights: int8 is its default on CUDA only (a GPU test)."""
     target, head = make(seed=11)
     seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3))
     quantized = EagleDrafter(head, target, static_shapes=True, compiled=compiled, head_gemms=gemms,
@@ -774,7 +775,9 @@ def test_int8_weights_draft_what_their_dequantized_weights_draft(gemms, compiled
     for config in (SpecConfig(mode="tree", depth=3, tree_top_k=3, budget=8), SpecConfig(mode="chain", depth=4)):
         assert_same_draft(quantized.propose(DraftRequest([0], [seq]), config),
                           dequantized.propose(DraftRequest([0], [seq]), config))
-    with pytest.raises(ValueError, match="quantize must be None or 'int8'"):
+    for unquantized in (EagleDrafter(head, target), EagleDrafter(head, target, quantize="none")):
+        assert unquantized.quantize == "none" and unquantized._int8 is None and unquantized._lm_scale is None
+    with pytest.raises(ValueError, match="quantize must be one of"):
         EagleDrafter(head, target, quantize="fp8")
     with pytest.raises(ValueError, match="takes head_gemms in"):
         EagleDrafter(head, target, quantize="int8", head_gemms="mixed")

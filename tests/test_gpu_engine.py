@@ -113,6 +113,26 @@ def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
         assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
 
 
+def test_a_half_precision_eagle_head_drafts_with_int8_weights_by_default():
+    """On CUDA a bf16 EAGLE drafter streams its head's weights as int8 unless told not to (``quantize="none"``),
+    an fp32 one keeps its own; generation with the int8 drafter gives plain decoding's tokens."""
+    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+
+    model = tiny_model("fla").cuda().to(torch.bfloat16)
+    torch.manual_seed(8)
+    head = EagleHead(EagleConfig.for_target(model)).cuda().to(torch.bfloat16)
+    drafter = EagleDrafter(head, model)
+    assert drafter.quantize == "int8" and drafter._lm_weight.dtype == torch.int8
+    assert EagleDrafter(head, model, quantize="none")._int8 is None
+    fp32_model = tiny_model("fla").cuda()
+    assert EagleDrafter(EagleHead(EagleConfig.for_target(fp32_model)).cuda(), fp32_model).quantize == "none"
+    prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6)).cuda()
+    gen = SpeculativeGenerator(model, drafter, SpecConfig(mode="tree", depth=4, tree_top_k=2, budget=7, bucket=8))
+    out = gen.generate(prompts, max_new_tokens=16).sequences.tolist()
+    assert drafter.captured_graphs and not drafter.graph_error
+    assert out == gen.decode(prompts, max_new_tokens=16).sequences.tolist()
+
+
 def test_bf16_experts_keep_grouped_mm_inside_the_cuda_graphs():
     """Qwen3-Next in bf16 keeps torch's grouped GEMM (its offsets stay on the device): the passes are
     captured and give the tokens of the same engine run uncaptured."""

@@ -58,6 +58,7 @@ TOKEN_FUSE_BYTES = 256 * 2**20
 # fallback), or specla's (``specla::draft_attention``: split across the keys, Triton on CUDA).
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 ATTENTION = ("pytorch", *SDPA_BACKENDS, "specla")
+QUANTIZE = (None, "none", "int8")  # EagleDrafter's quantize (None: "int8" where it is measured faster)
 
 
 def _specla_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -205,8 +206,12 @@ class EagleDrafter(Drafter):
     rounding.
     ``quantize="int8"`` (with ``head_gemms`` "triton" or "specla" and an ``nn.Linear`` LM head): the head's GEMMs
     and the draft levels' LM head rows stream weight-only int8 copies (per
-    output row, :meth:`EagleHead.int8_weights`): half the bytes per draft level, which at batch 1 bound its
-    GEMMs. The drafts may differ where int8 rounding reorders near-ties; the output never does (the target verifies).
+    output row, :meth:`EagleHead.int8_weights`): half the bytes per draft level. The drafts may differ where int8
+    rounding reorders near-ties; the output never does (the target verifies). ``"none"``: the head's own weights.
+    None (default): ``"int8"`` where it is measured faster (Triton's kernels on CUDA, a half-precision head, those
+    head GEMMs and LM head), ``"none"`` elsewhere. On the H200's trained study (``benchmarks/results/trained/
+    e2e_trained.md``) int8 kept the depth-6 tree's accepted length (5.68 against 5.66 tokens on the mixed suite)
+    and took its speedup from 2.48 to 2.58x.
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
     at no cost per level); None (default): the head's calibrated ``config.acceptance_temperature`` (1 for heads
     saved before it). A tree keeps the nodes of best cumulative log-probability: with the head's raw, flat
@@ -226,13 +231,17 @@ class EagleDrafter(Drafter):
                  compiled: bool | None = None, attention: str | None = None, draft_vocab: int | None = None,
                  head_gemms: str = DEFAULT_HEAD_GEMMS, acceptance_temperature: float | None = None,
                  inductor_options: dict | None = None, quantize: str | None = None):
-        if quantize not in (None, "int8"):
-            raise ValueError(f"EagleDrafter: quantize must be None or 'int8', got {quantize!r}")
+        if quantize not in QUANTIZE:
+            raise ValueError(f"EagleDrafter: quantize must be one of {QUANTIZE}, got {quantize!r}")
         if attention is not None and attention not in ATTENTION:
             raise ValueError(f"EagleDrafter: attention must be None or one of {sorted(ATTENTION)}, got {attention!r}")
         if head_gemms not in HEAD_GEMMS:
             raise ValueError(f"EagleDrafter: head_gemms must be one of {sorted(HEAD_GEMMS)}, got {head_gemms!r}")
-        if quantize and (head_gemms not in INT8_HEAD_GEMMS or type(target.get_output_embeddings()) is not nn.Linear):
+        int8_ready = head_gemms in INT8_HEAD_GEMMS and type(target.get_output_embeddings()) is nn.Linear
+        if quantize is None:  # (int8 where the study measured it faster: Triton's kernels, half-precision rows)
+            quantize = "int8" if (int8_ready and TRITON_KERNELS and head.fuse.weight.is_cuda
+                                  and head.fuse.weight.dtype in (torch.float16, torch.bfloat16)) else "none"
+        if quantize == "int8" and not int8_ready:
             raise ValueError(f"EagleDrafter: quantize='int8' takes head_gemms in {INT8_HEAD_GEMMS} (specla's kernels; the "
                              f"others' PyTorch GEMMs would widen each int8 weight at every call) and an nn.Linear LM head, "
                              f"got {head_gemms!r} and {type(target.get_output_embeddings()).__name__}")
@@ -248,7 +257,7 @@ class EagleDrafter(Drafter):
         embed = target.get_input_embeddings()
         table = embed.weight.shape[0] * head.config.hidden_size * head.fuse.weight.element_size()
         head.pack_projections(embed if table <= TOKEN_FUSE_BYTES else None)
-        self._int8 = head.int8_weights() if quantize else None  # (the drafter's own: other drafters share the head)
+        self._int8 = head.int8_weights() if quantize == "int8" else None  # (the drafter's own: other drafters share the head)
         self.head_gemms = head_gemms
         if inductor_options is None and head.fuse.weight.is_cuda:
             from ...kernels import pdl  # (imports Triton, which CUDA implies)
@@ -273,13 +282,13 @@ class EagleDrafter(Drafter):
                                             else acceptance_temperature)
         self._lm_weight = self._lm_bias = None  # the draft levels' LM rows, where they differ from the target's
         self._lm_scale = None  # (their per-row scale, where quantized: _lm_weight is int8)
-        if self.draft_vocab is not None or self.acceptance_temperature != 1.0 or quantize:
+        if self.draft_vocab is not None or self.acceptance_temperature != 1.0 or quantize == "int8":
             bias = getattr(self.lm_head, "bias", None)
             rows = slice(None) if self.draft_vocab is None else self.draft_vocab
             with torch.no_grad():  # (copies: those tokens' rows, scaled by 1 / T)
                 self._lm_weight = self.lm_head.weight[rows] / self.acceptance_temperature
                 self._lm_bias = None if bias is None else bias[rows] / self.acceptance_temperature
-                if quantize:
+                if quantize == "int8":
                     self._lm_weight, self._lm_scale = quantize_rows(self._lm_weight)
         self.quantize = quantize
         self.vocab_size = head.config.vocab_size
