@@ -20,7 +20,10 @@ depth-6 tree with it (for heads that accept long drafts), and ``eagle_tree_d4_fr
 as PyTorch code or as the default before ``"triton"`` (``"mixed"``), rather than the drafter's default
 (``EagleDrafter(head_gemms=...)``: A/Bs in one run), and ``eagle_tree_fr_t1`` and
 ``eagle_tree_d4_fr_t1``, the trees ranked by the head's raw probabilities rather than by its calibrated ones
-(``EagleDrafter(acceptance_temperature=1.0)``; the others take the head's ``acceptance_temperature``); the tree's other shapes:
+(``EagleDrafter(acceptance_temperature=1.0)``; the others take the head's ``acceptance_temperature``), and
+``eagle_tree_fr_unquantized``, ``eagle_tree_fr`` with the head's own weights where the drafter's default streams
+them as int8 (on CUDA, ``EagleDrafter(quantize="none")``; ``_pytorch`` and ``_mixed`` keep the head's own weights
+too, as int8 takes specla's GEMMs only, so their head-GEMM A/B is against ``_unquantized``); the tree's other shapes:
 ``eagle_tree_d4``, ``_d5`` and ``_d8`` (4, 5 and 8 levels deep in the same 16 nodes; a depth-6 tree caps an
 iteration at 7 tokens) and ``eagle_tree_n32`` (depth 6, 32 nodes: more of the same beam's candidates).
 
@@ -107,6 +110,10 @@ FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_
 ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
 DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
+# routes of earlier studies, reported from their JSON (--plot) but no longer run: eagle_tree_fr_int8 drafted with
+# int8 weights while the head's own were the default (the twentieth run; int8 is the default on CUDA since)
+RETIRED_ROUTES = ("eagle_tree_fr_int8",)
+REPORTED_ROUTES, REPORTED_SPEC_ROUTES = (*ROUTES, *RETIRED_ROUTES), (*SPEC_ROUTES, *RETIRED_ROUTES)
 SUITES = ("mixed", "gsm8k", "humaneval")
 MIXED = {  # file of --prompts-dir: category
     "mt_bench": "conversation",
@@ -247,7 +254,7 @@ def summarize(records: list[dict], route: str, samples: int = 2000, depth: int |
     }
     if all("prefill_s" in r for r in run):  # (not recorded before the ninth study)
         out["prefill_ms"] = 1000 * sum(r["prefill_s"] for r in run) / len(run)  # per prompt
-    if route in SPEC_ROUTES:
+    if route in REPORTED_SPEC_ROUTES:
         out["accepted_length"] = bootstrap_ratio([r["tokens"] - 1 for r in run], [r["passes"] for r in run], samples)
         out["first_token_match"] = bootstrap_ratio([r["first_hits"] for r in run], [r["passes"] for r in run], samples)
         verify, passes = sum(r["verify_s"] for r in run), sum(r["passes"] for r in run)
@@ -275,10 +282,11 @@ def summaries(results: dict) -> tuple[dict, dict]:
         records = [r for r in results.get("records", []) if suite in r["suites"]]
         if not records:
             continue
-        by_suite[suite] = {route: s for route in ROUTES if (s := summarize(records, route, samples, depth.get(route)))}
+        by_suite[suite] = {route: s for route in REPORTED_ROUTES
+                           if (s := summarize(records, route, samples, depth.get(route)))}
         cats = sorted({r["category"] for r in records})
         if len(cats) > 1:
-            by_category[suite] = {c: {route: s for route in ROUTES
+            by_category[suite] = {c: {route: s for route in REPORTED_ROUTES
                                       if (s := summarize([r for r in records if r["category"] == c], route, samples,
                                                          depth.get(route)))}
                                   for c in cats}
@@ -298,11 +306,11 @@ def exactness(results: dict) -> tuple[str, bool] | None:
     if not results.get("summary"):
         return None
     runs = [r["routes"][route]["hash"] == r["routes"]["plain"]["hash"]  # each prompt once, whatever its suites
-            for r in results.get("records", []) for route in SPEC_ROUTES if route in r["routes"]]
+            for r in results.get("records", []) for route in REPORTED_SPEC_ROUTES if route in r["routes"]]
     same, total = sum(runs), len(runs)
-    mismatches = [m for m in results.get("mismatches", []) if m["route"] in SPEC_ROUTES]
+    mismatches = [m for m in results.get("mismatches", []) if m["route"] in REPORTED_SPEC_ROUTES]
     explained = sum(bool(m.get("near_tie")) for m in mismatches)
-    routes = sorted({route for r in results.get("records", []) for route in r["routes"] if route in SPEC_ROUTES})
+    routes = sorted({route for r in results.get("records", []) for route in r["routes"] if route in REPORTED_SPEC_ROUTES})
     measured = (f"{same}/{total} identical; {explained}/{len(mismatches)} mismatches near-ties "
                 f"({len(results.get('records', []))} prompts, {len(routes)} routes)")
     return measured, total > 0 and (same == total or explained == len(mismatches) == total - same)
@@ -394,6 +402,11 @@ def markdown(results: dict) -> str:
         lines.append(f"call {i}: loading {call.get('load_s', 0):.1f} s, warm-ups {call.get('warmup_total_s', 0):.1f} s ({warm}), "
                      f"measuring {call.get('measure_s', 0):.1f} s ({call.get('prompts', 0)} prompts)")
     lines += [""] if results.get("calls") else []
+    if results.get("drafters"):  # (recorded since the twentieth study: what each EAGLE route drafted with)
+        lines += ["EAGLE drafters: " + "; ".join(
+            f"{route} {d['head_gemms']} GEMMs, T = {d['acceptance_temperature']:.3g}, {d['quantize']} weights"
+            + (f", draft vocabulary {d['draft_vocab']}" if d["draft_vocab"] else "")
+            for route, d in results["drafters"].items()), ""]
     lines += targets_markdown(results["targets"])
     lines += ["", "Read with care:", ""] + [f"- {c}" for c in results["caveats"]] if results.get("caveats") else []
     if results.get("stopped"):
@@ -412,7 +425,7 @@ def markdown(results: dict) -> str:
                 for route, s in routes.items() if (f := s.get("draft_fit_ms"))]
         lines += ["", "Drafting time, fitted over the prompts: " + "; ".join(fits)] if fits else []
     for suite, cats in results.get("categories", {}).items():
-        routes = [r for r in SPEC_ROUTES if any(r in c for c in cats.values())]
+        routes = [r for r in REPORTED_SPEC_ROUTES if any(r in c for c in cats.values())]
         lines += ["", f"Per category, {suite}: speedup / accepted length", "",
                   "| category | prompts | " + " | ".join(routes) + " |", "| --- | --- |" + " --- |" * len(routes)]
         for cat, by_route in cats.items():
@@ -443,11 +456,11 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     suites = list(by_suite)
-    measured = [r for r in ROUTES[1:] if any(r in routes for routes in by_suite.values())]  # (bars for these only)
+    measured = [r for r in REPORTED_ROUTES[1:] if any(r in routes for routes in by_suite.values())]  # (bars for these only)
     palette = plt.get_cmap("tab10" if len(measured) <= 10 else "tab20")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     for ax, key, routes, label in ((axes[0], "speedup", measured, "speedup over graphed plain decoding"),
-                                   (axes[1], "accepted_length", [r for r in measured if r in SPEC_ROUTES],
+                                   (axes[1], "accepted_length", [r for r in measured if r in REPORTED_SPEC_ROUTES],
                                     "new tokens per verification pass")):
         width = 0.8 / max(len(routes), 1)
         for i, route in enumerate(routes):
@@ -615,6 +628,9 @@ def run_benchmark(args: argparse.Namespace, results: dict) -> None:
     print(f"{len(prompts)} prompts: " + ", ".join(f"{s} {sum(s in p.suites for p in prompts)}" for s in args.suites)
           + (f"; {len(prompts) - len(todo)} measured by an earlier call, {len(todo)} to go" if done else ""), flush=True)
     bench = Bench(args)
+    results["drafters"] = {route: {"head_gemms": d.head_gemms, "acceptance_temperature": d.acceptance_temperature,
+                                   "quantize": d.quantize, "draft_vocab": None if d.draft_vocab is None else len(d.draft_vocab)}
+                           for route, d in bench.drafters.items() if route in args.routes and route.startswith("eagle")}
     results["model"] = {"parameters": sum(p.numel() for p in bench.model.parameters()),
                         "layers": bench.model.config.num_hidden_layers, "hidden_size": bench.model.config.hidden_size}
     results["load_s"] = call["load_s"] = time.perf_counter() - started
@@ -745,7 +761,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "eagle_tree_fr_mixed (the head's GEMMs as the fused specla ops, as PyTorch code or as the "
                         "default before triton, not the drafter's default), eagle_tree_fr_t1 and "
                         "eagle_tree_d4_fr_t1 (trees ranked by the head's raw "
-                        "probabilities, not its calibrated ones), eagle_tree_fr_int8 (the head's weights as int8) "
+                        "probabilities, not its calibrated ones), eagle_tree_fr_unquantized (the head's own weights, "
+                        "where the default is int8 on CUDA) "
                         "and the other tree shapes (eagle_tree_d4/_d5/_d8: 4/5/8 levels deep; "
                         "eagle_tree_n32: 32 nodes) run when named")
     p.add_argument("--draft-vocab", type=int, default=8192,

@@ -161,14 +161,14 @@ def loop_section(args, results: dict) -> None:
                     if name.startswith("tree") and "replay_ms" in r and not r.get("draft_vocab")}
     attention = min(tree_replays, key=tree_replays.get) if tree_replays else None
     drafter = EagleDrafter(head, model, attention=attention, head_gemms=args.head_gemms[0],
-                           inductor_options=args.propose_inductor)
+                           inductor_options=args.propose_inductor, quantize=args.quantize[0])
     configs = {"eagle_chain": CONFIGS["chain_L8"], "eagle_tree": CONFIGS["tree_k4_d6_n16"],
                "eagle_tree_host": dataclasses.replace(CONFIGS["tree_k4_d6_n16"], pipelined=False)}
     gen = SpeculativeGenerator(model, drafter, configs["eagle_tree"], shared_features=True)
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     loop = results["loop"] = {"target": args.target, "target_layers": model.config.num_hidden_layers, "hidden": hidden,
                               "head_intermediate": head.config.intermediate_size, "new_tokens": 128,
-                              "attention": attention, "head_gemms": args.head_gemms[0]}
+                              "attention": attention, "head_gemms": args.head_gemms[0], "quantize": args.quantize[0]}
     # the routes, then the tree drafting from each draft vocabulary (as the study's _fr routes), on its own drafter
     runs = [(route, route, drafter) for route in LOOP_ROUTES if route == "plain" or route in args.loop_routes]
     runs += [(f"eagle_tree, draft vocabulary {vocab}{quantized_name(quantize)}", "eagle_tree", EagleDrafter(
@@ -283,7 +283,8 @@ def main() -> None:
                         "ops, or PyTorch code that inductor compiles; the loop section drafts with the first")
     p.add_argument("--quantize", nargs="+", choices=("none", "int8"), default=["none"],
                    help="the head's weights in the propose section (EagleDrafter's quantize), and in the loop section "
-                        "for each --draft-vocab tree: its own, or weight-only int8 copies")
+                        "for each --draft-vocab tree (its main drafter takes the first): its own, or weight-only int8 "
+                        "copies")
     p.add_argument("--draft-vocab", nargs="+", type=int, default=[0],
                    help="draft vocabularies to time in the propose section, and in the loop section each one's tree "
                         "beside the whole vocabulary's (0: the whole vocabulary; a random token ranking: the cost does "

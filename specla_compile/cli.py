@@ -104,7 +104,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--draft-vocab", type=int, default=None,
         help="eagle drafter: draft only the head's N most frequent training tokens (None: every token)")
     add("--quantize", choices=("none", "int8"), default=None,
-        help="eagle drafter: stream the head's weights as int8, or its own weights (None picks int8 on CUDA with a "
+        help="eagle drafter: stream the head's weights as int8, or its own weights (if omitted: int8 on CUDA with a "
              "half-precision head, where it drafts faster; the output is unchanged either way)")
     add("--prompt", default=DEFAULT_PROMPT, help="the prompt text")
     add("--max-new-tokens", type=int, default=96, help="tokens to generate")

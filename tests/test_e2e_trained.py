@@ -158,6 +158,22 @@ def test_drafting_time_splits_into_a_cost_per_pass_and_one_per_prompt():
     assert "eagle_tree 0.50 ms per pass + 3.0 ms per prompt" in E.markdown(results)
 
 
+def test_a_retired_route_of_an_earlier_study_is_still_reported():
+    """A study's JSON from before a route was retired (``RETIRED_ROUTES``: the twentieth run's eagle_tree_fr_int8)
+    keeps that route in its summary, its exactness count and its per-category table when its report is written again;
+    the route can no longer be asked for."""
+    records = [_record(f"m{i}", ["mixed"], category, {"eagle_tree_fr": 2.0, "eagle_tree_fr_int8": 2.5})
+               for i, category in enumerate(("qa", "math"))]
+    records[1]["routes"]["eagle_tree_fr_int8"]["hash"] = "x"
+    results = {"records": records, "bootstrap_samples": 50}
+    results["summary"], categories = E.summaries(results)
+    assert all("eagle_tree_fr_int8" in by_route for by_route in categories["mixed"].values())
+    retired = results["summary"]["mixed"]["eagle_tree_fr_int8"]
+    assert retired["speedup"]["value"] == pytest.approx(2.5) and "accepted_length" in retired and retired["identical"] == 1
+    assert E.exactness(results)[0].startswith("3/4 identical; 0/0 mismatches near-ties (2 prompts, 2 routes)")
+    assert "eagle_tree_fr_int8" in E.RETIRED_ROUTES and "eagle_tree_fr_int8" not in E.ROUTES
+
+
 def test_exactness_of_the_other_dtype_from_another_study(tmp_path):
     fp32 = {"dtype": "float32", "records": [_record(f"m{i}", ["mixed"], "qa", {"eagle_tree": 2.0}) for i in range(3)],
             "bootstrap_samples": 50}
@@ -588,6 +604,12 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     # every EAGLE route says whether it replayed propose graphs: none on the CPU, and no capture error for that
     assert results["propose_graphs"] == {r: {"graphs": 0, "capture_error": "", "catch_up_graphs": 0, "catch_up_error": ""}
                                          for r in E.ROUTES if r.startswith("eagle")}
+    # and what it drafted with: the draft vocabulary on the _fr routes, PyTorch's GEMMs on _pytorch, the CPU's weights
+    drafters = results["drafters"]
+    assert set(drafters) == {r for r in E.ROUTES if r.startswith("eagle")}
+    assert {r for r, d in drafters.items() if d["draft_vocab"] == 60} == set(E.FR_ROUTES)
+    assert drafters["eagle_tree_fr_pytorch"]["head_gemms"] == "pytorch" and {d["quantize"] for d in drafters.values()} == {"none"}
+    assert "EAGLE drafters: " in (tmp_path / "e2e_trained.md").read_text()
     assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
     assert set(results["records"][1]["routes"]) == set(E.ROUTES) - {"ngram_tree"}  # dropped, the others went on
     for record in results["records"]:

@@ -53,6 +53,7 @@ def run_script(argv: list[str], monkeypatch) -> None:
         ("eagle:{root}/eagle", ["--mode", "tree", "--depth", "2", "--budget", "4"]),
         ("eagle:{root}/eagle_ranked", ["--mode", "tree", "--depth", "2", "--budget", "4", "--draft-vocab", "64"]),
         ("eagle:{root}/eagle", ["--mode", "chain", "--depth", "3", "--quantize", "int8"]),
+        ("eagle:{root}/eagle", ["--mode", "chain", "--depth", "3", "--quantize", "none"]),
     ],
 )
 def test_generate_runs_with_each_drafter(drafter, shape, checkpoints, tmp_path, monkeypatch, capsys):

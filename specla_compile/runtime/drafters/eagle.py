@@ -208,8 +208,8 @@ class EagleDrafter(Drafter):
     and the draft levels' LM head rows stream weight-only int8 copies (per
     output row, :meth:`EagleHead.int8_weights`): half the bytes per draft level. The drafts may differ where int8
     rounding reorders near-ties; the output never does (the target verifies). ``"none"``: the head's own weights.
-    None (default): ``"int8"`` where it is measured faster (Triton's kernels on CUDA, a half-precision head, those
-    head GEMMs and LM head), ``"none"`` elsewhere. On the H200's trained study (``benchmarks/results/trained/
+    None (default): ``"int8"`` where it is measured faster (Triton's kernels on CUDA, a half-precision head and LM
+    head, head GEMMs and LM head that int8 takes), ``"none"`` elsewhere. On the H200's trained study (``benchmarks/results/trained/
     e2e_trained.md``) int8 kept the depth-6 tree's accepted length (5.68 against 5.66 tokens on the mixed suite)
     and took its speedup from 2.48 to 2.58x.
     ``acceptance_temperature``: the draft levels score ``logits / T`` (folded into a copy of the LM head's rows, so
@@ -239,8 +239,9 @@ class EagleDrafter(Drafter):
             raise ValueError(f"EagleDrafter: head_gemms must be one of {sorted(HEAD_GEMMS)}, got {head_gemms!r}")
         int8_ready = head_gemms in INT8_HEAD_GEMMS and type(target.get_output_embeddings()) is nn.Linear
         if quantize is None:  # (int8 where the study measured it faster: Triton's kernels, half-precision rows)
-            quantize = "int8" if (int8_ready and TRITON_KERNELS and head.fuse.weight.is_cuda
-                                  and head.fuse.weight.dtype in (torch.float16, torch.bfloat16)) else "none"
+            half = (torch.float16, torch.bfloat16)
+            quantize = "int8" if (int8_ready and TRITON_KERNELS and head.fuse.weight.is_cuda and head.fuse.weight.dtype
+                                  in half and target.get_output_embeddings().weight.dtype in half) else "none"
         if quantize == "int8" and not int8_ready:
             raise ValueError(f"EagleDrafter: quantize='int8' takes head_gemms in {INT8_HEAD_GEMMS} (specla's kernels; the "
                              f"others' PyTorch GEMMs would widen each int8 weight at every call) and an nn.Linear LM head, "
