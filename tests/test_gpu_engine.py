@@ -5,6 +5,7 @@ and trees, a batch with EOS). Skipped without CUDA."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_graphed_eagle_propose_equals_the_uncaptured_one(config):
         assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents)
 
 
-def test_a_half_precision_eagle_head_drafts_with_int8_weights_by_default():
+def test_a_half_precision_eagle_head_drafts_with_int8_weights_by_default(caplog):
     """On CUDA a bf16 EAGLE drafter streams its head's weights as int8 unless told not to (``quantize="none"``),
     an fp32 one keeps its own; generation with the int8 drafter gives plain decoding's tokens."""
     from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
@@ -121,8 +122,10 @@ def test_a_half_precision_eagle_head_drafts_with_int8_weights_by_default():
     model = tiny_model("fla").cuda().to(torch.bfloat16)
     torch.manual_seed(8)
     head = EagleHead(EagleConfig.for_target(model)).cuda().to(torch.bfloat16)
-    drafter = EagleDrafter(head, model)
+    with caplog.at_level(logging.INFO, logger="specla_compile"):
+        drafter = EagleDrafter(head, model)
     assert drafter.quantize == "int8" and drafter._lm_weight.dtype == torch.int8
+    assert "drafting with int8 copies" in caplog.text
     assert EagleDrafter(head, model, quantize="none")._int8 is None
     fp32_model = tiny_model("fla").cuda()
     assert EagleDrafter(EagleHead(EagleConfig.for_target(fp32_model)).cuda(), fp32_model).quantize == "none"

@@ -242,6 +242,9 @@ class EagleDrafter(Drafter):
             half = (torch.float16, torch.bfloat16)
             quantize = "int8" if (int8_ready and TRITON_KERNELS and head.fuse.weight.is_cuda and head.fuse.weight.dtype
                                   in half and target.get_output_embeddings().weight.dtype in half) else "none"
+            if quantize == "int8":
+                log.info("EagleDrafter: drafting with int8 copies of the head's GEMM weights and LM head rows "
+                         "(quantize='none' keeps its own; the output is the same either way)")
         if quantize == "int8" and not int8_ready:
             raise ValueError(f"EagleDrafter: quantize='int8' takes head_gemms in {INT8_HEAD_GEMMS} (specla's kernels; the "
                              f"others' PyTorch GEMMs would widen each int8 weight at every call) and an nn.Linear LM head, "
