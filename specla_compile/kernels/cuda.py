@@ -104,7 +104,7 @@ ops.gather_paths_.register_kernel("cuda")(triton_gather.gather_paths_)
 
 @ops.linear_top_k.register_kernel("cuda")
 def _linear_top_k(x, weight, bias, k, weight_scale=None):
-    if not (_few_half_rows(x, bias) and _weight_fits(x, weight, weight_scale) and triton_topk.linear_top_k_fits(weight, k)):
+    if not (_few_half_rows(x, bias) and triton_linear.weight_fits(x, weight, weight_scale) and triton_topk.linear_top_k_fits(weight, k)):
         # (an int8 weight's scores from specla's GEMM, which takes it; a float one's from the framework's, as before)
         scores = torch.nn.functional.linear(x, weight, bias) if weight_scale is None else ops.linear(x, weight, weight_scale, bias)
         return triton_topk.vocab_top_k(scores, k)
@@ -129,13 +129,6 @@ def _few_half_rows(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
             and all(t.dtype == x.dtype for t in tensors if t is not None))
 
 
-def _weight_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
-    """The weight in the rows' dtype, or int8 with its fp32 scale (the kernels widen its integers)."""
-    if weight_scale is None:
-        return weight.dtype == x.dtype
-    return weight.dtype == torch.int8 and weight_scale.dtype == torch.float32
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
@@ -148,7 +141,7 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
 
 @ops.linear_add.register_kernel("cuda")
 def _linear_add(x, weight, bias, residual, residual_rows, weight_scale=None):
-    if not (_few_half_rows(x, bias, residual) and _weight_fits(x, weight, weight_scale)):
+    if not (_few_half_rows(x, bias, residual) and triton_linear.weight_fits(x, weight, weight_scale)):
         return _reference_of(ops.linear_add)(x, weight, bias, residual, residual_rows, weight_scale)
     table = residual_rows is not None
     y = triton_linear.linear(_rows(x), weight.contiguous(), _vector(bias), residual.contiguous() if table else _rows(residual),
@@ -158,7 +151,7 @@ def _linear_add(x, weight, bias, residual, residual_rows, weight_scale=None):
 
 @ops.linear.register_kernel("cuda")
 def _linear(x, weight, weight_scale=None, bias=None):
-    if not (_few_half_rows(x, bias) and _weight_fits(x, weight, weight_scale)):
+    if not (_few_half_rows(x, bias) and triton_linear.weight_fits(x, weight, weight_scale)):
         return _reference_of(ops.linear)(x, weight, weight_scale, bias)
     return triton_linear.linear(_rows(x), weight.contiguous(), _vector(bias), weight_scale=_vector(weight_scale)).view(
         *x.shape[:-1], weight.shape[0])
@@ -166,7 +159,7 @@ def _linear(x, weight, weight_scale=None, bias=None):
 
 @ops.gated_linear.register_kernel("cuda")
 def _gated_linear(x, weight, weight_scale=None):
-    if not (_few_half_rows(x) and _weight_fits(x, weight, weight_scale)):
+    if not (_few_half_rows(x) and triton_linear.weight_fits(x, weight, weight_scale)):
         return _reference_of(ops.gated_linear)(x, weight, weight_scale)
     return triton_linear.gated_linear(_rows(x), weight.contiguous(), weight_scale=_vector(weight_scale)).view(
         *x.shape[:-1], weight.shape[0] // 2)
@@ -174,7 +167,7 @@ def _gated_linear(x, weight, weight_scale=None):
 
 @ops.norm_linear.register_kernel("cuda")
 def _norm_linear(x, norm_weight, eps, weight, weight_scale=None):
-    if not (_few_half_rows(x, norm_weight) and _weight_fits(x, weight, weight_scale)):
+    if not (_few_half_rows(x, norm_weight) and triton_linear.weight_fits(x, weight, weight_scale)):
         return _reference_of(ops.norm_linear)(x, norm_weight, eps, weight, weight_scale)
     return triton_linear.linear(_rows(x), weight.contiguous(), norm_weight=_vector(norm_weight), eps=eps,
                                 weight_scale=_vector(weight_scale)).view(*x.shape[:-1], weight.shape[0])
@@ -182,7 +175,7 @@ def _norm_linear(x, norm_weight, eps, weight, weight_scale=None):
 
 @ops.norm_gated_linear.register_kernel("cuda")
 def _norm_gated_linear(x, norm_weight, eps, weight, weight_scale=None):
-    if not (_few_half_rows(x, norm_weight) and _weight_fits(x, weight, weight_scale)):
+    if not (_few_half_rows(x, norm_weight) and triton_linear.weight_fits(x, weight, weight_scale)):
         return _reference_of(ops.norm_gated_linear)(x, norm_weight, eps, weight, weight_scale)
     return triton_linear.gated_linear(_rows(x), weight.contiguous(), _vector(norm_weight), eps,
                                       weight_scale=_vector(weight_scale)).view(*x.shape[:-1], weight.shape[0] // 2)

@@ -299,14 +299,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
         raise ValueError("the linear kernels add a skip to float32 or bfloat16 rows only")
 
 
+def weight_fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """The weight in the rows' dtype, or int8 with its fp32 per-row scale (the kernels widen its integers)."""
+    if weight_scale is None:
+        return weight.dtype == x.dtype
+    return weight.dtype == torch.int8 and weight_scale.dtype == torch.float32
+
+
 def check_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
-    """Contiguous rows and weight, the weight in the rows' dtype, or int8 with its fp32 per-row scale."""
-    int8 = weight.dtype == torch.int8 and weight_scale is not None
-    if not (x.is_contiguous() and weight.is_contiguous()) or not (weight.dtype == x.dtype and weight_scale is None or int8):
-        raise ValueError(f"the linear kernels take contiguous x and weight of one dtype (or an int8 weight with its "
-                         f"scale), got {x.dtype} and {weight.dtype}")
-    if int8 and weight_scale.dtype != torch.float32:
-        raise ValueError(f"the linear kernels take an int8 weight's scale in float32, got {weight_scale.dtype}")
+    """Contiguous rows and weight, and a weight that :func:`weight_fits` them."""
+    if not (x.is_contiguous() and weight.is_contiguous() and weight_fits(x, weight, weight_scale)):
+        scale = "no scale" if weight_scale is None else f"a {weight_scale.dtype} scale"
+        raise ValueError(f"the linear kernels take contiguous x and weight of one dtype, or an int8 weight with its scale "
+                         f"in float32; got {x.dtype}, {weight.dtype} and {scale}")
     _check_vector(weight_scale, weight.shape[0], "weight scale")
 
 
