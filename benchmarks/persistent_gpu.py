@@ -40,10 +40,10 @@ from gemv_gpu import graph_ms, save_results, start_run
 GDN_1P3B = {"layers": 24, "hidden": 2048, "heads": 8, "head_dim": 256, "intermediate": 5632}
 PHASES = 5
 EPS = 1e-6
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT): the weight tile of a GEMV step, the loads' pipeline (tl.dot), and
-# whether tensor cores multiply (see _gemv_phase)
-CONFIGS = [(16, 512, 16, 1, False), (16, 512, 8, 1, False), (8, 512, 4, 1, False), (32, 256, 4, 3, True),
-           (64, 128, 4, 4, True)]
+# (BLOCK_N, BLOCK_K, num_warps, DEFER_NORM, PRELOAD): the weight tile of a GEMV step, and the two latencies a
+# phase's start can hide (see _gemv_phase and layer_stack_kernel)
+CONFIGS = [(16, 512, 16, False, False), (16, 512, 16, True, False), (16, 512, 16, True, True), (16, 512, 8, True, True),
+           (8, 512, 4, True, True)]
 
 
 @triton.jit
@@ -72,10 +72,13 @@ def _rms_scale(x_ptr, H: tl.constexpr, eps):
 @triton.jit
 def _gemv_input(MODE: tl.constexpr, kk, layer, x_ptr, act_ptr, o_ptr, m_ptr, norm_ptr, onorm_ptr, scale, head_scale,
                 H: tl.constexpr, NH: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K chunk ``kk`` of a GEMV's input vector (see :func:`_gemv_phase`), float32."""
+    """K chunk ``kk`` of a GEMV's input vector (see :func:`_gemv_phase`), float32, and the residual's own chunk
+    (MODE 0 and 3; zeros otherwise), whose squares sum to the norm's scale."""
     offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+    residual = tl.zeros((BLOCK_K,), tl.float32)
     if MODE == 0 or MODE == 3:
-        x = tl.load(x_ptr + offs_k, cache_modifier=".cg") * scale * tl.load(norm_ptr + layer * H + offs_k)
+        residual = tl.load(x_ptr + offs_k, cache_modifier=".cg")
+        x = residual * scale * tl.load(norm_ptr + layer * H + offs_k)
     elif MODE == 2:
         heads = offs_k // DV
         x_scale = tl.sum(tl.where(heads[:, None] == tl.arange(0, NH)[None, :], head_scale[None, :], 0.0), 1)
@@ -84,7 +87,7 @@ def _gemv_input(MODE: tl.constexpr, kk, layer, x_ptr, act_ptr, o_ptr, m_ptr, nor
              * _silu(gate))
     else:
         x = tl.load(m_ptr + offs_k, cache_modifier=".cg")
-    return x
+    return x, residual
 
 
 @triton.jit
@@ -99,90 +102,95 @@ def _weight_tile(w_ptr, it, steps, pid, P, row_offset, N_OUT, K: tl.constexpr, K
 
 
 @triton.jit
-def _dot_bf16(x, w, acc, INTERPRETED: tl.constexpr):
-    """acc + x @ w^T for bf16 x and w. Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands wrongly,
-    so under it they are multiplied in float32 (IEEE): the same products, since a bf16 product is exact in fp32."""
-    if INTERPRETED:
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w), acc)
+def _walk(pid, P, N_OUT, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """How many (tile, K chunk) steps a program walks in a GEMV of N_OUT outputs."""
+    return tl.maximum(tl.cdiv(tl.cdiv(N_OUT, BLOCK_N) - pid, P), 0) * (K // BLOCK_K)
+
+
+@triton.jit
+def _first_tiles(w_ptr, layer, pid, P, N, K: tl.constexpr, I: tl.constexpr, MODE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile(s) a program's walk in a GEMV starts with (the gate's and the up's in MODE 3)."""
+    N_OUT = I if MODE == 3 else N
+    w_ptr += layer * N * K
+    steps = _walk(pid, P, N_OUT, K, BLOCK_N, BLOCK_K)
+    w = _weight_tile(w_ptr, 0, steps, pid, P, 0, N_OUT, K, K // BLOCK_K, BLOCK_N, BLOCK_K)
+    w_up = w
+    if MODE == 3:
+        w_up = _weight_tile(w_ptr, 0, steps, pid, P, I, N_OUT, K, K // BLOCK_K, BLOCK_N, BLOCK_K)
+    return w, w_up
 
 
 @triton.jit
 def _gemv_phase(MODE: tl.constexpr, layer, pid, P, w_ptr, N, K: tl.constexpr, x_ptr, act_ptr, o_ptr, m_ptr, norm_ptr,
-                onorm_ptr, eps, H: tl.constexpr, NH: tl.constexpr, DV: tl.constexpr, I: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, INTERPRETED: tl.constexpr):
+                onorm_ptr, eps, w_first, w_up_first, H: tl.constexpr, NH: tl.constexpr, DV: tl.constexpr,
+                I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEFER_NORM: tl.constexpr,
+                PRELOADED: tl.constexpr):
     """One GEMV of a layer, its output tiles dealt to the programs round-robin. A program walks its (tile, K
-    chunk) pairs in one loop, so its loads stream on across tiles. DOT: the input, rounded to bf16, is row 0
-    of a 16-row tile for ``tl.dot`` (tensor cores), whose loads Triton's pipeliner keeps ``num_stages`` deep;
-    else CUDA cores: the next step's weight and input load before this step's multiply (two tiles in flight)
-    and products add up element-wise, summed once per tile. MODE 0: x = norm(residual), act = W x.
-    MODE 2: x = gated norm of o, residual += W x. MODE 3: x = norm(residual), m = SiLU(W_gate x) * W_up x
-    (gate row n and up row n + I in one program). MODE 4: x = m, residual += W x."""
+    chunk) pairs in one loop, so its loads stream on across tiles: the next step's weight and input load before
+    this step's multiply (two tiles in flight), and products add up element-wise, summed once per tile.
+    PRELOADED: the walk's first tiles are ``w_first``/``w_up_first``, loaded before the barrier in front of this
+    phase. MODE 0: x = norm(residual), act = W x. MODE 2: x = gated norm of o, residual += W x. MODE 3:
+    x = norm(residual), m = SiLU(W_gate x) * W_up x (gate row n and up row n + I in one program). MODE 4: x = m,
+    residual += W x. DEFER_NORM (MODE 0, 3): the norm's scale multiplies each output, from the squares of the
+    residual's chunks the walk loads anyway, instead of a pass over the residual before the walk."""
     KI: tl.constexpr = K // BLOCK_K
+    NORMED: tl.constexpr = MODE == 0 or MODE == 3
     N_OUT = I if MODE == 3 else N
+    if PRELOADED:
+        w, w_up = w_first, w_up_first
+    else:
+        w, w_up = _first_tiles(w_ptr, layer, pid, P, N, K, I, MODE, BLOCK_N, BLOCK_K)
     w_ptr += layer * N * K
     scale = 1.0
     head_scale = tl.zeros((NH,), tl.float32)
-    if MODE == 0 or MODE == 3:
+    if NORMED and not DEFER_NORM:
         scale = _rms_scale(x_ptr, H, eps)
     if MODE == 2:  # each head's RMS over its DV outputs
         o = tl.load(o_ptr + tl.arange(0, NH)[:, None] * DV + tl.arange(0, DV)[None, :], cache_modifier=".cg")
         head_scale = tl.rsqrt(tl.sum(o * o, 1) / DV + eps)
-    steps = tl.maximum(tl.cdiv(tl.cdiv(N_OUT, BLOCK_N) - pid, P), 0) * KI
-    row0 = tl.arange(0, 16)[:, None] == 0
-    if DOT:
-        acc = tl.zeros((16, BLOCK_N), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        x = _gemv_input(MODE, 0, layer, x_ptr, act_ptr, o_ptr, m_ptr, norm_ptr, onorm_ptr, scale, head_scale, H, NH,
-                        DV, BLOCK_K)
-        w = _weight_tile(w_ptr, 0, steps, pid, P, 0, N_OUT, K, KI, BLOCK_N, BLOCK_K)
-        w_up = w
-        if MODE == 3:
-            w_up = _weight_tile(w_ptr, 0, steps, pid, P, I, N_OUT, K, KI, BLOCK_N, BLOCK_K)
-    acc_up = tl.zeros_like(acc)
+    steps = _walk(pid, P, N_OUT, K, BLOCK_N, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    squares = tl.zeros((BLOCK_K,), tl.float32)
+    x, residual = _gemv_input(MODE, 0, layer, x_ptr, act_ptr, o_ptr, m_ptr, norm_ptr, onorm_ptr, scale, head_scale,
+                              H, NH, DV, BLOCK_K)
     for it in range(steps):
         kk = it % KI
-        if DOT:
-            x = _gemv_input(MODE, kk, layer, x_ptr, act_ptr, o_ptr, m_ptr, norm_ptr, onorm_ptr, scale, head_scale, H,
-                            NH, DV, BLOCK_K)
-            x16 = tl.where(row0, x[None, :], 0.0).to(tl.bfloat16)
-            w = _weight_tile(w_ptr, it, steps, pid, P, 0, N_OUT, K, KI, BLOCK_N, BLOCK_K)
-            acc = _dot_bf16(x16, w, acc, INTERPRETED)
-            if MODE == 3:
-                w_up = _weight_tile(w_ptr, it, steps, pid, P, I, N_OUT, K, KI, BLOCK_N, BLOCK_K)
-                acc_up = _dot_bf16(x16, w_up, acc_up, INTERPRETED)
-        else:
-            x_next = _gemv_input(MODE, (it + 1) % KI, layer, x_ptr, act_ptr, o_ptr, m_ptr, norm_ptr, onorm_ptr, scale,
-                                 head_scale, H, NH, DV, BLOCK_K)
-            w_next = _weight_tile(w_ptr, it + 1, steps, pid, P, 0, N_OUT, K, KI, BLOCK_N, BLOCK_K)
-            w_up_next = w_next
-            if MODE == 3:
-                w_up_next = _weight_tile(w_ptr, it + 1, steps, pid, P, I, N_OUT, K, KI, BLOCK_N, BLOCK_K)
-            acc += w.to(tl.float32) * x[None, :]
-            if MODE == 3:
-                acc_up += w_up.to(tl.float32) * x[None, :]
-            x = x_next
-            w = w_next
-            w_up = w_up_next
+        x_next, residual_next = _gemv_input(MODE, (it + 1) % KI, layer, x_ptr, act_ptr, o_ptr, m_ptr, norm_ptr,
+                                            onorm_ptr, scale, head_scale, H, NH, DV, BLOCK_K)
+        w_next = _weight_tile(w_ptr, it + 1, steps, pid, P, 0, N_OUT, K, KI, BLOCK_N, BLOCK_K)
+        w_up_next = w_next
+        if MODE == 3:
+            w_up_next = _weight_tile(w_ptr, it + 1, steps, pid, P, I, N_OUT, K, KI, BLOCK_N, BLOCK_K)
+        acc += w.to(tl.float32) * x[None, :]
+        if MODE == 3:
+            acc_up += w_up.to(tl.float32) * x[None, :]
+        if NORMED and DEFER_NORM:
+            squares += residual * residual
         if kk == KI - 1:
             offs_n = (pid + (it // KI) * P) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_in = offs_n < N_OUT
-            if DOT:
-                y = tl.sum(tl.where(row0, acc, 0.0), 0)
-                y_up = tl.sum(tl.where(row0, acc_up, 0.0), 0)
-            else:
-                y = tl.sum(acc, 1)
-                y_up = tl.sum(acc_up, 1)
+            y = tl.sum(acc, 1)
+            y_up = tl.sum(acc_up, 1)
+            if NORMED and DEFER_NORM:
+                norm_scale = tl.rsqrt(tl.sum(squares, 0) / H + eps)
+                y *= norm_scale
+                y_up *= norm_scale
+                squares = tl.zeros((BLOCK_K,), tl.float32)
             if MODE == 0:
                 tl.store(act_ptr + offs_n, y, mask=n_in)
             elif MODE == 3:
                 tl.store(m_ptr + offs_n, _silu(y) * y_up, mask=n_in)
             else:
-                residual = tl.load(x_ptr + offs_n, mask=n_in, cache_modifier=".cg")
-                tl.store(x_ptr + offs_n, residual + y, mask=n_in)
-            acc = tl.zeros_like(acc)
-            acc_up = tl.zeros_like(acc)
+                residual_tile = tl.load(x_ptr + offs_n, mask=n_in, cache_modifier=".cg")
+                tl.store(x_ptr + offs_n, residual_tile + y, mask=n_in)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        x = x_next
+        residual = residual_next
+        w = w_next
+        w_up = w_up_next
 
 
 @triton.jit
@@ -213,35 +221,67 @@ def _recurrence_phase(layer, pid, P, act_ptr, o_ptr, state_ptr, a_log_ptr, dt_bi
 
 
 @triton.jit
+def _next_first_tiles(step, end, pid, P, w_qkvg_ptr, w_o_ptr, w_gu_ptr, w_down_ptr, H: tl.constexpr, NH: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """The first weight tile(s) of ``step``'s GEMV (zeros for a recurrence step or past ``end``)."""
+    layer = step // 5
+    phase = step % 5
+    w = tl.zeros((BLOCK_N, BLOCK_K), w_qkvg_ptr.dtype.element_ty)
+    w_up = w
+    if step < end:
+        if phase == 0:
+            w, w_up = _first_tiles(w_qkvg_ptr, layer, pid, P, 4 * NH * DK + 2 * NH, H, I, 0, BLOCK_N, BLOCK_K)
+        elif phase == 2:
+            w, w_up = _first_tiles(w_o_ptr, layer, pid, P, H, NH * DV, I, 2, BLOCK_N, BLOCK_K)
+        elif phase == 3:
+            w, w_up = _first_tiles(w_gu_ptr, layer, pid, P, 2 * I, H, I, 3, BLOCK_N, BLOCK_K)
+        elif phase == 4:
+            w, w_up = _first_tiles(w_down_ptr, layer, pid, P, H, I, I, 4, BLOCK_N, BLOCK_K)
+    return w, w_up
+
+
+@triton.jit
 def layer_stack_kernel(x_ptr, act_ptr, o_ptr, m_ptr, state_ptr, w_qkvg_ptr, w_o_ptr, w_gu_ptr, w_down_ptr, norm1_ptr,
                        norm2_ptr, onorm_ptr, a_log_ptr, dt_bias_ptr, bar_ptr, first_step, num_steps, eps,
                        H: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, I: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
-                       INTERPRETED: tl.constexpr, PERSISTENT: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BV: tl.constexpr, DEFER_NORM: tl.constexpr,
+                       PRELOAD: tl.constexpr, PERSISTENT: tl.constexpr):
     """Steps ``first_step`` .. ``+ num_steps`` of the stack (step = layer * 5 + phase). PERSISTENT: one launch
-    runs them all, a grid barrier after each step (the grid must be co-resident: one program per SM);
-    else the host launches one step at a time."""
+    runs them all, a grid barrier after each step (the grid must be co-resident: one program per SM), and with
+    PRELOAD each program loads the next GEMV's first weight tiles before it waits at the barrier (weights
+    depend on nothing the barrier orders); else the host launches one step at a time."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     D: tl.constexpr = NH * DK
-    for step in range(first_step, first_step + num_steps):
+    PRELOADED: tl.constexpr = PERSISTENT and PRELOAD
+    end = first_step + num_steps
+    w_pre = tl.zeros((BLOCK_N, BLOCK_K), w_qkvg_ptr.dtype.element_ty)
+    w_up_pre = w_pre
+    if PRELOADED:
+        w_pre, w_up_pre = _next_first_tiles(first_step, end, pid, P, w_qkvg_ptr, w_o_ptr, w_gu_ptr, w_down_ptr, H, NH,
+                                            DK, DV, I, BLOCK_N, BLOCK_K)
+    for step in range(first_step, end):
         layer = step // 5
         phase = step % 5
         if phase == 0:
             _gemv_phase(0, layer, pid, P, w_qkvg_ptr, 4 * D + 2 * NH, H, x_ptr, act_ptr, o_ptr, m_ptr, norm1_ptr,
-                        onorm_ptr, eps, H, NH, DV, I, BLOCK_N, BLOCK_K, DOT, INTERPRETED)
+                        onorm_ptr, eps, w_pre, w_up_pre, H, NH, DV, I, BLOCK_N, BLOCK_K, DEFER_NORM, PRELOADED)
         elif phase == 1:
             _recurrence_phase(layer, pid, P, act_ptr, o_ptr, state_ptr, a_log_ptr, dt_bias_ptr, NH, DK, DV, BV)
         elif phase == 2:
             _gemv_phase(2, layer, pid, P, w_o_ptr, H, D, x_ptr, act_ptr, o_ptr, m_ptr, norm1_ptr, onorm_ptr, eps,
-                        H, NH, DV, I, BLOCK_N, BLOCK_K, DOT, INTERPRETED)
+                        w_pre, w_up_pre, H, NH, DV, I, BLOCK_N, BLOCK_K, DEFER_NORM, PRELOADED)
         elif phase == 3:
             _gemv_phase(3, layer, pid, P, w_gu_ptr, 2 * I, H, x_ptr, act_ptr, o_ptr, m_ptr, norm2_ptr, onorm_ptr,
-                        eps, H, NH, DV, I, BLOCK_N, BLOCK_K, DOT, INTERPRETED)
+                        eps, w_pre, w_up_pre, H, NH, DV, I, BLOCK_N, BLOCK_K, DEFER_NORM, PRELOADED)
         else:
             _gemv_phase(4, layer, pid, P, w_down_ptr, H, I, x_ptr, act_ptr, o_ptr, m_ptr, norm1_ptr, onorm_ptr,
-                        eps, H, NH, DV, I, BLOCK_N, BLOCK_K, DOT, INTERPRETED)
+                        eps, w_pre, w_up_pre, H, NH, DV, I, BLOCK_N, BLOCK_K, DEFER_NORM, PRELOADED)
         if PERSISTENT:
+            if PRELOAD:
+                w_pre, w_up_pre = _next_first_tiles(step + 1, end, pid, P, w_qkvg_ptr, w_o_ptr, w_gu_ptr, w_down_ptr,
+                                                    H, NH, DK, DV, I, BLOCK_N, BLOCK_K)
             _grid_sync(bar_ptr, (step - first_step + 1) * P)
 
 
@@ -267,10 +307,8 @@ def random_stack(layers: int, hidden: int, heads: int, head_dim: int, intermedia
     }
 
 
-def reference_stack(stack: dict, bf16_inputs: bool = False, dtype: torch.dtype = torch.float64
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's math in PyTorch (``dtype``), each GEMV's input rounded to bf16 first where ``bf16_inputs``
-    (as the tensor-core kernel does); returns the residual and the states after every layer."""
+def reference_stack(stack: dict, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's math in PyTorch (``dtype``): returns the residual and the states after every layer."""
     x, state = stack["x"].to(dtype), stack["state"].to(dtype).clone()
     layers, heads, dk, _ = state.shape
     d, inter = heads * dk, stack["w_down"].shape[-1]
@@ -278,12 +316,9 @@ def reference_stack(stack: dict, bf16_inputs: bool = False, dtype: torch.dtype =
     def rms(t, weight):
         return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + EPS) * weight
 
-    def gemv(weight, t):
-        return weight @ (t.to(torch.bfloat16).to(dtype) if bf16_inputs else t)
-
     for layer in range(layers):
         p = {name: t[layer].to(dtype) for name, t in stack.items() if name not in ("x", "state")}
-        act = gemv(p["w_qkvg"], rms(x, p["norm1"]))
+        act = p["w_qkvg"] @ rms(x, p["norm1"])
         q, k, v = (F.silu(act[i * d:(i + 1) * d]).view(heads, -1) for i in range(3))
         q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
         k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
@@ -294,9 +329,9 @@ def reference_stack(stack: dict, bf16_inputs: bool = False, dtype: torch.dtype =
         s = s + k[:, :, None] * u[:, None, :]
         state[layer] = s
         o = rms(torch.einsum("hk,hkv->hv", q, s), p["onorm"]).flatten() * F.silu(act[3 * d:4 * d])
-        x = x + gemv(p["w_o"], o)
-        gate_up = gemv(p["w_gu"], rms(x, p["norm2"]))
-        x = x + gemv(p["w_down"], F.silu(gate_up[:inter]) * gate_up[inter:])
+        x = x + p["w_o"] @ o
+        gate_up = p["w_gu"] @ rms(x, p["norm2"])
+        x = x + p["w_down"] @ (F.silu(gate_up[:inter]) * gate_up[inter:])
     return x, state
 
 
@@ -304,8 +339,8 @@ class LayerStack:
     """The kernel's buffers for one stack and its two launch schedules: :meth:`run_persistent` (one launch of
     ``programs`` programs) and :meth:`run_by_step` (five launches a layer)."""
 
-    def __init__(self, stack: dict, block_n: int, block_k: int, warps: int, stages: int, dot: bool, programs: int,
-                 bv: int = 16):
+    def __init__(self, stack: dict, block_n: int, block_k: int, warps: int, defer_norm: bool, preload: bool,
+                 programs: int, bv: int = 16):
         self.stack = stack
         layers, self.heads, self.dk, self.dv = stack["state"].shape
         self.layers, self.hidden, self.inter = layers, stack["x"].numel(), stack["w_down"].shape[-1]
@@ -320,8 +355,7 @@ class LayerStack:
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
         self.programs = programs
         self.meta = {"H": self.hidden, "NH": self.heads, "DK": self.dk, "DV": self.dv, "I": self.inter, "BLOCK_N": block_n,
-                     "BLOCK_K": block_k, "BV": bv, "DOT": dot, "num_warps": warps, "num_stages": stages,
-                     "INTERPRETED": os.environ.get("TRITON_INTERPRET") == "1"}
+                     "BLOCK_K": block_k, "BV": bv, "DEFER_NORM": defer_norm, "PRELOAD": preload, "num_warps": warps}
 
     def reset(self) -> None:
         self.x.copy_(self.stack["x"])
@@ -372,12 +406,12 @@ def weight_bytes(stack: dict) -> int:
     return sum(stack[name].numel() * stack[name].element_size() for name in GEMMS)
 
 
-def check(engine: LayerStack, references: dict, how: str) -> float:
-    """Relative error of one run of the stack against its float64 reference."""
+def check(engine: LayerStack, reference: tuple[torch.Tensor, torch.Tensor], how: str) -> float:
+    """Relative error of one run of the stack against the float64 reference."""
     engine.reset()
     getattr(engine, f"run_{how}")()
     torch.cuda.synchronize()
-    x_ref, state_ref = references[engine.meta["DOT"]]
+    x_ref, state_ref = reference
     return max(((engine.x.double() - x_ref).norm() / x_ref.norm()).item(),
                ((engine.state.double() - state_ref).norm() / state_ref.norm()).item())
 
@@ -389,7 +423,7 @@ def write_report(results: dict, out_dir: str) -> None:
     by_weight = ", ".join(f"{name[2:]} {ms:.3f}" for name, ms in results.get("cublas_ms_by_weight", {}).items())
     lines += [(f"- cuBLAS's GEMMs alone (96 launches): **{results['cublas_ms']:.3f} ms** "
                f"({results['weight_MB'] / results['cublas_ms'] / 1000:.2f} TB/s); each weight's 24 alone, ms: {by_weight}"), "",
-              ("| BLOCK_N | BLOCK_K | warps | stages | tensor cores | programs | registers (spills) | one launch a step, ms "
+              ("| BLOCK_N | BLOCK_K | warps | deferred norm | preload | programs | registers (spills) | one launch a step, ms "
                "| TB/s | persistent ms | TB/s | rel. error | persistent - by step, max | each phase alone, ms |"),
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in results["configs"]:
@@ -425,8 +459,7 @@ def main() -> None:
         return
     started = time.perf_counter()
     stack = random_stack(**{**GDN_1P3B, "layers": args.layers}, device="cuda")
-    on_cpu = {name: t.cpu() for name, t in stack.items()}
-    references = {dot: tuple(t.cuda() for t in reference_stack(on_cpu, bf16_inputs=dot)) for dot in (False, True)}
+    reference = tuple(t.cuda() for t in reference_stack({name: t.cpu() for name, t in stack.items()}))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results.update(layers=args.layers, weight_MB=weight_bytes(stack) / 1e6, sms=sms, configs=[])
     results["cublas_ms"] = graph_ms(cublas_gemms(stack))
@@ -437,11 +470,11 @@ def main() -> None:
             row = {"config": [*config, sms * per_sm]}
             try:
                 engine = LayerStack(stack, *config, programs=sms * per_sm)
-                row["error"] = check(engine, references, "by_step")
+                row["error"] = check(engine, reference, "by_step")
                 by_step = engine.x.clone()
                 row.update(engine.registers())
                 if per_sm == 1:  # (more programs than SMs need not all run at once: a barrier could wait forever)
-                    row["error"] = max(row["error"], check(engine, references, "persistent"))
+                    row["error"] = max(row["error"], check(engine, reference, "persistent"))
                     row["max_diff_by_step"] = (by_step - engine.x).abs().max().item()  # (the two compile apart)
                     row["persistent_ms"] = graph_ms(engine.run_persistent, 10)  # (no reset inside: copying the
                 row["by_step_ms"] = graph_ms(engine.run_by_step, 10)  # states back is no part of a pass)
