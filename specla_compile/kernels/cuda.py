@@ -181,21 +181,22 @@ def _norm_gated_linear(x, norm_weight, eps, weight, weight_scale=None):
                                       weight_scale=_vector(weight_scale)).view(*x.shape[:-1], weight.shape[0] // 2)
 
 
-def _add_norm_linear(op: torch.library.CustomOpDef, project: Callable) -> Callable:
-    """The CUDA implementation of ``op`` (add_norm_linear or its gated twin): one ``project`` launch that
-    also writes the sum, for a few bf16 rows (fp16's two-pass norm would read the rows before the sum)."""
+def _add_norm_linear(op: torch.library.CustomOpDef, project: str) -> Callable:
+    """The CUDA implementation of ``op`` (add_norm_linear or its gated twin): one launch of
+    ``triton_linear.<project>`` (looked up at each call, as the other ops do) that also writes the sum, for a few
+    bf16 rows (fp16's two-pass norm would read the rows before the sum)."""
 
     def run(x, skip, norm_weight, eps, weight):
         reference.check_skip(x, skip)
         if not (_few_half_rows(x, skip, norm_weight, weight) and x.dtype == torch.bfloat16):
             return _reference_of(op)(x, skip, norm_weight, eps, weight)
         rows, summed = _rows(x), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        y = project(rows, weight.contiguous(), norm_weight=_vector(norm_weight), eps=eps, skip=_rows(skip),
-                    skip_sum=summed.view(rows.shape))
+        y = getattr(triton_linear, project)(rows, weight.contiguous(), norm_weight=_vector(norm_weight), eps=eps,
+                                            skip=_rows(skip), skip_sum=summed.view(rows.shape))
         return y.view(*x.shape[:-1], y.shape[-1]), summed
 
     return run
 
 
-ops.add_norm_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_linear, triton_linear.linear))
-ops.add_norm_gated_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_gated_linear, triton_linear.gated_linear))
+ops.add_norm_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_linear, "linear"))
+ops.add_norm_gated_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_gated_linear, "gated_linear"))
