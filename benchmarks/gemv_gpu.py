@@ -12,6 +12,7 @@ back to bf16, which a bf16 consumer would need unless fused into it, is not).
 
     python benchmarks/gemv_gpu.py --out benchmarks/results          # H200, about 2 minutes
     python benchmarks/gemv_gpu.py --out benchmarks/results --preset eagle_head
+    python benchmarks/gemv_gpu.py --out benchmarks/results --kernel tma --rows 1 16   # the weight through the TMA
     python benchmarks/gemv_gpu.py --plot benchmarks/results/gemv_gpu.json
 
 The head's GEMMs with 1024 output columns (its fuse, o_proj and down) ran cuBLAS kernels at 0.3-1 TB/s in a
@@ -31,6 +32,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from specla_compile.runtime.graph_capture import capture
 
@@ -46,8 +48,9 @@ PRESETS = {  # (N, K) of each weight, the rows timed, and what one set of these 
                               "down": (1024, 4096), "lm_head": (32000, 1024)}},
 }
 LAYERS = 24  # distinct weights per shape (the LM head: one), more than the L2 holds: each call reads from HBM
-# (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages)
+# (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) of gemv, and of tma_gemv (which does not split K)
 CONFIGS = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (1, 2, 4), (4,), (2, 4)))
+TMA_CONFIGS = list(itertools.product((16, 32, 64), (64, 128, 256), (1,), (4,), (3, 4, 6, 8)))
 
 
 @triton.jit
@@ -75,6 +78,35 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
 
+@triton.jit
+def tma_gemv_kernel(x_ptr, w_desc, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[:, n-tile] = x @ W[n-tile]^T with W's tiles brought by the TMA (Hopper's bulk tensor copies, through a
+    host-built descriptor; Triton's pipeliner keeps ``num_stages`` of them in flight). Reads past W's edges are
+    zeros."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w_desc.load([pid_n * BLOCK_N, k0])))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def tma_gemv(x: torch.Tensor, w_desc, y: torch.Tensor, warps: int = 4, stages: int = 4) -> None:
+    """``y = x @ w.T`` for ``w_desc = TensorDescriptor.from_tensor(w, [BLOCK_N, BLOCK_K])`` (built once per weight,
+    outside a CUDA graph). Reference: ``F.linear``."""
+    m, k = x.shape
+    n = w_desc.shape[0]
+    block_n, block_k = w_desc.block_shape
+    if m > 32 or x.stride(-1) != 1:
+        raise ValueError("tma_gemv takes at most 32 contiguous rows")
+    tma_gemv_kernel[(triton.cdiv(n, block_n),)](x, w_desc, y, m, n, k, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n,
+                                                BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int, split: int,
          warps: int = 4, stages: int = 2) -> None:
     """``y = x @ w.T`` (``split`` > 1: ``y += ...``, fp32 ``y`` zeroed by the caller). Reference: ``F.linear``."""
@@ -100,8 +132,9 @@ def graph_ms(fn, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sweep_shape(n: int, k: int, rows: int, copies: int) -> dict:
-    """cuBLAS and the best Triton configuration for ``copies`` distinct [n, k] weights at ``rows`` rows."""
+def sweep_shape(n: int, k: int, rows: int, copies: int, kernel: str = "gemv") -> dict:
+    """cuBLAS and the best configuration of the Triton ``kernel`` ("gemv" or "tma") for ``copies`` distinct [n, k]
+    weights at ``rows`` rows."""
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     total_bytes = n * k * 2 * copies
@@ -111,13 +144,17 @@ def sweep_shape(n: int, k: int, rows: int, copies: int) -> dict:
     row["cublas"] = {"us": 1000 * ms / copies, "TBps": total_bytes / ms / 1e9}
     best = unsplit = None
     row["wrong_configs"] = []  # (beyond bf16 rounding against F.linear: none expected)
-    for block_n, block_k, split, warps, stages in CONFIGS:
+    for block_n, block_k, split, warps, stages in TMA_CONFIGS if kernel == "tma" else CONFIGS:
         if block_k * split > 2 * k or triton.cdiv(n, block_n) * split < 64:  # (too few programs to stream from HBM)
             continue
         outs = [torch.zeros(rows, n, device="cuda", dtype=torch.float32 if split > 1 else torch.bfloat16) for _ in range(copies)]
+        descriptors = [TensorDescriptor.from_tensor(w, [block_n, block_k]) for w in weights] if kernel == "tma" else []
 
-        def run(outs=outs, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages):
-            for w, y in zip(weights, outs):
+        def run(outs=outs, block_n=block_n, block_k=block_k, split=split, warps=warps, stages=stages, descriptors=descriptors):
+            for i, (w, y) in enumerate(zip(weights, outs)):
+                if descriptors:
+                    tma_gemv(x, descriptors[i], y, warps, stages)
+                    continue
                 if split > 1:
                     y.zero_()  # (counted: a split-K GEMV needs it, as cuBLAS's split-K needs its reduction kernel)
                 gemv(x, w, y, block_n, block_k, split, warps, stages)
@@ -143,14 +180,16 @@ def sweep_shape(n: int, k: int, rows: int, copies: int) -> dict:
     return row
 
 
-def report_name(preset: str) -> str:
-    return "gemv_gpu" if preset == "gdn_1.3b" else f"gemv_gpu_{preset}"
+def report_name(preset: str, kernel: str = "gemv") -> str:
+    return ("gemv_gpu" if preset == "gdn_1.3b" else f"gemv_gpu_{preset}") + ("_tma" if kernel == "tma" else "")
 
 
 def write_report(results: dict, out_dir: str) -> None:
     preset = PRESETS[results.get("preset", "gdn_1.3b")]
-    stem = report_name(results.get("preset", "gdn_1.3b"))
-    lines = save_results(results, out_dir, stem, f"A Triton GEMV against cuBLAS at {preset['title']}",
+    kernel = results.get("kernel", "gemv")
+    stem = report_name(results.get("preset", "gdn_1.3b"), kernel)
+    what = "A Triton GEMV with TMA loads" if kernel == "tma" else "A Triton GEMV"
+    lines = save_results(results, out_dir, stem, f"{what} against cuBLAS at {preset['title']}",
                          f"; bf16 weights, {LAYERS} distinct weights per shape (the LM head: one) in one CUDA graph, median replay") + [
         "| weight [N, K] | rows | cuBLAS us | cuBLAS TB/s | Triton best us | Triton TB/s | Triton / cuBLAS | best config (BLOCK_N, BLOCK_K, SPLIT, warps, stages) | best without split-K, us |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -202,16 +241,22 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gdn_1.3b", help="which model's GEMM shapes")
+    parser.add_argument("--kernel", choices=("gemv", "tma"), default="gemv",
+                        help="the Triton GEMV swept: pointer loads (split-K too), or the TMA's bulk copies (Hopper)")
+    parser.add_argument("--rows", type=int, nargs="+", help="rows to time (default: the preset's)")
+    parser.add_argument("--shapes", nargs="+", help="weights to time (default: all of the preset's)")
     args = parser.parse_args()
     results = start_run(parser, args, write_report)
     if results is None:
         return
     started = time.perf_counter()
-    results["preset"] = args.preset
+    results.update(preset=args.preset, kernel=args.kernel)
     preset = PRESETS[args.preset]
-    for name, (n, k) in preset["shapes"].items():
-        for rows in preset["rows"]:
-            row = results["results"][f"{name}_M{rows}"] = sweep_shape(n, k, rows, 1 if name == "lm_head" else LAYERS)
+    for name in args.shapes or preset["shapes"]:
+        n, k = preset["shapes"][name]
+        for rows in args.rows or preset["rows"]:
+            row = results["results"][f"{name}_M{rows}"] = sweep_shape(n, k, rows, 1 if name == "lm_head" else LAYERS,
+                                                                      args.kernel)
             print(name, rows, json.dumps({side: row.get(side) for side in ("cublas", "triton_best", "triton_best_unsplit")}),
                   f"{time.perf_counter() - started:.0f} s", flush=True)
             write_report(results, args.out)

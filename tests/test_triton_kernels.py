@@ -251,6 +251,22 @@ def test_benchmark_gemv_matches_linear(rows, split):
 
 
 @interpreted
+@pytest.mark.parametrize("rows", [1, 17])
+def test_benchmark_tma_gemv_matches_linear(rows):
+    """The GEMV with TMA loads that benchmarks/gemv_gpu.py --kernel tma times against cuBLAS: N and K not multiples
+    of the descriptor's block (the copies read zeros past the weight's edges)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from gemv_gpu import tma_gemv
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 100, generator=gen), torch.randn(40, 100, generator=gen)
+    y = torch.zeros(rows, 40)
+    tma_gemv(x, TensorDescriptor.from_tensor(w, [16, 32]), y, stages=1)
+    assert rel_err(y, x.double() @ w.double().T) <= 1e-5
+
+
+@interpreted
 @pytest.mark.parametrize("programs, block_n, defer_norm", [(1, 16, False), (3, 16, True), (5, 8, False), (2, 16, True)])
 def test_benchmark_layer_stack_matches_reference(programs, block_n, defer_norm):
     """The layer-stack kernel that benchmarks/persistent_gpu.py times as one persistent launch, here one launch a
