@@ -208,7 +208,8 @@ def write_report(results: dict, out_dir: str) -> None:
         cublas, best = sum(r["cublas"]["us"] for r in unit), sum(r["triton_best"]["us"] for r in unit)
         times, units, whole = preset["per"]
         lines.append(f"- one {preset['unit']}'s GEMMs but the LM head at {rows} rows: cuBLAS {cublas:.1f} us, the best Triton "
-                     f"configuration of each {best:.1f} us ({times} {units}: {times * (cublas - best) / 1000:.3f} ms per {whole} less)")
+                     f"configuration of each {best:.1f} us ({times} {units}: {times * abs(cublas - best) / 1000:.3f} ms per {whole} "
+                     f"{'less' if best <= cublas else 'more'})")
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

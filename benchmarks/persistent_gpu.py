@@ -344,6 +344,8 @@ class LayerStack:
         self.stack = stack
         layers, self.heads, self.dk, self.dv = stack["state"].shape
         self.layers, self.hidden, self.inter = layers, stack["x"].numel(), stack["w_down"].shape[-1]
+        if self.dk != self.dv:
+            raise ValueError(f"the kernel lays q/k/v/gates out for head_dim keys and values alike, got {self.dk} and {self.dv}")
         for k in (self.hidden, self.heads * self.dk, self.inter):
             if k % block_k:
                 raise ValueError(f"BLOCK_K={block_k} does not divide the GEMV depth {k}")
@@ -370,8 +372,10 @@ class LayerStack:
         layer_stack_kernel[(self.programs,)](*self._args(first, count), PERSISTENT=persistent, **self.meta)
 
     def registers(self) -> dict:
-        """Registers and spilled bytes of the persistent kernel."""
-        compiled = layer_stack_kernel.warmup(*self._args(0, 1), PERSISTENT=True, grid=(self.programs,), **self.meta)
+        """Registers and spilled bytes of the persistent kernel, as timed (a step count of 1 would compile apart:
+        Triton specializes an integer argument equal to 1)."""
+        compiled = layer_stack_kernel.warmup(*self._args(0, PHASES * self.layers), PERSISTENT=True,
+                                             grid=(self.programs,), **self.meta)
         compiled._init_handles()
         return {"regs": compiled.n_regs, "spills": compiled.n_spills}
 
@@ -476,8 +480,9 @@ def main() -> None:
                 if per_sm == 1:  # (more programs than SMs need not all run at once: a barrier could wait forever)
                     row["error"] = max(row["error"], check(engine, reference, "persistent"))
                     row["max_diff_by_step"] = (by_step - engine.x).abs().max().item()  # (the two compile apart)
-                    row["persistent_ms"] = graph_ms(engine.run_persistent, 10)  # (no reset inside: copying the
-                row["by_step_ms"] = graph_ms(engine.run_by_step, 10)  # states back is no part of a pass)
+                    # (timed without a reset inside: copying the states back is no part of a pass)
+                    row["persistent_ms"] = graph_ms(engine.run_persistent, 10)
+                row["by_step_ms"] = graph_ms(engine.run_by_step, 10)
                 row["phase_ms"] = [graph_ms(functools.partial(engine.run_by_step, phase), 10) for phase in range(PHASES)]
             except triton.runtime.errors.OutOfResources as err:
                 row["error"] = str(err)[:80]

@@ -267,21 +267,29 @@ def test_benchmark_tma_gemv_matches_linear(rows):
 
 
 @interpreted
-@pytest.mark.parametrize("programs, block_n, defer_norm", [(1, 16, False), (3, 16, True), (5, 8, False), (2, 16, True)])
-def test_benchmark_layer_stack_matches_reference(programs, block_n, defer_norm):
-    """The layer-stack kernel that benchmarks/persistent_gpu.py times as one persistent launch, here one launch a
-    step (the interpreter runs programs one after another, so a grid barrier cannot run in it): 3 GDN layers
-    (norms, fused projections, recurrence with gates, gated norm, o_proj, MLP) against the float64 reference,
-    with tiles dealt to fewer programs than tiles, the fused projection's last tile partial; the norms' scales
-    computed before each GEMV or from the squares its walk sums."""
+@pytest.mark.parametrize("programs, block_n, defer_norm, persistent",
+                         [(1, 16, False, True), (1, 8, True, True), (3, 16, True, False), (5, 8, False, False),
+                          (2, 16, True, False), (7, 16, True, False)])
+def test_benchmark_layer_stack_matches_reference(programs, block_n, defer_norm, persistent):
+    """The layer-stack kernel that benchmarks/persistent_gpu.py times: 3 GDN layers (norms, fused projections,
+    recurrence with gates, gated norm, o_proj, MLP) against the float64 reference. One launch a step with tiles
+    dealt to fewer programs than tiles, or to more (7 programs, 4 tiles of o_proj and down: some get none), the
+    fused projection's last tile partial; the norms' scales computed before each GEMV or from the squares its walk
+    sums. The persistent launch (grid barriers, each GEMV's first tiles loaded before the barrier in front of it)
+    runs here with one program: the interpreter runs programs one after another, so more would wait forever."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from persistent_gpu import LayerStack, random_stack, reference_stack
+    from persistent_gpu import PHASES, LayerStack, random_stack, reference_stack
 
     stack = random_stack(layers=3, hidden=64, heads=2, head_dim=32, intermediate=96, seed=programs)
     x_ref, state_ref = reference_stack(stack)
     engine = LayerStack(stack, block_n, 32, warps=4, defer_norm=defer_norm, preload=True, programs=programs)
-    engine.run_by_step()
+    if persistent:
+        engine.run_persistent()
+    else:
+        engine.run_by_step()
     assert rel_err(engine.x, x_ref) <= 1e-5 and rel_err(engine.state, state_ref) <= 1e-5
+    if persistent:
+        assert engine.barrier.item() == PHASES * 3  # (one arrival per step)
     assert rel_err(stack["x"], x_ref) > 0.1  # (the layers moved the residual)
     with pytest.raises(ValueError, match="does not divide"):
         LayerStack(stack, block_n, 64, warps=4, defer_norm=defer_norm, preload=True, programs=programs)

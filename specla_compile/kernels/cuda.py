@@ -183,7 +183,7 @@ def _norm_gated_linear(x, norm_weight, eps, weight, weight_scale=None):
 
 def _add_norm_linear(op: torch.library.CustomOpDef, project: str) -> Callable:
     """The CUDA implementation of ``op`` (add_norm_linear or its gated twin): one launch of
-    ``triton_linear.<project>`` (looked up at each call, as the other ops do) that also writes the sum, for a few
+    ``triton_linear.<project>`` (looked up at each call, as the linear ops above do) that also writes the sum, for a few
     bf16 rows (fp16's two-pass norm would read the rows before the sum)."""
 
     def run(x, skip, norm_weight, eps, weight):
