@@ -20,7 +20,10 @@ fuse_projections.pack_projections`, which the generator runs) become one GEMM ea
 True (default): on CUDA, inductor launches independent pointwise kernels as one (its ``combo_kernels``);
 ``fold_norms`` — False (default): True runs, on CUDA, each bf16 RMS norm of a static twin of up to 32 tokens inside
 the GEMM after it, with the residual add before it (:mod:`.lowering.fold_norms`; slower than inductor's norm and
-cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``); ``triton_linears`` — False (default): True runs, on
+cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``); ``fold_gated_norms`` — False (default): True runs, on
+CUDA, the one-token twin's (the plain step at B=1) gated output norms of a bf16 GDN layer inside its o_proj, one
+launch of a one-row GEMV (:func:`.lowering.fold_norms.fold_gated_norms`, ``kernels/triton_gemv.py``; not yet timed in
+a pass); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``regional`` — True (default):
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
@@ -46,7 +49,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .kernels import dispatch, ops
 from .lowering.capture import install
-from .lowering.fold_norms import fold_norms, route_linears
+from .lowering.fold_norms import fold_gated_norms, fold_norms, route_linears
 from .lowering.fuse_projections import fuse_projections, gathers_as_slices
 from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sdpa
 from .lowering.regions import compile_by_layer
@@ -56,7 +59,8 @@ from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms", "triton_linears", "regional"}
+OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms", "fold_gated_norms",
+           "triton_linears", "regional"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
 
@@ -140,9 +144,10 @@ class SpeculativeGraph:
     attention length every pass) keep one dynamic twin."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
-                 plain: str = "compiled", fold: bool = False, route: bool = False, regional: bool = True):
+                 plain: str = "compiled", fold: bool = False, route: bool = False, regional: bool = True,
+                 fold_gated: bool = False):
         self.verify_kernel = verify_kernel
-        self.fold, self.route, self.regional = fold, route, regional
+        self.fold, self.route, self.regional, self.fold_gated = fold, route, regional, fold_gated
         started = time.perf_counter()
         self.plain = compile_inner(gm, example_inputs) if plain == "compiled" else gm.forward
         self.compile_seconds = {"plain": time.perf_counter() - started}
@@ -187,6 +192,8 @@ class SpeculativeGraph:
             program = self.program.graph_module  # (a copy per size: inductor's passes edit the graph they get)
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
             gathers_as_slices(gm)
+            if rows == 1 and self.fold_gated and _on_cuda(inputs):  # (its kernel takes one row: the plain step)
+                log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm))
             if rows <= ops.LINEAR_MAX_ROWS and _on_cuda(inputs):
                 if self.fold:
                     log.info("specla: %d norms folded into the GEMMs after them", fold_norms(gm))
@@ -257,8 +264,9 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
         raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(OPTIONS)}")
     combo_kernels = options.get("combo_kernels", True)
     fold, route = options.get("fold_norms", False), options.get("triton_linears", False)
-    regional = options.get("regional", True)
-    for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold), ("triton_linears", route), ("regional", regional)):
+    regional, fold_gated = options.get("regional", True), options.get("fold_gated_norms", False)
+    for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold), ("triton_linears", route), ("regional", regional),
+                        ("fold_gated_norms", fold_gated)):
         if not isinstance(value, bool):
             raise ValueError(f"specla option {name!r} must be True or False, got {value!r}")
     compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, combo_kernels)
@@ -279,7 +287,7 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
             # over its first part's graph input, at that part's size, and fails minutes into the compile)
             raise ValueError(f"specla: mode={mode!r} cannot autotune the fused projection GEMMs on CUDA; pass "
                              "options={'fuse_projections': False} to tune the unfused ones, or another mode")
-    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold, route, regional)
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold, route, regional, fold_gated)
 
 
 def _cuda_device(example_inputs: Sequence) -> torch.device | None:

@@ -122,12 +122,49 @@ def test_generation_through_routed_passes_equals_plain_decoding(monkeypatch, cap
     assert caplog.text.count(f"{4 * LAYERS + 1} GEMMs routed") >= 2  # the draft bucket's twin and the 1-token loop's
 
 
-def test_the_fold_norms_option_is_a_bool():
+def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay():
+    """Each layer's gated output norm, read by the reshape of its heads and o_proj alone, becomes one
+    ``specla.gated_norm_linear``, in fp32 on the CPU (its PyTorch reference)."""
+    gm, example_inputs = _static_twin_graph(seed=7)
+    o_projs = sum(folding.linear_parts(n) is not None for n in gm.graph.nodes)
+    with torch.no_grad():
+        expected = gm(*example_inputs)
+        assert folding.fold_gated_norms(gm) == 0  # (float32: no kernel to fold into by default)
+        assert folding.fold_gated_norms(gm, dtypes=(torch.float32,)) == LAYERS
+        got = gm(*example_inputs)
+    assert _calls(gm, *folding.GATED_NORMS) == 0 and _calls(gm, SPECLA.gated_norm_linear.default) == LAYERS
+    assert sum(folding.linear_parts(n) is not None for n in gm.graph.nodes) == o_projs - LAYERS
+    assert all(n.meta.get("example_value") is not None for n in gm.graph.nodes if n.op == "call_function")
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+
+
+def test_plain_decoding_through_folded_gated_norms_equals_eager_decoding(monkeypatch, caplog):
+    """With ``fold_gated_norms`` (made to fold here: CPU, fp32), the one-token twin of plain decoding folds each
+    layer's gated norm into its o_proj and the drafted passes keep theirs; both decode as the eager model does."""
+    import specla_compile.backend as backend
+
+    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
+    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
+    model = tiny_model("fla", seed=4)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
+    expected = plain(model, prompt[0], 12)[0][0, 6:].tolist()
+    gen = SpeculativeGenerator(model, OracleDrafter([expected + [0] * 16], error_rate=0.3, seed=4),
+                               SpecConfig(mode="chain", depth=5, bucket=8), compile_options={**COMPILE, "fold_gated_norms": True})
+    with caplog.at_level(logging.INFO, logger="specla_compile"):
+        drafted = gen.generate(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
+        decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
+    assert drafted == expected and decoded == expected
+    assert caplog.text.count(f"{LAYERS} gated norms folded") == 1  # the 1-token twin's, not the draft bucket's
+
+
+@pytest.mark.parametrize("option", ["fold_norms", "fold_gated_norms"])
+def test_the_fold_options_are_bools(option):
     from specla_compile.backend import specla_backend
 
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="'fold_norms' must be True or False"):
-        specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", "fold_norms": "yes"})
+    with pytest.raises(ValueError, match=f"'{option}' must be True or False"):
+        specla_backend(gm, [torch.randn(1, 2)], options={"inner": "eager", option: "yes"})
 
 
 def _dynamo_graph(fn, *inputs) -> tuple[torch.fx.GraphModule, list]:

@@ -20,7 +20,7 @@ from kernel_cases import (
     rel_err,
 )
 
-from specla_compile.kernels import dispatch, ops, triton_linear, triton_topk
+from specla_compile.kernels import dispatch, ops, triton_gemv, triton_linear, triton_topk
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig, use_route
 
@@ -411,6 +411,24 @@ def test_folded_norm_ops_at_the_target_shapes(rows, gated, monkeypatch):
     assert y.shape == (1, rows, weight.shape[0] // (2 if gated else 1)) and rel_err(y, expected) <= 1e-2
     assert torch.equal(summed, x + skip)
     assert len(launches) == (1 if rows <= triton_linear.MAX_ROWS else 0)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gated_norm_linear_at_the_target_shape(rows, monkeypatch):
+    """A GDN-1.3B layer's gated output norm and o_proj as one op, bf16 [1, R, 8, 256] heads against fp64 PyTorch: one
+    row in one launch of the one-row GEMV (the plain step), two rows through the reference."""
+    gen = torch.Generator().manual_seed(rows)
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
+    x, gate, norm, weight = make(1, rows, 8, 256), make(1, rows, 8, 256), 1 + make(256, scale=0.2), make(2048, 2048, scale=2048**-0.5)
+    launches = []
+    kernel = triton_gemv.gated_norm_gemv
+    monkeypatch.setattr(triton_gemv, "gated_norm_gemv", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    with poisoned_allocations():
+        y = ops.gated_norm_linear(x, gate, norm, 1e-6, weight)
+    d = lambda t: t.double()
+    assert y.shape == (1, rows, 2048)
+    assert rel_err(y, ref.gated_norm_linear_reference(d(x), d(gate), d(norm), 1e-6, d(weight))) <= 1e-2
+    assert len(launches) == (1 if rows == 1 else 0)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32, 33])

@@ -238,3 +238,29 @@ def test_the_rms_norm_op_is_fla_s_norm_and_differentiable():
     assert torch.equal(summed, x + skip) and (y - F.silu(gate) * up).abs().max() <= 1e-12
     with pytest.raises(ValueError, match="the skip must have the rows' shape"):
         add_norm_linear_reference(x, skip[:1], weight, 1e-6, w)  # (no broadcasting: the sum replaces a + b)
+
+
+def test_the_gated_rms_norm_op_is_fla_s_gated_norm_and_differentiable():
+    """``specla::rms_norm_gated`` (the node fla's ``FusedRMSNormGated`` becomes, which a one-token twin folds into
+    o_proj): ``F.rms_norm`` times SiLU(gate) in fp64; for bf16, the float32 math the capture ran before it rounded
+    once; composite, so CPU training differentiates through it; and ``gated_norm_linear``'s reference is it with
+    the heads flattened, then the GEMM."""
+    from specla_compile.kernels.reference import gated_norm_linear_reference, rms_norm_gated_reference
+
+    gen = torch.Generator().manual_seed(5)
+    x, gate = (torch.randn(2, 3, 4, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+    weight = 1 + 0.3 * torch.randn(32, generator=gen, dtype=torch.float64)
+    expected = F.rms_norm(x, (32,), weight, 1e-6) * F.silu(gate)
+    assert (torch.ops.specla.rms_norm_gated(x, gate, weight, 1e-6) - expected).abs().max() <= 1e-14
+    half, half_gate = x.bfloat16(), gate.bfloat16()
+    wide = half.float()
+    before = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.bfloat16().float()
+              * F.silu(half_gate.float())).bfloat16()
+    assert torch.equal(rms_norm_gated_reference(half, half_gate, weight.bfloat16(), 1e-6), before)
+    leaf = x.clone().requires_grad_()
+    torch.ops.specla.rms_norm_gated(leaf, gate, weight, 1e-6).square().sum().backward()
+    wanted = x.clone().requires_grad_()
+    (F.rms_norm(wanted, (32,), weight, 1e-6) * F.silu(gate)).square().sum().backward()
+    assert (leaf.grad - wanted.grad).abs().max() <= 1e-12
+    w = torch.randn(16, 128, generator=gen, dtype=torch.float64)
+    assert (gated_norm_linear_reference(x, gate, weight, 1e-6, w) - F.linear(expected.flatten(-2), w)).abs().max() <= 1e-12

@@ -34,6 +34,7 @@ if INTERPRETED:
     from specla_compile.kernels import triton_attention as ta
     from specla_compile.kernels import triton_conv as tc
     from specla_compile.kernels import triton_gather as tg
+    from specla_compile.kernels import triton_gemv as tgv
     from specla_compile.kernels import triton_linear as tl_
     from specla_compile.kernels import triton_topk as tk
     from specla_compile.kernels import triton_verify as tv
@@ -293,6 +294,24 @@ def test_benchmark_layer_stack_matches_reference(programs, block_n, defer_norm, 
     assert rel_err(stack["x"], x_ref) > 0.1  # (the layers moved the residual)
     with pytest.raises(ValueError, match="does not divide"):
         LayerStack(stack, block_n, 64, warps=4, defer_norm=defer_norm, preload=True, programs=programs)
+
+
+@interpreted
+@pytest.mark.parametrize("lead, n", [((1, 1), 40), ((1,), 64)])
+def test_gated_norm_gemv(lead, n):
+    """The one-row gated output norm and o_proj (``specla::gated_norm_linear``'s CUDA kernel) against fp64: each
+    head's RMS and SiLU gate, then the GEMV over output tiles (the last one partial) and K chunks (the next loaded
+    first); refused in one line for two rows or heads that are not a power of two."""
+    gen = torch.Generator().manual_seed(n)
+    x, gate = torch.randn(*lead, 2, 32, generator=gen), torch.randn(*lead, 2, 32, generator=gen)
+    norm, w = 1 + 0.2 * torch.randn(32, generator=gen), torch.randn(n, 64, generator=gen)
+    y = tgv.gated_norm_gemv(x, gate, norm, 1e-6, w, block_n=16, block_k=32, warps=4)
+    assert y.shape == (*lead, n)
+    assert rel_err(y, ref.gated_norm_linear_reference(x.double(), gate.double(), norm.double(), 1e-6, w.double())) <= 1e-5
+    for bad_x, bad_w in ((torch.randn(2, 2, 32), w), (torch.randn(1, 3, 32), torch.randn(n, 96))):
+        assert not tgv.gated_norm_gemv_fits(bad_x, bad_x.clone(), norm, bad_w, block_k=32)
+        with pytest.raises(ValueError, match="one contiguous row"):
+            tgv.gated_norm_gemv(bad_x, bad_x.clone(), norm, 1e-6, bad_w, block_k=32)
 
 
 @interpreted

@@ -19,6 +19,7 @@ from . import (
     triton_attention,
     triton_conv,
     triton_gather,
+    triton_gemv,
     triton_linear,
     triton_topk,
     triton_verify,
@@ -200,3 +201,11 @@ def _add_norm_linear(op: torch.library.CustomOpDef, project: str) -> Callable:
 
 ops.add_norm_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_linear, "linear"))
 ops.add_norm_gated_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_gated_linear, "gated_linear"))
+
+
+@ops.gated_norm_linear.register_kernel("cuda")
+def _gated_norm_linear(x, gate, norm_weight, eps, weight):
+    """One bf16 row in one launch (the plain step at B=1, where the backend folds the norm); else the reference."""
+    if x.dtype != torch.bfloat16 or not triton_gemv.gated_norm_gemv_fits(x, gate, norm_weight, weight):
+        return _reference_of(ops.gated_norm_linear)(x, gate, norm_weight, eps, weight)
+    return triton_gemv.gated_norm_gemv(x, gate, norm_weight, eps, weight)

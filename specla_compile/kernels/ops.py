@@ -405,9 +405,24 @@ def _(x, skip, norm_weight, eps, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2), torch.empty_like(x)
 
 
-# A captured model's RMS norms (fla's, routed by lowering/capture.py): one node each in Dynamo's graph, which
-# a static twin folds into the GEMM after it (lowering/fold_norms.py). Composite: wherever it is not folded,
+@torch.library.custom_op("specla::gated_norm_linear", mutates_args=())
+def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor) -> torch.Tensor:
+    """A GDN layer's gated output norm and o_proj: ``[..., H, D]`` heads -> ``[..., N]``
+    (``reference.gated_norm_linear_reference``)."""
+    return ref.gated_norm_linear_reference(x, gate, norm_weight, eps, weight)
+
+
+@gated_norm_linear.register_fake
+def _(x, gate, norm_weight, eps, weight):
+    return x.new_empty(*x.shape[:-2], weight.shape[0])
+
+
+# A captured model's RMS norms (fla's, routed by lowering/capture.py), plain and gated: one node each in Dynamo's
+# graph, which a static twin folds into the GEMM after it (lowering/fold_norms.py). Composite: wherever it is not folded,
 # AOTAutograd traces its PyTorch ops, which inductor fuses with what surrounds them as before.
 _NORMS = torch.library.Library("specla", "FRAGMENT")
 _NORMS.define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor")
 _NORMS.impl("rms_norm", ref.rms_norm_reference, "CompositeImplicitAutograd")
+_NORMS.define("rms_norm_gated(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor")
+_NORMS.impl("rms_norm_gated", ref.rms_norm_gated_reference, "CompositeImplicitAutograd")

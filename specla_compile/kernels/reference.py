@@ -397,6 +397,22 @@ def rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps) * weight.to(work)).to(x.dtype)
 
 
+def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fla's ``FusedRMSNormGated`` with its SiLU gate and no bias: ``x * rsqrt(mean(x^2) + eps) * weight * silu(gate)``
+    over the last dimension (a head's values) in float32 (float64 for float64 inputs), rounded once to ``x``'s dtype."""
+    work = compute_dtype(x, gate, weight)
+    wide = x.to(work)
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps) * weight.to(work)
+    return (normed * torch.nn.functional.silu(gate.to(work))).to(x.dtype)
+
+
+def gated_norm_linear_reference(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                weight: torch.Tensor) -> torch.Tensor:
+    """``rms_norm_gated(x, gate)`` of ``[..., H, D]`` heads, flattened to ``[..., H * D]``, then ``@ weight^T``: a GDN
+    layer's output norm and o_proj."""
+    return torch.nn.functional.linear(rms_norm_gated_reference(x, gate, norm_weight, eps).flatten(-2), weight)
+
+
 def check_skip(x: torch.Tensor, skip: torch.Tensor) -> None:
     """Raise ``ValueError`` unless ``skip`` has ``x``'s shape and dtype (the add before a folded norm)."""
     if skip.shape != x.shape or skip.dtype != x.dtype:

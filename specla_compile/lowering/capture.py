@@ -276,8 +276,12 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fla_rms_norm_gated_forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
-    """fla ``FusedRMSNormGated.forward`` in plain PyTorch (its Triton kernel, reimplemented)."""
+    """fla ``FusedRMSNormGated.forward`` in plain PyTorch (its Triton kernel, reimplemented). The common case (a
+    weight, no bias, a SiLU gate) is one ``specla::rms_norm_gated`` node, which a static twin can fold into the
+    o_proj after it (``lowering/fold_norms.py``)."""
     _reject("fla's FusedRMSNormGated", residual=residual, prenorm=prenorm)
+    if self.weight is not None and self.bias is None and self.activation in ("swish", "silu"):
+        return torch.ops.specla.rms_norm_gated(x, g, self.weight, self.eps)
     y = _rms(x.float(), self.eps)
     if self.weight is not None:
         y = y * self.weight.float()

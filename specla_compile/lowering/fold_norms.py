@@ -36,6 +36,7 @@ from .fuse_projections import linear_parts
 from .graph_analysis import fill_example_values, is_call
 
 NORMS = (torch.ops.specla.rms_norm.default, torch.ops.specla.rms_norm)
+GATED_NORMS = (torch.ops.specla.rms_norm_gated.default, torch.ops.specla.rms_norm_gated)
 ADDS = (operator.add, torch.add)
 MULS = (operator.mul, torch.mul)
 SILUS = (torch.nn.functional.silu, torch.ops.aten.silu.default)
@@ -217,6 +218,49 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
         for node in dead:
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)  # (the next norm may read this one's sum as its add's input)
+        folded += 1
+    if folded:
+        graph.lint()
+        gm.recompile()
+    return folded
+
+
+def _heads_flattened(node: fx.Node, heads: fx.Node) -> bool:
+    """Whether ``node`` reshapes ``heads`` ([..., H, D]) to [..., H * D] and nothing else."""
+    if not (node.op == "call_method" and node.target in ("reshape", "view") and node.args[0] is heads):
+        return False
+    shape, flat = _value(heads), _value(node)
+    return shape is not None and flat is not None and tuple(flat.shape) == (*shape.shape[:-2], shape.shape[-2] * shape.shape[-1])
+
+
+def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
+    """Fold, in place, every ``specla.rms_norm_gated`` of a ``dtypes`` input (a GDN layer's output norm) whose only
+    reader is the reshape of its heads into one row and then a bias-free ``linear`` (o_proj) into
+    ``specla.gated_norm_linear`` (default ``FOLDED_DTYPES``). Its CUDA kernel takes one row: the backend folds the
+    one-token twin of a batch of one. Returns the number of norms folded."""
+    dtypes = FOLDED_DTYPES if dtypes is None else dtypes
+    graph = gm.graph
+    fake_mode = torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
+    folded = 0
+    for norm in [n for n in graph.nodes if is_call(n, GATED_NORMS)]:
+        if norm.kwargs or len(norm.args) != 4:
+            continue
+        rows, gate, norm_weight, eps = norm.args
+        flat = _only_user(norm)
+        linear = _only_user(flat) if flat is not None and _heads_flattened(flat, norm) else None
+        parts = linear_parts(linear) if linear is not None else None
+        if parts is None or parts[0] is not flat or _dtype(rows) not in dtypes or any(
+                _dtype(t) != _dtype(rows) for t in (gate, parts[1])):
+            continue
+        order = _order(graph)
+        if any(_mutates(n) for n in graph.nodes if order[norm] < order[n] < order[linear]):
+            continue  # (the op reads the heads where the GEMM was)
+        with graph.inserting_before(linear):
+            out = graph.call_function(ops.gated_norm_linear._opoverload, (rows, gate, norm_weight, eps, parts[1]))
+        linear.replace_all_uses_with(out)
+        for node in (linear, flat, norm):
+            graph.erase_node(node)
+        fill_example_values(graph, fake_mode)
         folded += 1
     if folded:
         graph.lint()

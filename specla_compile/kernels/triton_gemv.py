@@ -1,0 +1,79 @@
+"""One-row GEMVs on CUDA cores, with the small work before them folded in: the plain decoding step at B=1.
+
+At one row a GEMM is a weight stream, and what surrounds it in a pass (a norm, a gate) is a kernel of its own
+that costs as much as a small GEMM (``docs/speed.md``). ``benchmarks/persistent_gpu.py`` measured, at the
+GDN-1.3B shape on an H200, a GEMV that keeps products in registers element-wise (summed once per output tile) and
+loads the next weight tile before it multiplies this one: with a layer's gated output norm in its prologue, the
+norm and o_proj take 7.0 us where the pass's norm kernel and cuBLAS's GEMM take 4.0 + 6.2.
+
+:func:`gated_norm_gemv` is that kernel for ``specla::gated_norm_linear`` (reference:
+``reference.gated_norm_linear_reference``): each program normalizes the row's heads itself (a row is a few KB),
+then streams its tile of output rows' weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import launch_args, wait_upstream
+
+BLOCK_N, BLOCK_K, WARPS = 16, 512, 16  # persistent_gpu.md's best one-row GEMV at the 1.3B shape
+
+
+@triton.jit
+def _gated_norm_gemv_kernel(x_ptr, gate_ptr, norm_ptr, w_ptr, y_ptr, N, eps, NH: tl.constexpr, D: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[n-tile] = W[n-tile] @ z for one row, z = rms_norm_gated(x, gate) over each of the NH heads of D values,
+    rounded to the row's dtype as the unfused norm writes it."""
+    K: tl.constexpr = NH * D
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = offs_n < N
+    heads = tl.arange(0, NH)
+    w_rows = w_ptr + offs_n[:, None] * K
+    w = tl.load(w_rows + tl.arange(0, BLOCK_K)[None, :], mask=n_in[:, None], other=0.0)  # (weights: before the wait)
+    wait_upstream(USE_PDL)
+    x = tl.load(x_ptr + heads[:, None] * D + tl.arange(0, D)[None, :]).to(tl.float32)
+    head_scale = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        next_k = offs_k + BLOCK_K
+        w_next = tl.load(w_rows + next_k[None, :], mask=n_in[:, None] & (next_k < K)[None, :], other=0.0)
+        scale = tl.sum(tl.where((offs_k // D)[:, None] == heads[None, :], head_scale[None, :], 0.0), 1)
+        gate = tl.load(gate_ptr + offs_k).to(tl.float32)
+        z = (tl.load(x_ptr + offs_k).to(tl.float32) * scale * tl.load(norm_ptr + offs_k % D).to(tl.float32)
+             * (gate / (1.0 + tl.exp(-gate))))
+        acc += w.to(tl.float32) * z.to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]
+        w = w_next
+    tl.store(y_ptr + offs_n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_in)
+
+
+def gated_norm_gemv_fits(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                         block_k: int = BLOCK_K) -> bool:
+    """One contiguous row of ``[..., H, D]`` heads (H and D powers of two, H * D a multiple of ``block_k``), its gate
+    alike, and a contiguous weight of the row's dtype with H * D columns."""
+    if x.dim() < 2:
+        return False
+    heads, dim = x.shape[-2:]
+    return (x.numel() == heads * dim and gate.shape == x.shape and gate.dtype == x.dtype and weight.dtype == x.dtype
+            and norm_weight.numel() == dim and weight.dim() == 2 and weight.shape[1] == heads * dim
+            and heads & (heads - 1) == 0 and dim & (dim - 1) == 0 and (heads * dim) % block_k == 0
+            and x.is_contiguous() and gate.is_contiguous() and weight.is_contiguous() and norm_weight.is_contiguous())
+
+
+def gated_norm_gemv(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    block_n: int = BLOCK_N, block_k: int = BLOCK_K, warps: int = WARPS) -> torch.Tensor:
+    """``specla::gated_norm_linear`` for one row (:func:`gated_norm_gemv_fits`): ``[..., H, D]`` -> ``[..., N]``."""
+    if not gated_norm_gemv_fits(x, gate, norm_weight, weight, block_k):
+        raise ValueError(f"gated_norm_gemv takes one contiguous row of power-of-two heads and a weight of its dtype; got "
+                         f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    *lead, heads, dim = x.shape
+    n = weight.shape[0]
+    y = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+    _gated_norm_gemv_kernel[(triton.cdiv(n, block_n),)](x, gate, norm_weight, weight, y, n, eps, NH=heads, D=dim,
+                                                      BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                                      **launch_args(x.device))
+    return y
