@@ -81,45 +81,40 @@ def test_a_norm_that_several_gemms_read_stays():
     assert (got[0] - expected[0]).abs().max() <= 1e-5 * expected[0].abs().max()
 
 
+def _decode_on_cpu_as_on_cuda(option: str, config: SpecConfig, seed: int, monkeypatch, caplog) -> str:
+    """Drafted and plain decoding of a tiny fla model with the backend's ``option`` on, made to apply on the CPU in
+    fp32 (where the ops run their references), both checked against eager decoding; returns the log."""
+    import specla_compile.backend as backend
+
+    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
+    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
+    model = tiny_model("fla", seed=seed)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed + 4))
+    expected = plain(model, prompt[0], 12)[0][0, 6:].tolist()
+    gen = SpeculativeGenerator(model, OracleDrafter([expected + [0] * 16], error_rate=0.3, seed=seed), config,
+                               compile_options={**COMPILE, option: True})
+    with caplog.at_level(logging.INFO, logger="specla_compile"):
+        drafted = gen.generate(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
+        decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
+    assert drafted == expected and decoded == expected
+    return caplog.text
+
+
 @pytest.mark.parametrize("config", [SpecConfig(mode="chain", depth=5, bucket=8),
                                     SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=7, bucket=8)])
 def test_generation_through_folded_passes_equals_plain_decoding(config, monkeypatch, caplog):
     """With ``fold_norms``, the backend folds the norms of each static twin of up to 32 tokens where the op has a
     kernel (CUDA, bf16): made to fold here (CPU, fp32), the tokens of drafted and plain decoding equal eager
     decoding's."""
-    import specla_compile.backend as backend
-
-    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
-    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
-    model = tiny_model("fla", seed=5)
-    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9))
-    expected = plain(model, prompt[0], 12)[0][0, 6:].tolist()
-    gen = SpeculativeGenerator(model, OracleDrafter([expected + [0] * 16], error_rate=0.3, seed=2), config,
-                               compile_options={**COMPILE, "fold_norms": True})
-    with caplog.at_level(logging.INFO, logger="specla_compile"):
-        drafted = gen.generate(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
-        decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
-    assert drafted == expected and decoded == expected
-    assert caplog.text.count(f"{2 * LAYERS + 1} norms folded") >= 2  # the draft bucket's twin and the 1-token loop's
+    log = _decode_on_cpu_as_on_cuda("fold_norms", config, 5, monkeypatch, caplog)
+    assert log.count(f"{2 * LAYERS + 1} norms folded") >= 2  # the draft bucket's twin and the 1-token loop's
 
 
 def test_generation_through_routed_passes_equals_plain_decoding(monkeypatch, caplog):
     """With ``triton_linears`` (made to route here: CPU, fp32), the tokens of drafted and plain decoding equal
     eager decoding's."""
-    import specla_compile.backend as backend
-
-    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
-    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
-    model = tiny_model("fla", seed=6)
-    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(10))
-    expected = plain(model, prompt[0], 12)[0][0, 6:].tolist()
-    gen = SpeculativeGenerator(model, OracleDrafter([expected + [0] * 16], error_rate=0.3, seed=3),
-                               SpecConfig(mode="chain", depth=5, bucket=8), compile_options={**COMPILE, "triton_linears": True})
-    with caplog.at_level(logging.INFO, logger="specla_compile"):
-        drafted = gen.generate(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
-        decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
-    assert drafted == expected and decoded == expected
-    assert caplog.text.count(f"{4 * LAYERS + 1} GEMMs routed") >= 2  # the draft bucket's twin and the 1-token loop's
+    log = _decode_on_cpu_as_on_cuda("triton_linears", SpecConfig(mode="chain", depth=5, bucket=8), 6, monkeypatch, caplog)
+    assert log.count(f"{4 * LAYERS + 1} GEMMs routed") >= 2  # the draft bucket's twin and the 1-token loop's
 
 
 def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay():
@@ -142,20 +137,8 @@ def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay():
 def test_plain_decoding_through_folded_gated_norms_equals_eager_decoding(monkeypatch, caplog):
     """With ``fold_gated_norms`` (made to fold here: CPU, fp32), the one-token twin of plain decoding folds each
     layer's gated norm into its o_proj and the drafted passes keep theirs; both decode as the eager model does."""
-    import specla_compile.backend as backend
-
-    monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
-    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
-    model = tiny_model("fla", seed=4)
-    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
-    expected = plain(model, prompt[0], 12)[0][0, 6:].tolist()
-    gen = SpeculativeGenerator(model, OracleDrafter([expected + [0] * 16], error_rate=0.3, seed=4),
-                               SpecConfig(mode="chain", depth=5, bucket=8), compile_options={**COMPILE, "fold_gated_norms": True})
-    with caplog.at_level(logging.INFO, logger="specla_compile"):
-        drafted = gen.generate(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
-        decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
-    assert drafted == expected and decoded == expected
-    assert caplog.text.count(f"{LAYERS} gated norms folded") == 1  # the 1-token twin's, not the draft bucket's
+    log = _decode_on_cpu_as_on_cuda("fold_gated_norms", SpecConfig(mode="chain", depth=5, bucket=8), 4, monkeypatch, caplog)
+    assert log.count(f"{LAYERS} gated norms folded") == 1  # the 1-token twin's, not the draft bucket's
 
 
 @pytest.mark.parametrize("option", ["fold_norms", "fold_gated_norms"])

@@ -123,12 +123,36 @@ def _mutates(node: fx.Node) -> bool:
     return getattr(node.target, "__name__", "").endswith("_")
 
 
+def _writes_between(graph: fx.Graph, first: fx.Node, last: fx.Node) -> bool:
+    """Whether a node strictly between ``first`` and ``last`` may write a tensor in place (:func:`_mutates`)."""
+    order = _order(graph)
+    return any(_mutates(n) for n in graph.nodes if order[first] < order[n] < order[last])
+
+
 def _dtype(node) -> torch.dtype | None:
     """The dtype of a tensor node (of an ``as_strided`` weight: its base's)."""
     if isinstance(node, fx.Node) and is_call(node, (torch.as_strided,)):
         node = node.args[0]
     value = _value(node)
     return value.dtype if value is not None else None
+
+
+def _fake_mode(graph: fx.Graph):
+    """The fake mode of the graph's example values (new nodes get theirs in it)."""
+    return torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
+
+
+def _norm_calls(graph: fx.Graph, targets: tuple) -> list[fx.Node]:
+    """The graph's calls of ``targets`` in the norms' form (four positional arguments), in order."""
+    return [n for n in graph.nodes if is_call(n, targets) and not n.kwargs and len(n.args) == 4]
+
+
+def _recompiled(gm: fx.GraphModule, rewrites: int) -> int:
+    """Check and recompile ``gm`` if anything was rewritten; returns ``rewrites``."""
+    if rewrites:
+        gm.graph.lint()
+        gm.recompile()
+    return rewrites
 
 
 def _replace(linear: fx.Node, gated: fx.Node | None, out: fx.Node) -> list[fx.Node]:
@@ -149,7 +173,7 @@ def route_linears(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = Non
     number of GEMMs routed."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
     graph = gm.graph
-    fake_mode = torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
+    fake_mode = _fake_mode(graph)
     routed = 0
     for linear in [n for n in graph.nodes if linear_parts(n) is not None]:
         rows, weight = linear_parts(linear)
@@ -163,10 +187,7 @@ def route_linears(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = Non
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)  # (the next GEMM may read this one's output: down reads gate/up's)
         routed += 1
-    if routed:
-        graph.lint()
-        gm.recompile()
-    return routed
+    return _recompiled(gm, routed)
 
 
 def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
@@ -175,11 +196,9 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
     ``silu(gate) * up``; default ``FOLDED_DTYPES``). Returns the number of norms folded."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
     graph = gm.graph
-    fake_mode = torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
+    fake_mode = _fake_mode(graph)
     folded = 0
-    for norm in [n for n in graph.nodes if is_call(n, NORMS)]:
-        if norm.kwargs or len(norm.args) != 4:
-            continue
+    for norm in _norm_calls(graph, NORMS):
         rows, residual, norm_weight, eps = norm.args
         linear = _reader(norm)
         parts = linear_parts(linear) if linear is not None else None
@@ -198,7 +217,7 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
             if added is None or any(order[u] < order[linear] for u in rows.users if u is not norm):
                 added, sums, start = None, [], norm  # (the sum is read before the GEMM, where the op would write it)
         sums = [s for s in sums if all(order[u] > order[linear] for u in s.users if u is not norm)]
-        if any(_mutates(n) for n in graph.nodes if order[start] < order[n] < order[linear]):
+        if _writes_between(graph, start, linear):
             continue
         gated = _silu_times_up(linear)
         with graph.inserting_before(linear):
@@ -219,10 +238,7 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)  # (the next norm may read this one's sum as its add's input)
         folded += 1
-    if folded:
-        graph.lint()
-        gm.recompile()
-    return folded
+    return _recompiled(gm, folded)
 
 
 def _heads_flattened(node: fx.Node, heads: fx.Node) -> bool:
@@ -240,11 +256,9 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
     one-token twin of a batch of one. Returns the number of norms folded."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
     graph = gm.graph
-    fake_mode = torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
+    fake_mode = _fake_mode(graph)
     folded = 0
-    for norm in [n for n in graph.nodes if is_call(n, GATED_NORMS)]:
-        if norm.kwargs or len(norm.args) != 4:
-            continue
+    for norm in _norm_calls(graph, GATED_NORMS):
         rows, gate, norm_weight, eps = norm.args
         flat = _only_user(norm)
         linear = _only_user(flat) if flat is not None and _heads_flattened(flat, norm) else None
@@ -252,8 +266,7 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
         if parts is None or parts[0] is not flat or _dtype(rows) not in dtypes or any(
                 _dtype(t) != _dtype(rows) for t in (gate, parts[1])):
             continue
-        order = _order(graph)
-        if any(_mutates(n) for n in graph.nodes if order[norm] < order[n] < order[linear]):
+        if _writes_between(graph, norm, linear):
             continue  # (the op reads the heads where the GEMM was)
         with graph.inserting_before(linear):
             out = graph.call_function(ops.gated_norm_linear._opoverload, (rows, gate, norm_weight, eps, parts[1]))
@@ -262,7 +275,4 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)
         folded += 1
-    if folded:
-        graph.lint()
-        gm.recompile()
-    return folded
+    return _recompiled(gm, folded)
