@@ -22,8 +22,8 @@ True (default): on CUDA, inductor launches independent pointwise kernels as one 
 the GEMM after it, with the residual add before it (:mod:`.lowering.fold_norms`; slower than inductor's norm and
 cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``); ``fold_gated_norms`` — False (default): True runs, on
 CUDA, the one-token twin's (the plain step at B=1) gated output norms of a bf16 GDN layer inside its o_proj, one
-launch of a one-row GEMV (:func:`.lowering.fold_norms.fold_gated_norms`, ``kernels/triton_gemv.py``; not yet timed in
-a pass); ``triton_linears`` — False (default): True runs, on
+launch of a one-row GEMV where the heads fit it (:func:`.lowering.fold_norms.fold_gated_norms`,
+``kernels/triton_gemv.py``; not yet timed in a pass); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``regional`` — True (default):
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack

@@ -19,12 +19,16 @@ SPECLA = torch.ops.specla
 LAYERS = 4  # tiny_model's
 
 
+def _calls_node(node: torch.fx.Node, *targets) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
 def _calls(gm: torch.fx.GraphModule, *targets) -> int:
-    return sum(n.op == "call_function" and n.target in targets for n in gm.graph.nodes)
+    return sum(_calls_node(n, *targets) for n in gm.graph.nodes)
 
 
-def _static_twin_graph(seed: int, fused: bool = True) -> tuple[torch.fx.GraphModule, list]:
-    gm, example_inputs = _packed_fla_graph(seed=seed, dynamic=False)
+def _static_twin_graph(seed: int, fused: bool = True, tokens: int = 5) -> tuple[torch.fx.GraphModule, list]:
+    gm, example_inputs = _packed_fla_graph(seed=seed, dynamic=False, tokens=tokens)
     if fused:
         fuse_projections(gm, example_inputs)
         gathers_as_slices(gm)
@@ -43,7 +47,7 @@ def test_every_norm_of_a_packed_model_folds_and_the_outputs_stay():
         assert folding.fold_norms(gm) == 0  # (float32: no kernel to fold into by default)
         assert folding.fold_norms(gm, dtypes=(torch.float32,)) == 2 * LAYERS + 1
         got = gm(*example_inputs)
-    assert _calls(gm, *folding.NORMS) == 0 and _calls(gm, *folding.SILUS) == silus - LAYERS  # (the gated o-norms keep theirs)
+    assert _calls(gm, *folding.NORMS) == 0 and _calls(gm, *folding.SILUS) == silus - LAYERS  # (gate/up's SiLUs went)
     assert _calls(gm, SPECLA.norm_linear.default) == 1  # the first layer's norm reads the embedding: no add
     assert _calls(gm, SPECLA.add_norm_linear.default) == LAYERS  # three attention norms and the final one
     assert _calls(gm, SPECLA.add_norm_gated_linear.default) == LAYERS
@@ -117,10 +121,12 @@ def test_generation_through_routed_passes_equals_plain_decoding(monkeypatch, cap
     assert log.count(f"{4 * LAYERS + 1} GEMMs routed") >= 2  # the draft bucket's twin and the 1-token loop's
 
 
-def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay():
-    """Each layer's gated output norm, read by the reshape of its heads and o_proj alone, becomes one
-    ``specla.gated_norm_linear``, in fp32 on the CPU (its PyTorch reference)."""
-    gm, example_inputs = _static_twin_graph(seed=7)
+def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay(monkeypatch):
+    """In a one-token twin, each layer's gated output norm, read by the reshape of its heads and o_proj alone,
+    becomes one ``specla.gated_norm_linear``, in fp32 on the CPU (its PyTorch reference); not where the heads do not
+    fill the kernel's K chunks, nor where something else reads the norm. (The backend folds one-token twins alone.)"""
+    monkeypatch.setattr(folding, "GEMV_BLOCK_K", 32)  # (the tiny model's 2 x 32 heads; the 1.3B shape's are 8 x 256)
+    gm, example_inputs = _static_twin_graph(seed=7, tokens=1)
     o_projs = sum(folding.linear_parts(n) is not None for n in gm.graph.nodes)
     with torch.no_grad():
         expected = gm(*example_inputs)
@@ -132,11 +138,21 @@ def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay():
     assert all(n.meta.get("example_value") is not None for n in gm.graph.nodes if n.op == "call_function")
     for g, e in zip(got, expected):
         assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+    monkeypatch.setattr(folding, "GEMV_BLOCK_K", 128)
+    assert folding.fold_gated_norms(_static_twin_graph(seed=7, tokens=1)[0], dtypes=(torch.float32,)) == 0
+    monkeypatch.setattr(folding, "GEMV_BLOCK_K", 32)
+    gm, _ = _static_twin_graph(seed=7, tokens=1)
+    first = next(n for n in gm.graph.nodes if _calls_node(n, *folding.GATED_NORMS))
+    with gm.graph.inserting_after(first):
+        gm.graph.call_function(torch.neg, (first,))  # (a second reader)
+    assert folding.fold_gated_norms(gm, dtypes=(torch.float32,)) == LAYERS - 1
 
 
 def test_plain_decoding_through_folded_gated_norms_equals_eager_decoding(monkeypatch, caplog):
     """With ``fold_gated_norms`` (made to fold here: CPU, fp32), the one-token twin of plain decoding folds each
-    layer's gated norm into its o_proj and the drafted passes keep theirs; both decode as the eager model does."""
+    layer's gated norm into its o_proj while the drafted passes' twins keep theirs; drafted and plain decoding
+    both equal eager decoding."""
+    monkeypatch.setattr(folding, "GEMV_BLOCK_K", 32)  # (the tiny model's 2 x 32 heads)
     log = _decode_on_cpu_as_on_cuda("fold_gated_norms", SpecConfig(mode="chain", depth=5, bucket=8), 4, monkeypatch, caplog)
     assert log.count(f"{LAYERS} gated norms folded") == 1  # the 1-token twin's, not the draft bucket's
 

@@ -51,11 +51,11 @@ def test_packed_projections_are_one_gemm_each_and_change_no_result(family, monke
     assert _linear_calls(twins[1]) < _linear_calls(twins[0]), [_linear_calls(t) for t in twins]
 
 
-def _packed_fla_graph(seed: int, dynamic: bool) -> tuple[torch.fx.GraphModule, list]:
-    """Dynamo's graph of a packed tiny fla model over 5 tokens (the node dimension marked dynamic or not),
+def _packed_fla_graph(seed: int, dynamic: bool, tokens: int = 5) -> tuple[torch.fx.GraphModule, list]:
+    """Dynamo's graph of a packed tiny fla model over ``tokens`` tokens (the node dimension marked dynamic or not),
     with its example inputs."""
     model = tiny_model("fla")
-    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(seed))
     pack_projections(model, ids[:, :2])
     graphs = []
 

@@ -297,19 +297,20 @@ def test_benchmark_layer_stack_matches_reference(programs, block_n, defer_norm, 
 
 
 @interpreted
-@pytest.mark.parametrize("lead, n", [((1, 1), 40), ((1,), 64)])
-def test_gated_norm_gemv(lead, n):
+@pytest.mark.parametrize("lead, n, block_k", [((1, 1), 40, 32), ((1,), 64, 64), ((1, 1), 24, 16)])
+def test_gated_norm_gemv(lead, n, block_k):
     """The one-row gated output norm and o_proj (``specla::gated_norm_linear``'s CUDA kernel) against fp64: each
-    head's RMS and SiLU gate, then the GEMV over output tiles (the last one partial) and K chunks (the next loaded
-    first); refused in one line for two rows or heads that are not a power of two."""
+    head's RMS and SiLU gate (a K chunk of one head, two heads, half a head), then the GEMV over output tiles (the
+    last one partial) and K chunks (the next loaded first); refused in one line for two rows or heads that are not
+    a power of two. (In fp32: this interpreter rounds bf16 toward zero where the GPU rounds to nearest.)"""
     gen = torch.Generator().manual_seed(n)
     x, gate = torch.randn(*lead, 2, 32, generator=gen), torch.randn(*lead, 2, 32, generator=gen)
     norm, w = 1 + 0.2 * torch.randn(32, generator=gen), torch.randn(n, 64, generator=gen)
-    y = tgv.gated_norm_gemv(x, gate, norm, 1e-6, w, block_n=16, block_k=32, warps=4)
+    y = tgv.gated_norm_gemv(x, gate, norm, 1e-6, w, block_n=16, block_k=block_k, warps=4)
     assert y.shape == (*lead, n)
     assert rel_err(y, ref.gated_norm_linear_reference(x.double(), gate.double(), norm.double(), 1e-6, w.double())) <= 1e-5
     for bad_x, bad_w in ((torch.randn(2, 2, 32), w), (torch.randn(1, 3, 32), torch.randn(n, 96))):
-        assert not tgv.gated_norm_gemv_fits(bad_x, bad_x.clone(), norm, bad_w, block_k=32)
+        assert not ops.gated_norm_gemv_fits(bad_x, bad_x.clone(), norm, bad_w, block_k=32)
         with pytest.raises(ValueError, match="one contiguous row"):
             tgv.gated_norm_gemv(bad_x, bad_x.clone(), norm, 1e-6, bad_w, block_k=32)
 

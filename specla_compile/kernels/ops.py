@@ -405,6 +405,28 @@ def _(x, skip, norm_weight, eps, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2), torch.empty_like(x)
 
 
+GATED_NORM_GEMV_BLOCK_K = 512  # the K chunk of gated_norm_linear's one-row CUDA kernel (kernels/triton_gemv.py)
+
+
+def gated_norm_gemv_heads_fit(heads: int, dim: int, weight: torch.Tensor, block_k: int = GATED_NORM_GEMV_BLOCK_K) -> bool:
+    """Whether the one-row kernel takes ``heads`` x ``dim`` heads (powers of two filling whole ``block_k`` chunks)
+    and the contiguous ``weight`` with that many columns (the fold's test, on a graph's example values)."""
+    return (heads & (heads - 1) == 0 and dim & (dim - 1) == 0 and (heads * dim) % block_k == 0 and weight.dim() == 2
+            and weight.shape[1] == heads * dim and weight.is_contiguous())
+
+
+def gated_norm_gemv_fits(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                         block_k: int = GATED_NORM_GEMV_BLOCK_K) -> bool:
+    """Whether ``gated_norm_linear``'s one-row CUDA kernel takes these: one row of ``[..., H, D]`` heads
+    (:func:`gated_norm_gemv_heads_fit`), its gate alike, a norm weight of D values, and a weight of the row's dtype.
+    (The row and gate may lie anyhow: the caller copies a few KB.)"""
+    if x.dim() < 2:
+        return False
+    heads, dim = x.shape[-2:]
+    return (x.numel() == heads * dim and gate.shape == x.shape and gate.dtype == x.dtype and weight.dtype == x.dtype
+            and norm_weight.numel() == dim and gated_norm_gemv_heads_fit(heads, dim, weight, block_k))
+
+
 @torch.library.custom_op("specla::gated_norm_linear", mutates_args=())
 def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       weight: torch.Tensor) -> torch.Tensor:

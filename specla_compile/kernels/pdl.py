@@ -7,7 +7,8 @@ memory to be visible, before it reads or writes anything, then lets the kernel a
 (``griddepcontrol.launch_dependents``). Since every PDL kernel waits before it touches memory, a kernel that
 waits also waits, transitively, for every kernel before it: the order of the stream's writes holds.
 
-Every specla Triton kernel takes ``USE_PDL`` and calls :func:`wait_upstream` before its first load;
+Every specla Triton kernel takes ``USE_PDL`` and calls :func:`wait_upstream` before its first load of anything a
+kernel before it may write (the one-row GEMV of ``triton_gemv.py`` loads a tile of its weight, a parameter, first);
 :func:`launch_args` sets both for a launch. Inductor's own kernels do the same when its
 ``triton.enable_pdl`` is on, which the backend sets where :func:`enabled` (``backend.py``).
 ``SPECLA_PDL=0`` turns it off for an A/B (read once per process).

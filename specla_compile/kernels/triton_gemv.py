@@ -17,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops import GATED_NORM_GEMV_BLOCK_K, gated_norm_gemv_fits
 from .pdl import launch_args, wait_upstream
 
-BLOCK_N, BLOCK_K, WARPS = 16, 512, 16  # persistent_gpu.md's best one-row GEMV at the 1.3B shape
+BLOCK_N, BLOCK_K, WARPS = 16, GATED_NORM_GEMV_BLOCK_K, 16  # persistent_gpu.md's best one-row GEMV at the 1.3B shape
 
 
 @triton.jit
@@ -51,23 +52,13 @@ def _gated_norm_gemv_kernel(x_ptr, gate_ptr, norm_ptr, w_ptr, y_ptr, N, eps, NH:
     tl.store(y_ptr + offs_n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_in)
 
 
-def gated_norm_gemv_fits(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                         block_k: int = BLOCK_K) -> bool:
-    """One contiguous row of ``[..., H, D]`` heads (H and D powers of two, H * D a multiple of ``block_k``), its gate
-    alike, and a contiguous weight of the row's dtype with H * D columns."""
-    if x.dim() < 2:
-        return False
-    heads, dim = x.shape[-2:]
-    return (x.numel() == heads * dim and gate.shape == x.shape and gate.dtype == x.dtype and weight.dtype == x.dtype
-            and norm_weight.numel() == dim and weight.dim() == 2 and weight.shape[1] == heads * dim
-            and heads & (heads - 1) == 0 and dim & (dim - 1) == 0 and (heads * dim) % block_k == 0
-            and x.is_contiguous() and gate.is_contiguous() and weight.is_contiguous() and norm_weight.is_contiguous())
-
-
 def gated_norm_gemv(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                     block_n: int = BLOCK_N, block_k: int = BLOCK_K, warps: int = WARPS) -> torch.Tensor:
-    """``specla::gated_norm_linear`` for one row (:func:`gated_norm_gemv_fits`): ``[..., H, D]`` -> ``[..., N]``."""
-    if not gated_norm_gemv_fits(x, gate, norm_weight, weight, block_k):
+    """``specla::gated_norm_linear`` for one contiguous row (``ops.gated_norm_gemv_fits``): ``[..., H, D]`` ->
+    ``[..., N]``. The weight's first tile loads before the kernel waits for the one before it (PDL): the weight
+    must be a model's parameter, which no kernel of the pass writes."""
+    if not (gated_norm_gemv_fits(x, gate, norm_weight, weight, block_k) and x.is_contiguous() and gate.is_contiguous()
+            and norm_weight.is_contiguous()):
         raise ValueError(f"gated_norm_gemv takes one contiguous row of power-of-two heads and a weight of its dtype; got "
                          f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     *lead, heads, dim = x.shape

@@ -41,6 +41,7 @@ ADDS = (operator.add, torch.add)
 MULS = (operator.mul, torch.mul)
 SILUS = (torch.nn.functional.silu, torch.ops.aten.silu.default)
 FOLDED_DTYPES = (torch.bfloat16,)  # where the ops have a kernel (kernels/cuda.py); other dtypes keep the norm
+GEMV_BLOCK_K = ops.GATED_NORM_GEMV_BLOCK_K  # what a gated norm's heads must fill to fold (ops.gated_norm_gemv_heads_fit)
 
 
 def _value(node) -> torch.Tensor | None:
@@ -251,9 +252,11 @@ def _heads_flattened(node: fx.Node, heads: fx.Node) -> bool:
 
 def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
     """Fold, in place, every ``specla.rms_norm_gated`` of a ``dtypes`` input (a GDN layer's output norm) whose only
-    reader is the reshape of its heads into one row and then a bias-free ``linear`` (o_proj) into
-    ``specla.gated_norm_linear`` (default ``FOLDED_DTYPES``). Its CUDA kernel takes one row: the backend folds the
-    one-token twin of a batch of one. Returns the number of norms folded."""
+    reader is the reshape of its heads into one row and then a bias-free ``linear`` (o_proj) of a weight the graph
+    takes as an input into ``specla.gated_norm_linear`` (default ``FOLDED_DTYPES``), where its CUDA kernel takes the
+    heads (``ops.gated_norm_gemv_heads_fit``). The kernel takes one row: the backend folds the one-token twin of a
+    batch of one alone.
+    Returns the number of norms folded."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
     graph = gm.graph
     fake_mode = _fake_mode(graph)
@@ -266,8 +269,11 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
         if parts is None or parts[0] is not flat or _dtype(rows) not in dtypes or any(
                 _dtype(t) != _dtype(rows) for t in (gate, parts[1])):
             continue
-        if _writes_between(graph, norm, linear):
-            continue  # (the op reads the heads where the GEMM was)
+        heads, weight = _value(rows), _value(parts[1])
+        if heads is None or weight is None or not ops.gated_norm_gemv_heads_fit(*heads.shape[-2:], weight, GEMV_BLOCK_K):
+            continue  # (where the kernel does not take it, the op's reference would be slower than the unfolded norm)
+        if parts[1].op not in ("placeholder", "get_attr") or _writes_between(graph, norm, linear):
+            continue  # (the kernel reads its weight before the kernels before it end; the op reads the heads late)
         with graph.inserting_before(linear):
             out = graph.call_function(ops.gated_norm_linear._opoverload, (rows, gate, norm_weight, eps, parts[1]))
         linear.replace_all_uses_with(out)
