@@ -4,7 +4,8 @@ At one row a GEMM is a weight stream, and what surrounds it in a pass (a norm, a
 that costs as much as a small GEMM (``docs/speed.md``). ``benchmarks/persistent_gpu.py`` measured, at the
 GDN-1.3B shape on an H200, a GEMV that keeps products in registers element-wise (summed once per output tile) and
 loads the next weight tile before it multiplies this one: with a layer's gated output norm in its prologue, the
-norm and o_proj take 7.0 us where the pass's norm kernel and cuBLAS's GEMM take 4.0 + 6.2.
+norm and o_proj took 7.0 us a layer, where a pass's norm kernel and cuBLAS's GEMM take 4.0 + 6.2 (``e2e_gpu.md``'s
+profile, another call).
 
 :func:`gated_norm_gemv` is that kernel for ``specla::gated_norm_linear`` (reference:
 ``reference.gated_norm_linear_reference``): each program normalizes the row's heads itself (a row is a few KB),
