@@ -48,7 +48,7 @@ CONFIGS = [(16, 512, 16, False, False), (16, 512, 16, True, False), (16, 512, 16
 
 @triton.jit
 def _silu(x):
-    return x / (1.0 + tl.exp(-x))
+    return x * tl.sigmoid(x)
 
 
 @triton.jit

@@ -206,7 +206,7 @@ ops.add_norm_gated_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_
 @ops.gated_norm_linear.register_kernel("cuda")
 def _gated_norm_linear(x, gate, norm_weight, eps, weight):
     """One bf16 row in one launch (the plain step at B=1, where the backend folds the norm); else the reference."""
-    x, gate = x.contiguous(), gate.contiguous()  # (one row: a few KB; a weight is never copied)
     if x.dtype != torch.bfloat16 or not ops.gated_norm_gemv_fits(x, gate, norm_weight, weight):
         return _reference_of(ops.gated_norm_linear)(x, gate, norm_weight, eps, weight)
-    return triton_gemv.gated_norm_gemv(x, gate, norm_weight, eps, weight)
+    # (a row and gate that lie otherwise are copied: a few KB; the weight never is)
+    return triton_gemv.gated_norm_gemv(x.contiguous(), gate.contiguous(), norm_weight, eps, weight)

@@ -47,7 +47,7 @@ def _gated_norm_gemv_kernel(x_ptr, gate_ptr, norm_ptr, w_ptr, y_ptr, N, eps, NH:
         scale = tl.sum(tl.where((offs_k // D)[:, None] == heads[None, :], head_scale[None, :], 0.0), 1)
         gate = tl.load(gate_ptr + offs_k).to(tl.float32)
         z = (tl.load(x_ptr + offs_k).to(tl.float32) * scale * tl.load(norm_ptr + offs_k % D).to(tl.float32)
-             * (gate / (1.0 + tl.exp(-gate))))
+             * gate * tl.sigmoid(gate))
         acc += w.to(tl.float32) * z.to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]
         w = w_next
     tl.store(y_ptr + offs_n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_in)
