@@ -117,3 +117,25 @@ def reference_verify(x: dict[str, torch.Tensor], parents: torch.Tensor, scale: f
     o, _ = ref.gdn_tree_reference(*(x64[n] for n in NAMES), parents, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     k_hat = ref.l2norm(x64["k"]) if use_qk_l2norm else x64["k"]
     return o, k_hat, state
+
+
+def random_gate_projections(rows: int, nodes: int, value_heads: int, *, seed: int, dtype: torch.dtype,
+                            device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:
+    """A GDN layer's gate inputs as a pass reads them: ``a, b [rows, nodes, HV]`` as strided column slices of one
+    wider projection output, and ``A_log, dt_bias [HV]``; one ``a + dt_bias`` past softplus's threshold of 20 and
+    one far below zero (where ``log1p`` matters)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = 2 * torch.randn(rows, nodes, 3 * value_heads + 5, generator=gen, dtype=torch.float64)
+    a_log, dt_bias = 0.5 * torch.randn(value_heads, generator=gen), torch.randn(value_heads, generator=gen)
+    wide[0, 0, 1], wide[-1, 0, value_heads] = 25.0, -40.0  # (a's first and last gate)
+    wide = wide.to(dtype).to(device)
+    return (wide[..., 1 : 1 + value_heads], wide[..., 2 * value_heads + 3 : 3 * value_heads + 3],
+            a_log.to(device), dt_bias.to(device))
+
+
+def gates_commit_verify_oracle(x: dict[str, torch.Tensor], gates: tuple[torch.Tensor, ...], parents: torch.Tensor,
+                               scale: float, use_qk_l2norm: bool, pending=None):
+    """fp64 oracle of ``gdn_gates_commit_verify_``: (o, k_hat, state after the commit, g, beta)."""
+    g, beta = ref.gdn_gates_reference(*(t.double() for t in gates))
+    o, k_hat, state = reference_verify({**x, "g": g, "beta": beta}, parents, scale, use_qk_l2norm, pending)
+    return o, k_hat, state, g, beta

@@ -13,14 +13,16 @@ import torch
 from kernel_cases import (
     NAMES,
     accepted_records,
+    gates_commit_verify_oracle,
     poisoned_allocations,
+    random_gate_projections,
     random_inputs,
     random_parents,
     reference_verify,
     rel_err,
 )
 
-from specla_compile.kernels import dispatch, ops, triton_gemv, triton_linear, triton_topk
+from specla_compile.kernels import dispatch, ops, triton_gemv, triton_linear, triton_topk, triton_verify
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig, use_route
 
@@ -60,6 +62,26 @@ def test_verify(case, route):
     assert rel_err(o, ref_o) <= O_TOL
     assert rel_err(k_hat, ref_k) <= EXACT_TOL
     assert torch.equal(state, x["state"])
+
+
+@pytest.mark.parametrize("case", ["single", "chain8"])
+def test_gates_commit_verify(case, monkeypatch):
+    """The recurrence with the gates computed from bf16 projection slices (``fold_gates``): a one-node pass in one
+    launch of its own kernel, a longer one through the gates and then the verify kernels; against the fp64 oracle."""
+    parents, x = inputs(case, seed=6)
+    prev_parents, prev = inputs(case, seed=7)
+    records, num = accepted_records(prev, prev_parents, max_accepted=4, seed=8)
+    gates = random_gate_projections(*parents.shape, VALUE_HEADS, seed=9, dtype=torch.bfloat16, device="cuda")
+    launches = []
+    kernel = triton_verify.commit_verify_one_token_gates
+    monkeypatch.setattr(triton_verify, "commit_verify_one_token_gates", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    state = x["state"].clone()
+    with poisoned_allocations():
+        o, k_hat, g, beta = ops.gdn_gates_commit_verify_(state, *records, num, x["q"], x["k"], x["v"], *gates, parents, SCALE, True)
+    ref_o, ref_k, ref_state, ref_g, ref_beta = gates_commit_verify_oracle(x, gates, parents, SCALE, True, (records, num))
+    assert ((g - ref_g) / ref_g).abs().max() <= 1e-5 and ((beta - ref_beta) / ref_beta).abs().max() <= 1e-6
+    assert rel_err(o, ref_o) <= O_TOL and rel_err(k_hat, ref_k) <= EXACT_TOL and rel_err(state, ref_state) <= EXACT_TOL
+    assert len(launches) == (case == "single")
 
 
 @pytest.mark.parametrize("route", ROUTES)

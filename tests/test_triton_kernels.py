@@ -16,7 +16,9 @@ import torch
 from kernel_cases import (
     NAMES,
     accepted_records,
+    gates_commit_verify_oracle,
     poisoned_allocations,
+    random_gate_projections,
     random_inputs,
     random_parents,
     reference_verify,
@@ -111,6 +113,29 @@ def test_fused_commit_verify(case, route, layout):
     assert rel_err(state, ref_state) <= 1e-6
     assert rel_err(o, ref_o) <= 1e-5
     assert rel_err(k_hat, ref_k) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("l2, with_pending", [(True, True), (False, True), (True, False)])
+def test_one_token_pass_computes_its_gates(layout, l2, with_pending):
+    """Plain decoding's one-node pass with the gate and beta computed in its launch from strided slices of a projection
+    (softplus past its threshold and far below zero included): the gates, outputs, keys and committed state against
+    the fp64 oracle."""
+    parents, x, _, config = case_inputs("single_node_wide", seed=11)
+    prev_parents, prev = case_inputs("single_node_wide", seed=12)[:2]
+    records, num = accepted_records(prev, prev_parents, max_accepted=1, seed=13)
+    gates = random_gate_projections(*parents.shape, x["v"].shape[2], seed=14, dtype=torch.float32)
+    pending = (records, num) if with_pending else None
+    state = in_layout(x["state"], layout)
+    with poisoned_allocations():
+        outs = tv.commit_verify_one_token_gates(x["q"], x["k"], x["v"], *gates, state, SCALE, l2, config=config,
+                                                pending=tv.Pending(*records, num) if with_pending else None)
+    o, k_hat, g, beta = outs
+    ref_o, ref_k, ref_state, ref_g, ref_beta = gates_commit_verify_oracle(x, gates, parents, SCALE, l2, pending)
+    # (each gate to 1e-5 of itself: e^-40 inherits the float32 rounding of a + dt_bias, 40 * 6e-8)
+    assert ((g - ref_g) / ref_g).abs().max() <= 1e-5 and ((beta - ref_beta) / ref_beta).abs().max() <= 1e-6
+    assert rel_err(o, ref_o) <= 1e-5 and rel_err(k_hat, ref_k) <= 1e-6 and rel_err(state, ref_state) <= 1e-6
 
 
 @interpreted

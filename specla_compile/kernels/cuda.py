@@ -76,6 +76,20 @@ def _gdn_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, nu
     return _in_place(state, lambda s: _verify(q, k, v, g, beta, parents, s, scale, use_qk_l2norm, pending), _kernel_layout)
 
 
+@ops.gdn_gates_commit_verify_.register_kernel("cuda")
+def _gdn_gates_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, num_pending,
+                              q, k, v, a, b, a_log, dt_bias, parents, scale, use_qk_l2norm):
+    """One launch for a one-node pass in float32 state (plain decoding's step); else the gates, then the verify op."""
+    records = (pending_k, pending_v, pending_g, pending_beta, num_pending)
+    if parents.shape[1] != 1 or state.dtype != torch.float32 or torch.float64 in {t.dtype for t in (q, k, v, a, b, a_log, dt_bias)}:
+        g, beta = reference.gdn_gates_reference(a, b, a_log, dt_bias)
+        return (*_gdn_commit_verify_(state, *records, q, k, v, g, beta, parents, scale, use_qk_l2norm), g, beta)
+    config = dispatch.kernel_config("serial", 1, pending=True, batch=parents.shape[0])
+    return _in_place(state, lambda s: triton_verify.commit_verify_one_token_gates(
+        q, k, v, a, b, a_log, dt_bias, s, scale, use_qk_l2norm, pending=triton_verify.Pending(*records), config=config),
+        _kernel_layout)
+
+
 @ops.commit_tree_conv_.register_kernel("cuda")
 def _commit_tree_conv_(conv_state, pending_x, num_pending, x, weight, bias, parents, silu):
     if torch.float64 in (x.dtype, conv_state.dtype, weight.dtype):

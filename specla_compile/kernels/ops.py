@@ -18,6 +18,15 @@ def _own_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
+# The conv kernels (and gdn_gates_commit_verify_'s gates) read their inputs at any strides (a slice of a fused
+# projection's output, or a transposed input, where it lies), so inductor need not copy them to the strides they
+# were traced with. With its default (exact strides)
+# it did on the H200 (3 copy kernels per layer of a 16-node pass, profiled), most likely because it pads
+# the rows of the fused q/k/v/g/a/b GEMM's output on GPUs (8208 columns at the 1.3B shape, not a
+# multiple of 128 bytes); its CPU output code, unpadded, passes the slices as they are.
+_ANY_INPUT_STRIDES = (torch.Tag.flexible_layout,)
+
+
 # --- plain (undrafted) calls: what a captured model runs outside verification ----------------------
 
 
@@ -135,7 +144,11 @@ def gdn_commit_verify_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Delayed update then verify: commit the pending records into ``state`` in place, then verify the
     new tree from it. Returns ``(o, k_hat)`` like :func:`gdn_tree_verify`."""
-    pending = ref.FactorRecords(pending_k, pending_v, pending_g, pending_beta)
+    return _commit_verify(state, ref.FactorRecords(pending_k, pending_v, pending_g, pending_beta), num_pending,
+                          q, k, v, g, beta, parents, scale, use_qk_l2norm)
+
+
+def _commit_verify(state, pending, num_pending, q, k, v, g, beta, parents, scale, use_qk_l2norm) -> tuple[torch.Tensor, torch.Tensor]:
     o, records, new_state = ref.gdn_commit_verify_reference(
         state, pending, num_pending, q, k, v, g, beta, parents, scale=scale, use_qk_l2norm=use_qk_l2norm
     )
@@ -149,15 +162,45 @@ def _(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v
     return v.new_empty(v.shape), k.new_empty(k.shape, dtype=state.dtype)
 
 
+@torch.library.custom_op("specla::gdn_gates_commit_verify_", mutates_args=("state",), tags=_ANY_INPUT_STRIDES)
+def gdn_gates_commit_verify_(
+    state: torch.Tensor,
+    pending_k: torch.Tensor,
+    pending_v: torch.Tensor,
+    pending_g: torch.Tensor,
+    pending_beta: torch.Tensor,
+    num_pending: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    parents: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gdn_commit_verify_` that first computes the gates from their projections ``a, b [B, N, HV]`` and the
+    layer's ``A_log, dt_bias [HV]`` (``reference.gdn_gates_reference``; on GPUs inside the recurrence's launch for a
+    one-node pass). Returns ``(o, k_hat, g, beta)``: the gates are the pass's records too."""
+    g, beta = ref.gdn_gates_reference(a, b, a_log, dt_bias)
+    o, k_hat = _commit_verify(state, ref.FactorRecords(pending_k, pending_v, pending_g, pending_beta), num_pending,
+                              q, k, v, g, beta, parents, scale, use_qk_l2norm)
+    return o, k_hat, g, beta
+
+
+@gdn_gates_commit_verify_.register_fake
+def _(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v, a, b, a_log, dt_bias, parents, scale,
+      use_qk_l2norm):
+    ref.check_gdn_shapes(q, k, v, a, b, parents, state)
+    if a_log.shape != (a.shape[-1],) or dt_bias.shape != a_log.shape:
+        raise ValueError(f"A_log and dt_bias must be [HV] = [{a.shape[-1]}], got {tuple(a_log.shape)} and {tuple(dt_bias.shape)}")
+    gates = a.new_empty(a.shape, dtype=ref.compute_dtype(a, b, a_log, dt_bias))
+    return v.new_empty(v.shape), k.new_empty(k.shape, dtype=state.dtype), gates, gates.new_empty(gates.shape)
+
+
 # --- short convolution ----------------------------------------------------------------------------
-
-
-# The conv kernels read x at any strides (a slice of a fused projection's output, or a transposed input,
-# where it lies), so inductor need not copy x to the strides it was traced with. With its default (exact strides)
-# it did on the H200 (3 copy kernels per layer of a 16-node pass, profiled), most likely because it pads
-# the rows of the fused q/k/v/g/a/b GEMM's output on GPUs (8208 columns at the 1.3B shape, not a
-# multiple of 128 bytes); its CPU output code, unpadded, passes the slices as they are.
-_ANY_INPUT_STRIDES = (torch.Tag.flexible_layout,)
 
 
 @torch.library.custom_op("specla::commit_tree_conv_", mutates_args=("conv_state",), tags=_ANY_INPUT_STRIDES)

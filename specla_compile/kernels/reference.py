@@ -199,6 +199,14 @@ def gdn_commit_reference(state: torch.Tensor, records: FactorRecords, num_accept
     return new.to(state.dtype)
 
 
+def gdn_gates_reference(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GDN layer's gates from its projections (fla's and transformers' form): ``g = -exp(A_log) * softplus(a +
+    dt_bias)``, ``beta = sigmoid(b)``, each ``[B, N, HV]``, in float32 (float64 for float64 inputs)."""
+    work = compute_dtype(a, b, a_log, dt_bias)
+    g = -a_log.to(work).exp() * torch.nn.functional.softplus(a.to(work) + dt_bias.to(work))
+    return g, b.to(work).sigmoid()
+
+
 def gdn_commit_verify_reference(
     state: torch.Tensor,
     pending: FactorRecords,

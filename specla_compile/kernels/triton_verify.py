@@ -12,6 +12,9 @@ Three verify routes, each optionally fused with the delayed commit of pending ac
 * ``parallel``: the tree-masked UT form of DESIGN.md; the node count is padded to a power of two
   ``BT >= 16`` and ``(I + A)^-1`` is built by recursive block doubling on tensor cores.
 
+Plain decoding's one-node pass has a kernel of its own, which also computes the layer's gate and beta from their
+projections (``commit_verify_one_token_gates``, for the backend's ``fold_gates``).
+
 Kernels take the topology as device tensors and never synchronize with the host (CUDA-graph safe).
 The same code runs on CPU under ``TRITON_INTERPRET=1`` (the tests).
 """
@@ -37,18 +40,32 @@ _PAD: tl.constexpr = tl.constexpr(PAD)
 
 
 @triton.jit
+def _load_qkv(q, k, v, b, j, h, hv, N, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              rk, mk, rv, mv):
+    qk = ((b * N + j) * H + h) * K + rk
+    return (tl.load(q + qk, mask=mk, other=0.0).to(tl.float32),
+            tl.load(k + qk, mask=mk, other=0.0).to(tl.float32),
+            tl.load(v + ((b * N + j) * HV + hv) * V + rv, mask=mv, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _load_node(q, k, v, g, beta, b, j, h, hv, N, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, rk, mk, rv, mv):
     """Raw inputs of node j (clamped to the last node, so a walk may read one past its end). The walks
     issue these one node ahead: their memory latency overlaps the previous step instead of stalling it."""
     j = tl.minimum(j, N - 1)
-    qk = ((b * N + j) * H + h) * K + rk
     gate = (b * N + j) * HV + hv
-    return (tl.load(q + qk, mask=mk, other=0.0).to(tl.float32),
-            tl.load(k + qk, mask=mk, other=0.0).to(tl.float32),
-            tl.load(v + gate * V + rv, mask=mv, other=0.0).to(tl.float32),
-            tl.load(g + gate).to(tl.float32),
-            tl.load(beta + gate).to(tl.float32))
+    qj, kj, vj = _load_qkv(q, k, v, b, j, h, hv, N, H, HV, K, V, rk, mk, rv, mv)
+    return qj, kj, vj, tl.load(g + gate).to(tl.float32), tl.load(beta + gate).to(tl.float32)
+
+
+@triton.jit
+def _softplus(x):
+    """torch's softplus: ``log(1 + e^x)``, ``x`` itself past 20; ``log1p`` stays exact for a tiny ``e^x``
+    (``w - 1`` is the ``e^x`` that ``w = 1 + e^x`` kept)."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    return tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
 
 
 @triton.jit
@@ -320,6 +337,46 @@ def _parallel_kernel(
     tl.store(o + val_off, out.to(o.dtype.element_ty), mask=val_mask)
 
 
+@triton.jit
+def _one_token_gates_kernel(
+    q, k, v, a, b_proj, a_log, dt_bias, state, o, k_hat, g_out, beta_out,
+    pk, pv, pg, pb, num_pending,
+    scale, A, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Plain decoding's step of a GDN layer in one launch: commit the pending records, then run the one node from
+    the committed state, its gate and beta computed here from their projections (``a``, ``b_proj`` at any strides)
+    rather than by a kernel of their own. Grid: (V tiles, B * HV)."""
+    wait_upstream(USE_PDL)
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    row = i_bh // HV
+    hv = i_bh % HV
+    h = hv // (HV // H)
+    rk = tl.arange(0, BKF)
+    mk = rk < K
+    rv = i_v * BV + tl.arange(0, BV)
+    mv = rv < V
+    tile_off = i_bh.to(tl.int64) * K * V + rk[:, None] * SK + rv[None, :] * SV
+    tile_mask = mk[:, None] & mv[None, :]
+    qj, kj, vj = _load_qkv(q, k, v, row, 0, h, hv, 1, H, HV, K, V, rk, mk, rv, mv)
+    a_j = tl.load(a + row * SA_ROW + hv * SA_HEAD).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32)
+    g = -tl.exp(tl.load(a_log + hv).to(tl.float32)) * _softplus(a_j)
+    beta = tl.sigmoid(tl.load(b_proj + row * SB_ROW + hv * SB_HEAD).to(tl.float32))
+    s = tl.load(state + tile_off, mask=tile_mask, other=0.0)
+    if HAS_PENDING:
+        s = _apply_records(s, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V, rk, mk, rv, mv)
+        tl.store(state + tile_off, s, mask=tile_mask)
+    if i_v == 0:  # the node's records: its gates, and its normalized key once per key head
+        tl.store(g_out + i_bh, g)
+        tl.store(beta_out + i_bh, beta)
+        if hv % (HV // H) == 0:
+            _store_k_hat(k, k_hat, row, h, 1, H, K, BKF, USE_L2, 0, 1)
+    s, oj = _step_out(s, qj, kj, vj, g, beta, scale, USE_L2)
+    tl.store(o + (row * HV + hv) * V + rv, oj.to(o.dtype.element_ty), mask=mv)
+
+
 # --- launchers ------------------------------------------------------------------------------------
 
 
@@ -455,3 +512,42 @@ def commit_(
         HAS_PENDING=True, VERIFY=False, HYBRID=False, SNAPSHOT=False, SK=sk, SV=sv, num_warps=config.num_warps,
         **launch_args(state.device),
     )
+
+
+def commit_verify_one_token_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    *,
+    pending: Pending | None = None,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A one-node pass (``q [B, 1, H, K]``) with its gates computed from ``a, b [B, 1, HV]`` and ``a_log, dt_bias
+    [HV]`` in the launch; returns ``(o, k_hat, g, beta)`` like ``specla::gdn_gates_commit_verify_``."""
+    if q.shape[1] != 1:
+        raise ValueError(f"commit_verify_one_token_gates takes one node a row, got {q.shape[1]}")
+    config = config or KernelConfig()
+    q, k, v, a_log, dt_bias = (t.contiguous() for t in (q, k, v, a_log, dt_bias))
+    batch, _, heads, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    o = torch.empty_like(v)
+    k_hat = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    g = torch.empty(batch, 1, hv, dtype=torch.float32, device=q.device)
+    beta = torch.empty_like(g)
+    (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
+    block_v = min(config.block_v, _pow2_at_least(dv, 16))
+    sk, sv = _strides(state)
+    _one_token_gates_kernel[(triton.cdiv(dv, block_v), batch * hv)](
+        q, k, v, a, b, a_log, dt_bias, state, o, k_hat, g, beta, pk, pv, pg, pb, num,
+        scale, n_pending, a.stride(0), a.stride(2), b.stride(0), b.stride(2),
+        H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
+        HAS_PENDING=has_pending, SK=sk, SV=sv, num_warps=config.num_warps, **launch_args(q.device),
+    )
+    return o, k_hat, g, beta

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from ..kernels import ops
 from .fuse_projections import linear_parts
-from .graph_analysis import fill_example_values, is_call
+from .graph_analysis import example_value, fill_example_values, graph_fake_mode, is_call, recompiled
 
 NORMS = (torch.ops.specla.rms_norm.default, torch.ops.specla.rms_norm)
 GATED_NORMS = (torch.ops.specla.rms_norm_gated.default, torch.ops.specla.rms_norm_gated)
@@ -44,11 +44,6 @@ FOLDED_DTYPES = (torch.bfloat16,)  # where the ops have a kernel (kernels/cuda.p
 GEMV_BLOCK_K = ops.GATED_NORM_GEMV_BLOCK_K  # what a gated norm's heads must fill to fold (ops.gated_norm_gemv_heads_fit)
 
 
-def _value(node) -> torch.Tensor | None:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _only_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
@@ -57,7 +52,7 @@ def _added(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(a, b)`` of ``node = a + b``, two tensors of one shape and dtype, else None."""
     if not is_call(node, ADDS) or len(node.args) != 2 or node.kwargs:
         return None
-    values = [_value(a) for a in node.args]
+    values = [example_value(a) for a in node.args]
     if None in values or values[0].shape != values[1].shape or values[0].dtype != values[1].dtype:
         return None
     return node.args[0], node.args[1]
@@ -68,14 +63,14 @@ def _slice(node: fx.Node, source: fx.Node) -> tuple[int, int] | None:
     if not (is_call(node, (torch.narrow,)) and node.args[0] is source and len(node.args) == 4):
         return None
     dim = node.args[1]
-    rank = _value(source).dim() if _value(source) is not None else None
+    rank = example_value(source).dim() if example_value(source) is not None else None
     return (node.args[2], node.args[3]) if dim == -1 or dim == (rank - 1 if rank else None) else None
 
 
 def _silu_times_up(linear: fx.Node) -> fx.Node | None:
     """The node ``silu(out[..., :N]) * out[..., N:]`` when that is all that reads the GEMM's output ``out``
     of ``2N`` columns (the MLP's fused gate/up projection), else None."""
-    out = _value(linear)
+    out = example_value(linear)
     if out is None or len(linear.users) != 2:
         return None
     halves = {}
@@ -134,26 +129,13 @@ def _dtype(node) -> torch.dtype | None:
     """The dtype of a tensor node (of an ``as_strided`` weight: its base's)."""
     if isinstance(node, fx.Node) and is_call(node, (torch.as_strided,)):
         node = node.args[0]
-    value = _value(node)
+    value = example_value(node)
     return value.dtype if value is not None else None
-
-
-def _fake_mode(graph: fx.Graph):
-    """The fake mode of the graph's example values (new nodes get theirs in it)."""
-    return torch._guards.detect_fake_mode([_value(n) for n in graph.nodes if _value(n) is not None])
 
 
 def _norm_calls(graph: fx.Graph, targets: tuple) -> list[fx.Node]:
     """The graph's calls of ``targets`` in the norms' form (four positional arguments), in order."""
     return [n for n in graph.nodes if is_call(n, targets) and not n.kwargs and len(n.args) == 4]
-
-
-def _recompiled(gm: fx.GraphModule, rewrites: int) -> int:
-    """Check and recompile ``gm`` if anything was rewritten; returns ``rewrites``."""
-    if rewrites:
-        gm.graph.lint()
-        gm.recompile()
-    return rewrites
 
 
 def _replace(linear: fx.Node, gated: fx.Node | None, out: fx.Node) -> list[fx.Node]:
@@ -174,7 +156,7 @@ def route_linears(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = Non
     number of GEMMs routed."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
     graph = gm.graph
-    fake_mode = _fake_mode(graph)
+    fake_mode = graph_fake_mode(graph)
     routed = 0
     for linear in [n for n in graph.nodes if linear_parts(n) is not None]:
         rows, weight = linear_parts(linear)
@@ -188,7 +170,7 @@ def route_linears(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = Non
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)  # (the next GEMM may read this one's output: down reads gate/up's)
         routed += 1
-    return _recompiled(gm, routed)
+    return recompiled(gm, routed)
 
 
 def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
@@ -197,7 +179,7 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
     ``silu(gate) * up``; default ``FOLDED_DTYPES``). Returns the number of norms folded."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
     graph = gm.graph
-    fake_mode = _fake_mode(graph)
+    fake_mode = graph_fake_mode(graph)
     folded = 0
     for norm in _norm_calls(graph, NORMS):
         rows, residual, norm_weight, eps = norm.args
@@ -239,14 +221,14 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)  # (the next norm may read this one's sum as its add's input)
         folded += 1
-    return _recompiled(gm, folded)
+    return recompiled(gm, folded)
 
 
 def _heads_flattened(node: fx.Node, heads: fx.Node) -> bool:
     """Whether ``node`` reshapes ``heads`` ([..., H, D]) to [..., H * D] and nothing else."""
     if not (node.op == "call_method" and node.target in ("reshape", "view") and node.args[0] is heads):
         return False
-    shape, flat = _value(heads), _value(node)
+    shape, flat = example_value(heads), example_value(node)
     return shape is not None and flat is not None and tuple(flat.shape) == (*shape.shape[:-2], shape.shape[-2] * shape.shape[-1])
 
 
@@ -259,7 +241,7 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
     Returns the number of norms folded."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
     graph = gm.graph
-    fake_mode = _fake_mode(graph)
+    fake_mode = graph_fake_mode(graph)
     folded = 0
     for norm in _norm_calls(graph, GATED_NORMS):
         rows, gate, norm_weight, eps = norm.args
@@ -269,7 +251,7 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
         if parts is None or parts[0] is not flat or _dtype(rows) not in dtypes or any(
                 _dtype(t) != _dtype(rows) for t in (gate, parts[1])):
             continue
-        heads, weight = _value(rows), _value(parts[1])
+        heads, weight = example_value(rows), example_value(parts[1])
         if heads is None or weight is None or not ops.gated_norm_gemv_heads_fit(*heads.shape[-2:], weight, GEMV_BLOCK_K):
             continue  # (where the kernel does not take it, the op's reference would be slower than the unfolded norm)
         if parts[1].op not in ("placeholder", "get_attr") or _writes_between(graph, norm, linear):
@@ -281,4 +263,4 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)
         folded += 1
-    return _recompiled(gm, folded)
+    return recompiled(gm, folded)

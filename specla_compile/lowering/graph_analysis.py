@@ -150,6 +150,25 @@ def depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
     return False
 
 
+def example_value(node) -> torch.Tensor | None:
+    """The fake tensor Dynamo (or a pass, :func:`fill_example_values`) recorded for a tensor node, else None."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def graph_fake_mode(graph: fx.Graph):
+    """The fake mode of the graph's example values (new nodes get theirs in it)."""
+    return torch._guards.detect_fake_mode([example_value(n) for n in graph.nodes if example_value(n) is not None])
+
+
+def recompiled(gm: fx.GraphModule, rewrites: int) -> int:
+    """Check and recompile ``gm`` if a pass rewrote anything; returns ``rewrites``."""
+    if rewrites:
+        gm.graph.lint()
+        gm.recompile()
+    return rewrites
+
+
 def fill_example_values(graph: fx.Graph, fake_mode) -> None:
     """Give the nodes a pass added (the rewrite, the fold of the norms) the example value Dynamo gives its own
     (run on their inputs' fake values): AOTAutograd's cache refuses a graph that calls a tensor method on a node

@@ -1,0 +1,117 @@
+"""A one-node twin's GDN gates fold into its recurrence op: what folds and what stays, the same outputs, and
+generation through folded passes stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fold_norms import _calls, _decode_on_cpu_as_on_cuda, _dynamo_graph
+
+from specla_compile import SpecConfig
+from specla_compile.lowering.fold_gates import FOLDED, VERIFY, fold_gates
+
+SPECLA = torch.ops.specla
+B, HEADS, VALUE_HEADS, DIM = 2, 1, 2, 8
+
+
+def _verify(x, g, beta, parents):
+    """``specla.gdn_commit_verify_`` over the state, pending record and q/k/v of ``x``, with these gates."""
+    return SPECLA.gdn_commit_verify_(*x, g, beta, parents, 0.3, True)
+
+
+def _fla(*inputs):
+    x, (a, b, a_log, dt_bias, parents) = inputs[:9], inputs[9:]
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return (*_verify(x, g, b.float().sigmoid(), parents), g.to(torch.float32), b.float().sigmoid())
+
+
+def _casts_by_to(*inputs):  # (and the product's factors the other way round)
+    x, (a, b, a_log, dt_bias, parents) = inputs[:9], inputs[9:]
+    g = torch.nn.functional.softplus(dt_bias.to(torch.float32) + a.to(torch.float32)) * -torch.exp(a_log.float())
+    beta = torch.sigmoid(b.to(torch.float32))
+    return (*_verify(x, g, beta, parents), beta)
+
+
+def _half_precision_sigmoid(*inputs):  # (Qwen3.5 in bf16: beta rounds to bf16 first)
+    x, (a, b, a_log, dt_bias, parents) = inputs[:9], inputs[9:]
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    return _verify(x, g, b.sigmoid().float(), parents)
+
+
+def _softplus_with_a_beta(*inputs):
+    x, (a, b, a_log, dt_bias, parents) = inputs[:9], inputs[9:]
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias, beta=2.0)
+    return _verify(x, g, b.float().sigmoid(), parents)
+
+
+def _gate_read_before_the_recurrence(*inputs):
+    x, (a, b, a_log, dt_bias, parents) = inputs[:9], inputs[9:]
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    kept = g * 2
+    return (*_verify(x, g, b.float().sigmoid(), parents), kept)
+
+
+def _source_written_before_the_recurrence(*inputs):
+    x, (a, b, a_log, dt_bias, parents) = inputs[:9], inputs[9:]
+    a = a.clone()
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    a.mul_(2)
+    return (*_verify(x, g, b.float().sigmoid(), parents), a)
+
+
+FOLD_CASES = {  # function: gates folded (one node a row)
+    _fla: 1,
+    _casts_by_to: 1,
+    _half_precision_sigmoid: 0,
+    _softplus_with_a_beta: 0,
+    _gate_read_before_the_recurrence: 0,
+    _source_written_before_the_recurrence: 0,
+}
+
+
+def _inputs(nodes: int, seed: int) -> list[torch.Tensor]:
+    """The state, a pending record, q/k/v, the gates' projections and parameters, and a chain's parents."""
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)
+    x = [randn(B, VALUE_HEADS, DIM, DIM), torch.nn.functional.normalize(randn(B, 1, HEADS, DIM), dim=-1),
+         randn(B, 1, VALUE_HEADS, DIM), -torch.rand(B, 1, VALUE_HEADS, generator=gen), torch.rand(B, 1, VALUE_HEADS, generator=gen),
+         torch.tensor([1, 0]), randn(B, nodes, HEADS, DIM), randn(B, nodes, HEADS, DIM), randn(B, nodes, VALUE_HEADS, DIM)]
+    projection = (2 * randn(B, nodes, 3 * VALUE_HEADS)).bfloat16()  # (a and b: slices of one bf16 output)
+    parents = torch.arange(-1, nodes - 1).expand(B, nodes).contiguous()
+    return [*x, projection[..., :VALUE_HEADS], projection[..., 2 * VALUE_HEADS:], randn(VALUE_HEADS), randn(VALUE_HEADS), parents]
+
+
+def _run(gm, example_inputs) -> list[torch.Tensor]:
+    """The graph's outputs on copies of its inputs, then the state it committed (the one input of the state's shape)."""
+    fresh = [t.clone() for t in example_inputs]
+    out = gm(*fresh)
+    return [*out, next(t for t in fresh if t.shape == (B, VALUE_HEADS, DIM, DIM))]
+
+
+@pytest.mark.parametrize("fn", FOLD_CASES, ids=lambda fn: fn.__name__.strip("_"))
+def test_what_folds_and_what_stays(fn):
+    """Each form of the gates around a one-node recurrence, as Dynamo captures it: whether the pass folds it, and the
+    same outputs and committed state (fp32, CPU references) where it folds or not."""
+    gm, example_inputs = _dynamo_graph(fn, *_inputs(nodes=1, seed=3))
+    expected = _run(gm, example_inputs)
+    assert fold_gates(gm) == FOLD_CASES[fn]
+    assert _calls(gm, FOLDED) == FOLD_CASES[fn] and _calls(gm, *VERIFY) == 1 - FOLD_CASES[fn]
+    if FOLD_CASES[fn]:
+        assert _calls(gm, torch.nn.functional.softplus, torch._C._nn.softplus, torch.sigmoid) == 0
+    got = _run(gm, example_inputs)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and (g - e).abs().max() <= 1e-6 * e.abs().max()
+
+
+def test_a_pass_of_several_nodes_keeps_its_gates():
+    gm, _ = _dynamo_graph(_fla, *_inputs(nodes=3, seed=4))
+    assert fold_gates(gm) == 0 and _calls(gm, *VERIFY) == 1
+
+
+def test_plain_decoding_through_folded_gates_equals_eager_decoding(monkeypatch, caplog):
+    """With ``fold_gates`` (made to fold here: CPU, fp32), the one-node twin of plain decoding computes every layer's
+    gates in its recurrence op while the drafted passes' twins keep theirs; drafted and plain decoding both equal
+    eager decoding."""
+    log = _decode_on_cpu_as_on_cuda("fold_gates", SpecConfig(mode="chain", depth=5, bucket=8), 4, monkeypatch, caplog)
+    assert log.count("4 GDN layers' gates folded") == 1  # the 1-node twin's, not the draft bucket's
