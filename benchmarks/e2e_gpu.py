@@ -280,9 +280,10 @@ def pass_ms(gen, nodes: int, pending: int = 0, repeats: int = 50, chain: bool = 
     return statistics.median(times)
 
 
+RECURRENCE_KERNELS = ("_recurrent_kernel", "_parallel_kernel", "_one_token_gates_kernel")  # specla's, one a layer
 KERNEL_KINDS = (  # kernel name fragment -> kind, first match wins (inductor's names hold op names such as _to_copy)
     ("gemm", "gemm"), ("gemv", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("xmma", "gemm"), ("triton_", "inductor"),
-    ("nccl", "collective"), ("recurrent", "recurrence"), ("_parallel_kernel", "recurrence"), ("chunk", "recurrence"), ("delta", "recurrence"),
+    ("nccl", "collective"), ("recurrent", "recurrence"), *((name, "recurrence") for name in RECURRENCE_KERNELS), ("chunk", "recurrence"), ("delta", "recurrence"),
     ("conv", "conv"), ("copy", "copy"), ("memcpy", "copy"), ("memset", "copy"),
 )
 
@@ -348,7 +349,7 @@ def summarize_kernels(trace_events: list[dict], replays: int) -> dict:
     top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
     # one layer's kernels in launch order: from one recurrence kernel to the next
     ordered = sorted(events, key=lambda e: e["ts"])
-    marks = [i for i, e in enumerate(ordered) if any(f in e.get("name", "") for f in ("_recurrent_kernel", "_parallel_kernel"))]
+    marks = [i for i, e in enumerate(ordered) if any(f in e.get("name", "") for f in RECURRENCE_KERNELS)]
     layer = ordered[marks[0] : marks[1]] if len(marks) > 1 else []
     return {
         "one_layer": [[e.get("name", "")[:60], round(e["dur"], 2)] for e in layer],
