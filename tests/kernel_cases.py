@@ -122,12 +122,12 @@ def reference_verify(x: dict[str, torch.Tensor], parents: torch.Tensor, scale: f
 def random_gate_projections(rows: int, nodes: int, value_heads: int, *, seed: int, dtype: torch.dtype,
                             device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:
     """A GDN layer's gate inputs as a pass reads them: ``a, b [rows, nodes, HV]`` as strided column slices of one
-    wider projection output, and ``A_log, dt_bias [HV]``; one ``a + dt_bias`` past softplus's threshold of 20 and
-    one far below zero (where ``log1p`` matters)."""
+    wider projection output, and ``A_log, dt_bias [HV]``; one ``a + dt_bias`` far past softplus's threshold of 20
+    (where ``log(1 + e^x)`` overflows) and one far below zero (where ``log1p`` matters)."""
     gen = torch.Generator().manual_seed(seed)
     wide = 2 * torch.randn(rows, nodes, 3 * value_heads + 5, generator=gen, dtype=torch.float64)
     a_log, dt_bias = 0.5 * torch.randn(value_heads, generator=gen), torch.randn(value_heads, generator=gen)
-    wide[0, 0, 1], wide[-1, 0, value_heads] = 25.0, -40.0  # (a's first and last gate)
+    wide[0, 0, 1], wide[-1, 0, value_heads] = 100.0, -40.0  # (a's first and last gate; e^100 overflows float32)
     wide = wide.to(dtype).to(device)
     return (wide[..., 1 : 1 + value_heads], wide[..., 2 * value_heads + 3 : 3 * value_heads + 3],
             a_log.to(device), dt_bias.to(device))

@@ -64,10 +64,11 @@ def test_verify(case, route):
     assert torch.equal(state, x["state"])
 
 
-@pytest.mark.parametrize("case", ["single", "chain8"])
-def test_gates_commit_verify(case, monkeypatch):
+@pytest.mark.parametrize("case, v_major", [("single", False), ("single", True), ("chain8", False)])
+def test_gates_commit_verify(case, v_major, monkeypatch):
     """The recurrence with the gates computed from bf16 projection slices (``fold_gates``): a one-node pass in one
-    launch of its own kernel, a longer one through the gates and then the verify kernels; against the fp64 oracle."""
+    launch of its own kernel (also on fla's V-major state), a longer one through the gates and then the verify kernels;
+    against the fp64 oracle."""
     parents, x = inputs(case, seed=6)
     prev_parents, prev = inputs(case, seed=7)
     records, num = accepted_records(prev, prev_parents, max_accepted=4, seed=8)
@@ -75,7 +76,7 @@ def test_gates_commit_verify(case, monkeypatch):
     launches = []
     kernel = triton_verify.commit_verify_one_token_gates
     monkeypatch.setattr(triton_verify, "commit_verify_one_token_gates", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
-    state = x["state"].clone()
+    state = x["state"].transpose(-1, -2).contiguous().transpose(-1, -2) if v_major else x["state"].clone()
     with poisoned_allocations():
         o, k_hat, g, beta = ops.gdn_gates_commit_verify_(state, *records, num, x["q"], x["k"], x["v"], *gates, parents, SCALE, True)
     ref_o, ref_k, ref_state, ref_g, ref_beta = gates_commit_verify_oracle(x, gates, parents, SCALE, True, (records, num))

@@ -116,16 +116,16 @@ def test_fused_commit_verify(case, route, layout):
 
 
 @interpreted
-@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("layout, source", [("kv", torch.float32), ("vk", torch.float32), ("vk", torch.float16)])
 @pytest.mark.parametrize("l2, with_pending", [(True, True), (False, True), (True, False)])
-def test_one_token_pass_computes_its_gates(layout, l2, with_pending):
+def test_one_token_pass_computes_its_gates(layout, source, l2, with_pending):
     """Plain decoding's one-node pass with the gate and beta computed in its launch from strided slices of a projection
     (softplus past its threshold and far below zero included): the gates, outputs, keys and committed state against
     the fp64 oracle."""
     parents, x, _, config = case_inputs("single_node_wide", seed=11)
     prev_parents, prev = case_inputs("single_node_wide", seed=12)[:2]
     records, num = accepted_records(prev, prev_parents, max_accepted=1, seed=13)
-    gates = random_gate_projections(*parents.shape, x["v"].shape[2], seed=14, dtype=torch.float32)
+    gates = random_gate_projections(*parents.shape, x["v"].shape[2], seed=14, dtype=source)
     pending = (records, num) if with_pending else None
     state = in_layout(x["state"], layout)
     with poisoned_allocations():

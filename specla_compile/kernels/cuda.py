@@ -79,9 +79,11 @@ def _gdn_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, nu
 @ops.gdn_gates_commit_verify_.register_kernel("cuda")
 def _gdn_gates_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, num_pending,
                               q, k, v, a, b, a_log, dt_bias, parents, scale, use_qk_l2norm):
-    """One launch for a one-node pass in float32 state (plain decoding's step); else the gates, then the verify op."""
+    """One launch for a one-node pass in float32 state (plain decoding's step, the serial route's one-node case); else
+    (more nodes, float64, another route forced) the gates, then the verify op."""
     records = (pending_k, pending_v, pending_g, pending_beta, num_pending)
-    if parents.shape[1] != 1 or state.dtype != torch.float32 or torch.float64 in {t.dtype for t in (q, k, v, a, b, a_log, dt_bias)}:
+    if (parents.shape[1] != 1 or state.dtype != torch.float32 or dispatch.choose_route(1) != "serial"
+            or torch.float64 in {t.dtype for t in (q, k, v, a, b, a_log, dt_bias)}):
         g, beta = reference.gdn_gates_reference(a, b, a_log, dt_bias)
         return (*_gdn_commit_verify_(state, *records, q, k, v, g, beta, parents, scale, use_qk_l2norm), g, beta)
     config = dispatch.kernel_config("serial", 1, pending=True, batch=parents.shape[0])

@@ -40,6 +40,19 @@ _PAD: tl.constexpr = tl.constexpr(PAD)
 
 
 @triton.jit
+def _state_tile(i_v, i_bh, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr,
+                BV: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr):
+    """Program (V tile ``i_v``, row and value head ``i_bh``)'s row, value head, key head, K and V ranges with their
+    masks, and its ``K x BV`` tile's offsets and mask in the durable state's layout."""
+    hv = i_bh % HV
+    rk = tl.arange(0, BKF)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk, mv = rk < K, rv < V
+    tile_off = i_bh.to(tl.int64) * K * V + rk[:, None] * SK + rv[None, :] * SV
+    return i_bh // HV, hv, hv // (HV // H), rk, mk, rv, mv, tile_off, mk[:, None] & mv[None, :]
+
+
+@triton.jit
 def _load_qkv(q, k, v, b, j, h, hv, N, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               rk, mk, rv, mv):
     qk = ((b * N + j) * H + h) * K + rk
@@ -63,7 +76,7 @@ def _load_node(q, k, v, g, beta, b, j, h, hv, N, H: tl.constexpr, HV: tl.constex
 def _softplus(x):
     """torch's softplus: ``log(1 + e^x)``, ``x`` itself past 20; ``log1p`` stays exact for a tiny ``e^x``
     (``w - 1`` is the ``e^x`` that ``w = 1 + e^x`` kept)."""
-    u = tl.exp(tl.minimum(x, 20.0))
+    u = tl.exp(tl.minimum(x, 20.0, propagate_nan=tl.PropagateNan.ALL))  # (a NaN stays NaN, as in torch)
     w = 1.0 + u
     return tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
 
@@ -175,15 +188,7 @@ def _recurrent_kernel(
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     c = tl.program_id(2)
-    b = i_bh // HV
-    hv = i_bh % HV
-    h = hv // (HV // H)
-    rk = tl.arange(0, BKF)
-    mk = rk < K
-    rv = i_v * BV + tl.arange(0, BV)
-    mv = rv < V
-    tile_off = i_bh.to(tl.int64) * K * V + rk[:, None] * SK + rv[None, :] * SV  # the durable state's layout
-    tile_mask = mk[:, None] & mv[None, :]
+    b, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
     rn = tl.arange(0, BN)
     n_chains = 1
     if HYBRID:
@@ -351,15 +356,7 @@ def _one_token_gates_kernel(
     wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    row = i_bh // HV
-    hv = i_bh % HV
-    h = hv // (HV // H)
-    rk = tl.arange(0, BKF)
-    mk = rk < K
-    rv = i_v * BV + tl.arange(0, BV)
-    mv = rv < V
-    tile_off = i_bh.to(tl.int64) * K * V + rk[:, None] * SK + rv[None, :] * SV
-    tile_mask = mk[:, None] & mv[None, :]
+    row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
     qj, kj, vj = _load_qkv(q, k, v, row, 0, h, hv, 1, H, HV, K, V, rk, mk, rv, mv)
     a_j = tl.load(a + row * SA_ROW + hv * SA_HEAD).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32)
     g = -tl.exp(tl.load(a_log + hv).to(tl.float32)) * _softplus(a_j)

@@ -33,6 +33,8 @@ KERNEL_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what th
 def _args(node: fx.Node, functions: tuple, method: str | None, count: int) -> tuple | None:
     """The ``count`` positional arguments of ``node`` when it calls one of ``functions`` (or the tensor ``method``)
     with nothing else, else None."""
+    if not isinstance(node, fx.Node):
+        return None  # (a Python number: ``g = x * 0.5``)
     called = is_call(node, functions) or (method is not None and node.op == "call_method" and node.target == method)
     return tuple(node.args) if called and len(node.args) == count and not node.kwargs else None
 
@@ -69,19 +71,23 @@ def _gate(g: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
 
 
 def _root(node: fx.Node) -> fx.Node:
-    """The tensor ``node`` is a view of (through slices, indexing and view methods)."""
-    while (is_call(node, (torch.narrow, operator.getitem)) or (node.op == "call_method" and node.target in VIEW_METHODS)) \
-            and isinstance(node.args[0], fx.Node):
+    """The tensor ``node`` is a view of (through slices, splits, indexing and view methods)."""
+    while (is_call(node, (torch.narrow, torch.split, operator.getitem))
+           or (node.op == "call_method" and node.target in (*VIEW_METHODS, "narrow", "split"))) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
 
 def _written(node: fx.Node) -> list[fx.Node]:
-    """The tensors ``node`` may write in place: a custom op's mutable arguments, an in-place method's self."""
+    """The tensors ``node`` may write in place: a custom op's mutable arguments, an in-place method's self, the
+    target of ``x[i] = y``, an ``out=`` argument."""
+    out = [node.kwargs["out"]] if isinstance(node.kwargs.get("out"), fx.Node) else []
     if node.op == "call_method":
-        return [node.args[0]] if node.target.endswith("_") else []
+        return out + ([node.args[0]] if node.target.endswith("_") else [])
     if node.op != "call_function":
-        return []
+        return out
+    if node.target is operator.setitem:
+        return [node.args[0]]
     if isinstance(node.target, torch._ops.OpOverload):
         schema = node.target._schema
         if not schema.is_mutable:
@@ -89,7 +95,7 @@ def _written(node: fx.Node) -> list[fx.Node]:
         named = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
         args = [named.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         return [t for arg in args for t in (arg if isinstance(arg, (list, tuple)) else [arg]) if isinstance(t, fx.Node)]
-    return [node.args[0]] if getattr(node.target, "__name__", "").endswith("_") and node.args else []
+    return out + ([node.args[0]] if getattr(node.target, "__name__", "").endswith("_") and node.args else [])
 
 
 def _unwritten_before(graph: fx.Graph, sources: list[fx.Node], node: fx.Node) -> bool:
