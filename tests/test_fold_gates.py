@@ -46,7 +46,7 @@ def _softplus_with_a_beta(*inputs):
 
 
 def _scaled_by_a_number(*inputs):
-    x, (a, b, a_log, dt_bias, parents) = inputs[:9], inputs[9:]
+    x, (a, b, _, dt_bias, parents) = inputs[:9], inputs[9:]
     g = -torch.nn.functional.softplus(a.float() + dt_bias) * 0.5
     return _verify(x, g, b.float().sigmoid(), parents)
 
