@@ -19,7 +19,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_analysis import VIEW_METHODS, example_value, fill_example_values, graph_fake_mode, is_call, recompiled
+from .graph_analysis import (
+    VIEW_METHODS,
+    example_value,
+    fill_example_values,
+    graph_fake_mode,
+    is_call,
+    recompiled,
+    written_tensors,
+)
 
 VERIFY = (torch.ops.specla.gdn_commit_verify_.default, torch.ops.specla.gdn_commit_verify_)
 FOLDED = torch.ops.specla.gdn_gates_commit_verify_.default
@@ -78,33 +86,13 @@ def _root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _written(node: fx.Node) -> list[fx.Node]:
-    """The tensors ``node`` may write in place: a custom op's mutable arguments, an in-place method's self, the
-    target of ``x[i] = y``, an ``out=`` argument."""
-    out = [node.kwargs["out"]] if isinstance(node.kwargs.get("out"), fx.Node) else []
-    if node.op == "call_method":
-        return out + ([node.args[0]] if node.target.endswith("_") else [])
-    if node.op != "call_function":
-        return out
-    if node.target is operator.setitem:
-        return [node.args[0]]
-    if isinstance(node.target, torch._ops.OpOverload):
-        schema = node.target._schema
-        if not schema.is_mutable:
-            return []
-        named = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
-        args = [named.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        return [t for arg in args for t in (arg if isinstance(arg, (list, tuple)) else [arg]) if isinstance(t, fx.Node)]
-    return out + ([node.args[0]] if getattr(node.target, "__name__", "").endswith("_") and node.args else [])
-
-
 def _unwritten_before(graph: fx.Graph, sources: list[fx.Node], node: fx.Node) -> bool:
     """Whether no node before ``node`` writes into a tensor that ``sources`` view (the fold reads them there)."""
     roots = {_root(s) for s in sources}
     for earlier in graph.nodes:
         if earlier is node:
             return True
-        if any(_root(t) in roots for t in _written(earlier)):
+        if any(_root(t) in roots for t in written_tensors(earlier)):
             return False
     return True
 
@@ -114,7 +102,7 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     erased = set()
     while nodes:
         node = nodes.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method") or _written(node):
+        if node in erased or node.users or node.op not in ("call_function", "call_method") or written_tensors(node):
             continue
         nodes.extend(node.all_input_nodes)
         graph.erase_node(node)

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from ..kernels import ops
 from .fuse_projections import linear_parts
-from .graph_analysis import example_value, fill_example_values, graph_fake_mode, is_call, recompiled
+from .graph_analysis import example_value, fill_example_values, graph_fake_mode, is_call, recompiled, written_tensors
 
 NORMS = (torch.ops.specla.rms_norm.default, torch.ops.specla.rms_norm)
 GATED_NORMS = (torch.ops.specla.rms_norm_gated.default, torch.ops.specla.rms_norm_gated)
@@ -108,21 +108,10 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
-def _mutates(node: fx.Node) -> bool:
-    """Whether ``node`` may write a tensor in place (an in-place method or op, or a mutating custom op)."""
-    if node.op == "call_method":
-        return node.target.endswith("_")
-    if node.op != "call_function":
-        return False
-    if isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
-    return getattr(node.target, "__name__", "").endswith("_")
-
-
 def _writes_between(graph: fx.Graph, first: fx.Node, last: fx.Node) -> bool:
-    """Whether a node strictly between ``first`` and ``last`` may write a tensor in place (:func:`_mutates`)."""
+    """Whether a node strictly between ``first`` and ``last`` may write a tensor in place."""
     order = _order(graph)
-    return any(_mutates(n) for n in graph.nodes if order[first] < order[n] < order[last])
+    return any(written_tensors(n) for n in graph.nodes if order[first] < order[n] < order[last])
 
 
 def _dtype(node) -> torch.dtype | None:

@@ -169,6 +169,30 @@ def recompiled(gm: fx.GraphModule, rewrites: int) -> int:
     return rewrites
 
 
+def written_tensors(node: fx.Node) -> list[fx.Node]:
+    """The tensors ``node`` may write in place: a custom op's mutable arguments (Dynamo's graphs call the op's
+    packet, whose default overload has the schema), an in-place method's or function's first argument, the target
+    of ``x[i] = y``, an ``out=`` argument."""
+    out = [node.kwargs["out"]] if isinstance(node.kwargs.get("out"), fx.Node) else []
+    if node.op == "call_method":
+        return out + ([node.args[0]] if node.target.endswith("_") else [])
+    if node.op != "call_function":
+        return out
+    if node.target is operator.setitem:
+        return [node.args[0]]
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket) and "default" in target.overloads():
+        target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        if not schema.is_mutable:
+            return []
+        named = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
+        args = [named.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        return [t for arg in args for t in (arg if isinstance(arg, (list, tuple)) else [arg]) if isinstance(t, fx.Node)]
+    return out + ([node.args[0]] if getattr(target, "__name__", "").endswith("_") and node.args else [])
+
+
 def fill_example_values(graph: fx.Graph, fake_mode) -> None:
     """Give the nodes a pass added (the rewrite, the fold of the norms) the example value Dynamo gives its own
     (run on their inputs' fake values): AOTAutograd's cache refuses a graph that calls a tensor method on a node
