@@ -26,7 +26,9 @@ launch of a one-row GEMV where the heads fit it (:func:`.lowering.fold_norms.fol
 ``kernels/triton_gemv.py``); ``fold_gates`` — True (default): on CUDA, the gate and beta of each fla GDN layer are
 computed inside the recurrence's launch in the static twins of one node a row (plain decoding's step;
 :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's 1-node pass on an H200 from 1.503-1.513 to 1.420 ms
-(``e2e_gpu.md``, ``fold_ab``); ``triton_linears`` — False (default): True runs, on
+(``e2e_gpu.md``, ``fold_ab``); ``fold_swiglu`` — False (default; built, not yet timed on a GPU): True runs, on CUDA,
+the one-token twin's (B=1) bf16 MLP ``silu(gate) * up`` inside its down projection, one launch of the same one-row
+GEMV (:func:`.lowering.fold_norms.fold_swiglu`); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``regional`` — True (default):
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
@@ -53,7 +55,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from .kernels import dispatch, ops
 from .lowering.capture import install
 from .lowering.fold_gates import fold_gates
-from .lowering.fold_norms import fold_gated_norms, fold_norms, route_linears
+from .lowering.fold_norms import fold_gated_norms, fold_norms, fold_swiglu, route_linears
 from .lowering.fuse_projections import fuse_projections, gathers_as_slices
 from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sdpa
 from .lowering.regions import compile_by_layer
@@ -64,7 +66,7 @@ from .runtime.config import INNER_COMPILERS
 log = logging.getLogger("specla_compile")
 
 OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms", "fold_gated_norms", "fold_gates",
-           "triton_linears", "regional"}
+           "fold_swiglu", "triton_linears", "regional"}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
 
@@ -149,10 +151,10 @@ class SpeculativeGraph:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
                  plain: str = "compiled", fold: bool = False, route: bool = False, regional: bool = True,
-                 fold_gated: bool = True, fold_gates: bool = True):
+                 fold_gated: bool = True, fold_gates: bool = True, fold_swiglu: bool = False):
         self.verify_kernel = verify_kernel
         self.fold, self.route, self.regional, self.fold_gated = fold, route, regional, fold_gated
-        self.fold_gates = fold_gates
+        self.fold_gates, self.fold_swiglu = fold_gates, fold_swiglu
         started = time.perf_counter()
         self.plain = compile_inner(gm, example_inputs) if plain == "compiled" else gm.forward
         self.compile_seconds = {"plain": time.perf_counter() - started}
@@ -199,6 +201,8 @@ class SpeculativeGraph:
             gathers_as_slices(gm)
             if rows == 1 and self.fold_gated and _on_cuda(inputs):  # (its kernel takes one row: the plain step)
                 log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm))
+            if rows == 1 and self.fold_swiglu and _on_cuda(inputs):  # (the same one-row kernel)
+                log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", fold_swiglu(gm))
             nodes = inputs[self.program.num_model_inputs].shape[1]  # (the first input the rewrite added: parents [B, N])
             if self.fold_gates and nodes == 1 and _on_cuda(inputs):  # (its kernel runs one node a row: plain decoding)
                 log.info("specla: %d GDN layers' gates folded into their recurrence", fold_gates(gm, nodes))
@@ -273,9 +277,9 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     combo_kernels = options.get("combo_kernels", True)
     fold, route = options.get("fold_norms", False), options.get("triton_linears", False)
     regional, fold_gated = options.get("regional", True), options.get("fold_gated_norms", True)
-    gates = options.get("fold_gates", True)
+    gates, swiglu = options.get("fold_gates", True), options.get("fold_swiglu", False)
     for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold), ("triton_linears", route), ("regional", regional),
-                        ("fold_gated_norms", fold_gated), ("fold_gates", gates)):
+                        ("fold_gated_norms", fold_gated), ("fold_gates", gates), ("fold_swiglu", swiglu)):
         if not isinstance(value, bool):
             raise ValueError(f"specla option {name!r} must be True or False, got {value!r}")
     compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, combo_kernels)
@@ -296,7 +300,7 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
             # over its first part's graph input, at that part's size, and fails minutes into the compile)
             raise ValueError(f"specla: mode={mode!r} cannot autotune the fused projection GEMMs on CUDA; pass "
                              "options={'fuse_projections': False} to tune the unfused ones, or another mode")
-    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold, route, regional, fold_gated, gates)
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold, route, regional, fold_gated, gates, swiglu)
 
 
 def _cuda_device(example_inputs: Sequence) -> torch.device | None:

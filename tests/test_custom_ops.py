@@ -227,3 +227,18 @@ def test_head_linear_ops():
         torch.testing.assert_close(ops.linear(x, fc.weight), x @ fc.weight.T)
         torch.library.opcheck(ops.gated_linear, (x, gate_up))
         torch.testing.assert_close(ops.gated_linear(x, gate_up), torch.nn.functional.silu(x @ gate_up[:6].T) * (x @ gate_up[6:].T))
+
+
+def test_swiglu_linear():
+    """An MLP's product and down projection from its packed gate/up output, as one op: the modules' math in fp64 over
+    [B, N, 2I] rows; in bf16 the product is rounded once, from float32, as inductor's kernel of it writes it (not
+    twice, as eager bf16 ``silu`` then ``*`` would)."""
+    gen = torch.Generator().manual_seed(6)
+    gate_up, down = torch.randn(2, 3, 16, generator=gen, dtype=torch.float64), torch.randn(5, 8, generator=gen, dtype=torch.float64)
+    torch.library.opcheck(ops.swiglu_linear, (gate_up, down))
+    gate, up = gate_up.chunk(2, -1)
+    torch.testing.assert_close(ops.swiglu_linear(gate_up, down), (torch.nn.functional.silu(gate) * up) @ down.T)
+    rows, weight = (4 * gate_up).bfloat16(), down.bfloat16()
+    gate, up = rows.float().chunk(2, -1)
+    product = (torch.nn.functional.silu(gate) * up).bfloat16()
+    assert torch.equal(ops.swiglu_linear(rows, weight), torch.nn.functional.linear(product, weight))

@@ -157,7 +157,39 @@ def test_plain_decoding_through_folded_gated_norms_equals_eager_decoding(monkeyp
     assert log.count(f"{LAYERS} gated norms folded") == 1  # the 1-token twin's, not the draft bucket's
 
 
-@pytest.mark.parametrize("option", ["fold_norms", "fold_gated_norms"])
+def test_every_mlp_product_folds_into_its_down_projection_and_the_outputs_stay():
+    """In a one-token twin, each layer's ``silu(gate) * up`` of its fused gate/up GEMM, read by down alone, becomes
+    with down one ``specla.swiglu_linear`` of the gate/up output, in fp32 on the CPU (its PyTorch reference); not
+    where something else reads the product. (The backend folds one-token twins alone.)"""
+    gm, example_inputs = _static_twin_graph(seed=9, tokens=1)
+    linears, silus = sum(folding.linear_parts(n) is not None for n in gm.graph.nodes), _calls(gm, *folding.SILUS)
+    with torch.no_grad():
+        expected = gm(*example_inputs)
+        assert folding.fold_swiglu(gm) == 0  # (float32: no kernel to fold into by default)
+        assert folding.fold_swiglu(gm, dtypes=(torch.float32,)) == LAYERS
+        got = gm(*example_inputs)
+    assert _calls(gm, SPECLA.swiglu_linear.default) == LAYERS and _calls(gm, *folding.SILUS) == silus - LAYERS
+    assert sum(folding.linear_parts(n) is not None for n in gm.graph.nodes) == linears - LAYERS
+    assert all(n.meta.get("example_value") is not None for n in gm.graph.nodes if n.op == "call_function")
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+    gm, _ = _static_twin_graph(seed=9, tokens=1)
+    first = next(n for n in gm.graph.nodes if _calls_node(n, *folding.MULS) and any(
+        _calls_node(a, *folding.SILUS) for a in n.args if isinstance(a, torch.fx.Node)))
+    with gm.graph.inserting_after(first):
+        gm.graph.call_function(torch.neg, (first,))  # (a second reader of one layer's product)
+    assert folding.fold_swiglu(gm, dtypes=(torch.float32,)) == LAYERS - 1
+
+
+def test_plain_decoding_through_folded_mlps_equals_eager_decoding(monkeypatch, caplog):
+    """With ``fold_swiglu`` (made to fold here: CPU, fp32), the one-token twin of plain decoding folds each MLP's
+    product into its down projection while the drafted passes' twins keep theirs; drafted and plain decoding both
+    equal eager decoding."""
+    log = _decode_on_cpu_as_on_cuda("fold_swiglu", SpecConfig(mode="chain", depth=5, bucket=8), 8, monkeypatch, caplog)
+    assert log.count(f"{LAYERS} MLPs' silu(gate) * up folded") == 1  # the 1-token twin's, not the draft bucket's
+
+
+@pytest.mark.parametrize("option", ["fold_norms", "fold_gated_norms", "fold_gates", "fold_swiglu"])
 def test_the_fold_options_are_bools(option):
     from specla_compile.backend import specla_backend
 

@@ -454,6 +454,23 @@ def test_gated_norm_linear_at_the_target_shape(rows, monkeypatch):
     assert len(launches) == (1 if rows == 1 else 0)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_swiglu_linear_at_the_target_shape(rows, monkeypatch):
+    """A GDN-1.3B layer's MLP product and down projection as one op, bf16 [1, R, 2 x 5632] gate/up rows against fp64
+    PyTorch: one row in one launch of the one-row GEMV (the plain step), two rows through the reference."""
+    gen = torch.Generator().manual_seed(rows)
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
+    gate_up, weight = make(1, rows, 2 * 5632, scale=2.0), make(2048, 5632, scale=5632**-0.5)
+    launches = []
+    kernel = triton_gemv.swiglu_gemv
+    monkeypatch.setattr(triton_gemv, "swiglu_gemv", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    with poisoned_allocations():
+        y = ops.swiglu_linear(gate_up, weight)
+    assert y.shape == (1, rows, 2048)
+    assert rel_err(y, ref.swiglu_linear_reference(gate_up.double(), weight.double())) <= 1e-2
+    assert len(launches) == (1 if rows == 1 else 0)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 32, 33])
 @pytest.mark.parametrize("site", ["qkvg", "o_proj", "gate_up", "down", "lm_head"])
 def test_routed_gemms_at_the_target_shapes(rows, site):

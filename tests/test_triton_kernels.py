@@ -341,6 +341,26 @@ def test_gated_norm_gemv(lead, n, block_k):
 
 
 @interpreted
+@pytest.mark.parametrize("lead, inner, n, block_k", [((1, 1), 96, 40, None), ((1,), 64, 16, 16), ((), 48, 24, None)])
+def test_swiglu_gemv(lead, inner, n, block_k):
+    """The one-row ``silu(gate) * up`` and down projection (``specla::swiglu_linear``'s CUDA kernel) against fp64:
+    the product made chunk by chunk from the two halves of the gate/up row, the GEMV over output tiles (the last
+    one partial) and K chunks (32, four of 16, the 16 that divides 48); refused in one line for two rows, halves
+    that do not match the weight, or an inner size no chunk of 16 or more divides."""
+    gen = torch.Generator().manual_seed(inner + n)
+    gate_up, w = torch.randn(*lead, 2 * inner, generator=gen), torch.randn(n, inner, generator=gen)
+    assert ops.swiglu_gemv_block_k(w) == {96: 32, 64: 64, 48: 16}[inner]
+    y = tgv.swiglu_gemv(gate_up, w, block_n=16, block_k=block_k, warps=4)
+    assert y.shape == (*lead, n)
+    assert rel_err(y, ref.swiglu_linear_reference(gate_up.double(), w.double())) <= 1e-5
+    for bad_row, bad_w in ((torch.randn(2, 2 * inner), w), (torch.randn(1, 2 * inner + 2), w),
+                           (torch.randn(1, 2 * 24), torch.randn(n, 24))):
+        assert not ops.swiglu_gemv_fits(bad_row, bad_w)
+        with pytest.raises(ValueError, match="one contiguous row"):
+            tgv.swiglu_gemv(bad_row, bad_w)
+
+
+@interpreted
 @pytest.mark.parametrize("rows, vocab, k, block", [(3, 100, 4, 32), (2, 64, 1, 64), (5, 70, 7, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("one_block", [False, True], ids=["chunks", "one block"])

@@ -226,3 +226,11 @@ def _gated_norm_linear(x, gate, norm_weight, eps, weight):
         return _reference_of(ops.gated_norm_linear)(x, gate, norm_weight, eps, weight)
     # (a row and gate that lie otherwise are copied: a few KB; the weight never is)
     return triton_gemv.gated_norm_gemv(x.contiguous(), gate.contiguous(), norm_weight, eps, weight)
+
+
+@ops.swiglu_linear.register_kernel("cuda")
+def _swiglu_linear(gate_up, weight):
+    """One bf16 row in one launch (the plain step at B=1, where the backend folds the product); else the reference."""
+    if gate_up.dtype != torch.bfloat16 or not ops.swiglu_gemv_fits(gate_up, weight):
+        return _reference_of(ops.swiglu_linear)(gate_up, weight)
+    return triton_gemv.swiglu_gemv(gate_up.contiguous(), weight)  # (a row of a few KB; the weight never copied)

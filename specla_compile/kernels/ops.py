@@ -483,6 +483,37 @@ def _(x, gate, norm_weight, eps, weight):
     return x.new_empty(*x.shape[:-2], weight.shape[0])
 
 
+def swiglu_gemv_block_k(weight: torch.Tensor) -> int | None:
+    """The K chunk with which ``swiglu_linear``'s one-row CUDA kernel streams a down projection's ``weight [N, I]``:
+    the largest power of two up to ``GATED_NORM_GEMV_BLOCK_K``, at least 16, that divides I (fla's MLPs are multiples
+    of 256); None where it takes no chunk or the weight is not contiguous (the fold's test, on example values)."""
+    if weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    block_k = GATED_NORM_GEMV_BLOCK_K
+    while block_k >= 16 and weight.shape[1] % block_k:
+        block_k //= 2
+    return block_k if block_k >= 16 else None
+
+
+def swiglu_gemv_fits(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``swiglu_linear``'s one-row CUDA kernel takes these: one row of ``[gate, up]``, each as wide as the
+    weight's rows, of the weight's dtype (:func:`swiglu_gemv_block_k`)."""
+    return (gate_up.numel() == gate_up.shape[-1] == 2 * weight.shape[-1] and gate_up.dtype == weight.dtype
+            and swiglu_gemv_block_k(weight) is not None)
+
+
+@torch.library.custom_op("specla::swiglu_linear", mutates_args=())
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An MLP's ``silu(gate) * up`` and down projection, from its packed gate/up output: ``[..., 2I]`` -> ``[..., N]``
+    (``reference.swiglu_linear_reference``)."""
+    return ref.swiglu_linear_reference(gate_up, weight)
+
+
+@swiglu_linear.register_fake
+def _(gate_up, weight):
+    return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
+
+
 # A captured model's RMS norms (fla's, routed by lowering/capture.py), plain and gated: one node each in Dynamo's
 # graph, which a static twin folds into the GEMM after it (lowering/fold_norms.py). Composite: wherever it is not folded,
 # AOTAutograd traces its PyTorch ops, which inductor fuses with what surrounds them as before.

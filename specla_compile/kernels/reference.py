@@ -421,6 +421,15 @@ def gated_norm_linear_reference(x: torch.Tensor, gate: torch.Tensor, norm_weight
     return torch.nn.functional.linear(rms_norm_gated_reference(x, gate, norm_weight, eps).flatten(-2), weight)
 
 
+def swiglu_linear_reference(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up @ weight^T``, where ``[gate, up]`` are the two halves of ``gate_up`` (an MLP's packed gate/up
+    output and its down projection); the product in float32 (float64 for float64 inputs), rounded to ``gate_up``'s
+    dtype as inductor's kernel of it writes it."""
+    work = compute_dtype(gate_up, weight)
+    gate, up = gate_up.to(work).chunk(2, dim=-1)
+    return torch.nn.functional.linear((torch.nn.functional.silu(gate) * up).to(gate_up.dtype), weight)
+
+
 def check_skip(x: torch.Tensor, skip: torch.Tensor) -> None:
     """Raise ``ValueError`` unless ``skip`` has ``x``'s shape and dtype (the add before a folded norm)."""
     if skip.shape != x.shape or skip.dtype != x.dtype:

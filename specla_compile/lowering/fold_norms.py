@@ -21,6 +21,10 @@ with an in-place op between their inputs and the GEMM, stay as they are (composi
 ``specla.linear`` (``specla.gated_linear``), one Triton launch each that, on Hopper, launches with PDL
 (``kernels/pdl.py``): cuBLAS's kernels do not, so every GEMM kept the launch gap before it. Measured on an H200
 at the GDN-1.3B shape, the passes were no faster for it (``docs/speed.md``): the backend's ``triton_linears``.
+
+The one-row twin (plain decoding's step at B=1) folds more into one-row GEMVs (``kernels/triton_gemv.py``):
+:func:`fold_gated_norms` a GDN layer's gated output norm into its o_proj, :func:`fold_swiglu` the MLP's
+``silu(gate) * up`` into its down projection.
 """
 
 from __future__ import annotations
@@ -249,6 +253,39 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
             out = graph.call_function(ops.gated_norm_linear._opoverload, (rows, gate, norm_weight, eps, parts[1]))
         linear.replace_all_uses_with(out)
         for node in (linear, flat, norm):
+            graph.erase_node(node)
+        fill_example_values(graph, fake_mode)
+        folded += 1
+    return recompiled(gm, folded)
+
+
+def fold_swiglu(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
+    """Fold, in place, every MLP's ``silu(gate) * up`` of a ``dtypes`` row (the halves of its packed gate/up GEMM,
+    read by nothing else) with the bias-free ``linear`` (down) of a graph-input weight that alone reads it into
+    ``specla.swiglu_linear(gate_up, W)`` (default ``FOLDED_DTYPES``), where its CUDA kernel takes the sizes
+    (``ops.swiglu_gemv_block_k``). The kernel takes one row: the backend folds the one-token twin of a batch of one
+    alone.
+    Returns the number of MLPs folded."""
+    dtypes = FOLDED_DTYPES if dtypes is None else dtypes
+    graph = gm.graph
+    fake_mode = graph_fake_mode(graph)
+    folded = 0
+    for gate_up in [n for n in graph.nodes if linear_parts(n) is not None]:
+        product = _silu_times_up(gate_up)
+        down = _only_user(product) if product is not None else None
+        parts = linear_parts(down) if down is not None else None
+        if parts is None or parts[0] is not product or _dtype(gate_up) not in dtypes or _dtype(parts[1]) != _dtype(gate_up):
+            continue
+        weight = example_value(parts[1])
+        if weight is None or ops.swiglu_gemv_block_k(weight) is None:
+            continue
+        if parts[1].op not in ("placeholder", "get_attr") or _writes_between(graph, gate_up, down):
+            continue  # (the kernel reads its weight before the kernels before it end; the op reads gate/up late)
+        with graph.inserting_before(down):
+            out = graph.call_function(ops.swiglu_linear._opoverload, (gate_up, parts[1]))
+        down.replace_all_uses_with(out)
+        silu, up = product.args if is_call(product.args[0], SILUS) else product.args[::-1]
+        for node in (down, product, silu, silu.args[0], up):
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)
         folded += 1
