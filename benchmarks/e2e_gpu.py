@@ -280,7 +280,8 @@ def pass_ms(gen, nodes: int, pending: int = 0, repeats: int = 50, chain: bool = 
     return statistics.median(times)
 
 
-RECURRENCE_KERNELS = ("_recurrent_kernel", "_parallel_kernel", "_one_token_gates_kernel")  # specla's, one a layer
+RECURRENCE_KERNELS = ("_recurrent_kernel", "_parallel_kernel", "_one_token_gates_kernel",  # specla's, one a layer
+                      "_one_token_conv_gates_kernel")
 KERNEL_KINDS = (  # kernel name fragment -> kind, first match wins (inductor's names hold op names such as _to_copy)
     ("gemm", "gemm"), ("gemv", "gemm"), ("nvjet", "gemm"), ("cutlass", "gemm"), ("xmma", "gemm"), ("triton_", "inductor"),
     ("nccl", "collective"), ("recurrent", "recurrence"), *((name, "recurrence") for name in RECURRENCE_KERNELS), ("chunk", "recurrence"), ("delta", "recurrence"),

@@ -26,8 +26,10 @@ launch of a one-row GEMV where the heads fit it (:func:`.lowering.fold_norms.fol
 ``kernels/triton_gemv.py``); ``fold_gates`` — True (default): on CUDA, the gate and beta of each fla GDN layer are
 computed inside the recurrence's launch in the static twins of one node a row (plain decoding's step;
 :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's 1-node pass on an H200 from 1.503-1.513 to 1.420 ms
-(``e2e_gpu.md``, ``fold_ab``); ``fold_swiglu`` — False (default; built, not yet timed on a GPU): True runs, on CUDA,
-the one-token twin's (B=1) bf16 MLP ``silu(gate) * up`` inside its down projection, one launch of the same one-row
+(``e2e_gpu.md``, ``fold_ab``); ``fold_convs`` — False (default; built, not yet timed on a GPU): True also runs
+the q/k/v short convs inside that launch (:func:`.lowering.fold_gates.fold_convs`); ``fold_swiglu`` — False
+(default; built, not yet timed on a GPU): True runs, on CUDA, the one-token twin's (B=1) bf16 MLP
+``silu(gate) * up`` inside its down projection, one launch of the same one-row
 GEMV (:func:`.lowering.fold_norms.fold_swiglu`); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``regional`` — True (default):
@@ -54,7 +56,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .kernels import dispatch, ops
 from .lowering.capture import install
-from .lowering.fold_gates import fold_gates
+from .lowering.fold_gates import fold_convs, fold_gates
 from .lowering.fold_norms import fold_gated_norms, fold_norms, fold_swiglu, route_linears
 from .lowering.fuse_projections import fuse_projections, gathers_as_slices
 from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sdpa
@@ -65,8 +67,9 @@ from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-OPTIONS = {"inner", "verify_kernel", "plain", "fuse_projections", "combo_kernels", "fold_norms", "fold_gated_norms", "fold_gates",
-           "fold_swiglu", "triton_linears", "regional"}
+SWITCHES = {"fuse_projections": True, "combo_kernels": True, "fold_norms": False, "fold_gated_norms": True, "fold_gates": True,
+            "fold_convs": False, "fold_swiglu": False, "triton_linears": False, "regional": True}  # (their defaults)
+OPTIONS = {"inner", "verify_kernel", "plain", *SWITCHES}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
 
@@ -150,11 +153,9 @@ class SpeculativeGraph:
     attention length every pass) keep one dynamic twin."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
-                 plain: str = "compiled", fold: bool = False, route: bool = False, regional: bool = True,
-                 fold_gated: bool = True, fold_gates: bool = True, fold_swiglu: bool = False):
+                 plain: str = "compiled", switches: dict[str, bool] | None = None):
         self.verify_kernel = verify_kernel
-        self.fold, self.route, self.regional, self.fold_gated = fold, route, regional, fold_gated
-        self.fold_gates, self.fold_swiglu = fold_gates, fold_swiglu
+        self.switches = {**SWITCHES, **(switches or {})}
         started = time.perf_counter()
         self.plain = compile_inner(gm, example_inputs) if plain == "compiled" else gm.forward
         self.compile_seconds = {"plain": time.perf_counter() - started}
@@ -199,19 +200,22 @@ class SpeculativeGraph:
             program = self.program.graph_module  # (a copy per size: inductor's passes edit the graph they get)
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
             gathers_as_slices(gm)
-            if rows == 1 and self.fold_gated and _on_cuda(inputs):  # (its kernel takes one row: the plain step)
+            on = {name for name, value in self.switches.items() if value and _on_cuda(inputs)}  # (the folds: CUDA only)
+            if rows == 1 and "fold_gated_norms" in on:  # (its kernel takes one row: the plain step)
                 log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm))
-            if rows == 1 and self.fold_swiglu and _on_cuda(inputs):  # (the same one-row kernel)
+            if rows == 1 and "fold_swiglu" in on:  # (the same one-row kernel)
                 log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", fold_swiglu(gm))
             nodes = inputs[self.program.num_model_inputs].shape[1]  # (the first input the rewrite added: parents [B, N])
-            if self.fold_gates and nodes == 1 and _on_cuda(inputs):  # (its kernel runs one node a row: plain decoding)
+            if "fold_gates" in on and nodes == 1:  # (its kernel runs one node a row: plain decoding)
                 log.info("specla: %d GDN layers' gates folded into their recurrence", fold_gates(gm, nodes))
-            if rows <= ops.LINEAR_MAX_ROWS and _on_cuda(inputs):
-                if self.fold:
+                if "fold_convs" in on:
+                    log.info("specla: %d GDN layers' q/k/v convs folded into their recurrence", fold_convs(gm))
+            if rows <= ops.LINEAR_MAX_ROWS:
+                if "fold_norms" in on:
                     log.info("specla: %d norms folded into the GEMMs after them", fold_norms(gm))
-                if self.route:
+                if "triton_linears" in on:
                     log.info("specla: %d GEMMs routed to specla's linear kernels", route_linears(gm))
-            if self.regional:
+            if self.switches["regional"]:
                 twin = self.twins[key] = compile_by_layer(gm, self._compile_static, f"verification twin for sizes {key}")
                 return twin  # (its regions compile at its first call, and log their time then)
             twin = self.twins[key] = self._compile_static(gm, inputs)
@@ -274,15 +278,11 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     unknown = set(options) - OPTIONS
     if unknown:
         raise ValueError(f"unknown specla options {sorted(unknown)}; known: {sorted(OPTIONS)}")
-    combo_kernels = options.get("combo_kernels", True)
-    fold, route = options.get("fold_norms", False), options.get("triton_linears", False)
-    regional, fold_gated = options.get("regional", True), options.get("fold_gated_norms", True)
-    gates, swiglu = options.get("fold_gates", True), options.get("fold_swiglu", False)
-    for name, value in (("combo_kernels", combo_kernels), ("fold_norms", fold), ("triton_linears", route), ("regional", regional),
-                        ("fold_gated_norms", fold_gated), ("fold_gates", gates), ("fold_swiglu", swiglu)):
+    switches = {name: options.get(name, default) for name, default in SWITCHES.items()}
+    for name, value in switches.items():
         if not isinstance(value, bool):
             raise ValueError(f"specla option {name!r} must be True or False, got {value!r}")
-    compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, combo_kernels)
+    compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, switches["combo_kernels"])
     verify_kernel = options.get("verify_kernel", "auto")
     if verify_kernel != "auto" and verify_kernel not in dispatch.ROUTES:
         raise ValueError(f"specla option 'verify_kernel' must be 'auto' or one of {dispatch.ROUTES}, got {verify_kernel!r}")
@@ -292,7 +292,7 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     if not find_gdn_layers(gm.graph):
         log.info("specla: graph with no GDN layer, compiled normally with %s", options.get("inner", "inductor"))
         return compile_inner(gm, example_inputs)
-    if options.get("fuse_projections", True):
+    if switches["fuse_projections"]:
         groups = fuse_projections(gm, example_inputs)
         log.info("specla: %d groups of projections reading one input became one GEMM each", groups)
         if groups and _tunes_gemms_on_cuda(options.get("inner", "inductor"), mode, example_inputs):
@@ -300,7 +300,7 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
             # over its first part's graph input, at that part's size, and fails minutes into the compile)
             raise ValueError(f"specla: mode={mode!r} cannot autotune the fused projection GEMMs on CUDA; pass "
                              "options={'fuse_projections': False} to tune the unfused ones, or another mode")
-    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, fold, route, regional, fold_gated, gates, swiglu)
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, switches)
 
 
 def _cuda_device(example_inputs: Sequence) -> torch.device | None:

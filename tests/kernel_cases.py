@@ -139,3 +139,40 @@ def gates_commit_verify_oracle(x: dict[str, torch.Tensor], gates: tuple[torch.Te
     g, beta = ref.gdn_gates_reference(*(t.double() for t in gates))
     o, k_hat, state = reference_verify({**x, "g": g, "beta": beta}, parents, scale, use_qk_l2norm, pending)
     return o, k_hat, state, g, beta
+
+
+def random_conv_gates_pass(rows: int, heads: int, value_heads: int, dim: int, nums: tuple[int, ...], *, seed: int,
+                           dtype: torch.dtype, device: str | torch.device = "cpu", width: int = 4,
+                           capacity: int = 3) -> dict:
+    """A one-node pass of a GDN layer from its projection, as ``specla::gdn_conv_gates_commit_verify_`` takes it: q/k/v
+    inputs ``xs`` as strided slices of one ``dtype`` output, their conv states, weights and pending inputs (``nums``
+    of them a row), the recurrent state (float32) with pending records, the gate projections and the root's parents."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = (heads * dim, heads * dim, value_heads * dim)
+    proj = torch.randn(rows, 1, sum(widths) + 3, generator=gen)
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).to(dtype).to(device)
+    records = (torch.nn.functional.normalize(torch.randn(rows, capacity, heads, dim, generator=gen), dim=-1),
+               torch.randn(rows, capacity, value_heads, dim, generator=gen),
+               -torch.rand(rows, capacity, value_heads, generator=gen), torch.rand(rows, capacity, value_heads, generator=gen))
+    proj = proj.to(dtype).to(device)
+    return {
+        "xs": [proj[..., 1 : 1 + widths[0]], proj[..., 1 + widths[0] : 1 + 2 * widths[0]], proj[..., 3 + 2 * widths[0] :]],
+        "conv_states": [make(rows, d, width) for d in widths],
+        "weights": [make(d, width, scale=0.5) for d in widths],
+        "conv_pending": [make(rows, capacity, d) for d in widths],
+        "num": torch.tensor(nums, device=device),
+        "records": tuple(r.to(device) for r in records),
+        "gates": random_gate_projections(rows, 1, value_heads, seed=seed + 1, dtype=dtype, device=device),
+        "state": (0.3 * torch.randn(rows, value_heads, dim, dim, generator=gen)).to(device),
+        "parents": torch.full((rows, 1), -1, device=device),
+    }
+
+
+def conv_gates_oracle(case: dict, scale: float, use_qk_l2norm: bool) -> tuple[tuple, list, torch.Tensor]:
+    """fp64 composition of ``gdn_conv_gates_commit_verify_`` (its reference): (outputs, conv states, state) after it."""
+    d = lambda ts: [t.double() for t in ts]
+    state, conv_states = case["state"].double(), d(case["conv_states"])
+    outputs = torch.ops.specla.gdn_conv_gates_commit_verify_(
+        conv_states, d(case["conv_pending"]), d(case["xs"]), d(case["weights"]), True, state, *d(case["records"]),
+        case["num"], *d(case["gates"]), case["parents"], scale, use_qk_l2norm)
+    return outputs, conv_states, state

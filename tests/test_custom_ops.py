@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers import random_gdn_inputs
+from kernel_cases import random_conv_gates_pass
 
 from specla_compile.kernels import (
     FactorRecords,
@@ -242,3 +243,24 @@ def test_swiglu_linear():
     gate, up = rows.float().chunk(2, -1)
     product = (torch.nn.functional.silu(gate) * up).bfloat16()
     assert torch.equal(ops.swiglu_linear(rows, weight), torch.nn.functional.linear(product, weight))
+
+
+def test_conv_gates_commit_verify():
+    """A one-node layer from its projection as one op: opcheck, and its outputs, conv records and committed conv and
+    recurrent states those of the three-conv op, the heads and the gates op run one after another (fp64)."""
+    case = random_conv_gates_pass(2, 2, 4, 8, (1, 3), seed=7, dtype=torch.float64)
+    args = lambda states, state: (states, case["conv_pending"], case["xs"], case["weights"], True, state, *case["records"],
+                                  case["num"], *case["gates"], case["parents"], 0.3, True)
+    torch.library.opcheck(ops.gdn_conv_gates_commit_verify_, args([s.clone() for s in case["conv_states"]], case["state"].clone()))
+    states, state = [s.clone() for s in case["conv_states"]], case["state"].clone()
+    got = ops.gdn_conv_gates_commit_verify_(*args(states, state))
+    steps_states, steps_state = [s.clone() for s in case["conv_states"]], case["state"].clone()
+    ys_rows = ops.commit_three_tree_convs_(*steps_states, *case["conv_pending"], case["num"], *case["xs"], *case["weights"],
+                                           case["parents"], True)
+    q, k, v = (y.unflatten(-1, (-1, 8)) for y in ys_rows[:3])
+    steps = ops.gdn_gates_commit_verify_(steps_state, *case["records"], case["num"], q, k, v, *case["gates"], case["parents"],
+                                         0.3, True)
+    for a, b in zip(got, (*steps, v, *ys_rows[3:]), strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip((*states, state), (*steps_states, steps_state)))
+    assert not torch.equal(states[0], case["conv_states"][0])

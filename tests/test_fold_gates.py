@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import random_conv_gates_pass
 from test_fold_norms import _calls, _decode_on_cpu_as_on_cuda, _dynamo_graph
 
 from specla_compile import SpecConfig
-from specla_compile.lowering.fold_gates import FOLDED, VERIFY, fold_gates
+from specla_compile.lowering.fold_gates import CONVS, CONVS_FOLDED, FOLDED, VERIFY, fold_convs, fold_gates
 
 SPECLA = torch.ops.specla
 B, HEADS, VALUE_HEADS, DIM = 2, 1, 2, 8
@@ -128,9 +129,55 @@ def test_a_pass_of_several_nodes_keeps_its_gates():
     assert fold_gates(gm) == 0 and _calls(gm, *VERIFY) == 1
 
 
+def _convs_then_recurrence(*inputs, v_read_early: bool = False, y_kept: bool = False):
+    """A one-node layer as the rewrite leaves it: q/k/v convs, their outputs as heads, fla's gates, the recurrence;
+    returns what the pass keeps (v's heads and the convs' inputs as records)."""
+    states, pendings, num, xs, weights = inputs[0:3], inputs[3:6], inputs[6], inputs[7:10], inputs[10:13]
+    state, records, (a, b, a_log, dt_bias, parents) = inputs[13], inputs[14:18], inputs[18:]
+    y0, y1, y2, r0, r1, r2 = SPECLA.commit_three_tree_convs_(*states, *pendings, num, *xs, *weights, parents, True)
+    q, k, v = y0.reshape(B, 1, -1, DIM), y1.reshape(B, 1, -1, DIM), y2.reshape(B, 1, VALUE_HEADS, DIM)
+    early = v * 2 if v_read_early else None
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    o, k_hat = SPECLA.gdn_commit_verify_(state, *records, num, q, k, v, g, b.float().sigmoid(), parents, 0.3, True)
+    kept = (early,) if v_read_early else (y0,) if y_kept else ()
+    return (o, k_hat, v.contiguous(), r0, r1, r2, *kept)
+
+
+def _conv_pass_inputs(seed: int) -> list[torch.Tensor]:
+    case = random_conv_gates_pass(B, HEADS, VALUE_HEADS, DIM, (1, 2), seed=seed, dtype=torch.float32)
+    return [*case["conv_states"], *case["conv_pending"], case["num"], *case["xs"], *case["weights"], case["state"],
+            *case["records"], *case["gates"], case["parents"]]
+
+
+@pytest.mark.parametrize("variant, folds", [({}, 1), ({"v_read_early": True}, 0), ({"y_kept": True}, 0)])
+def test_the_convs_fold_into_the_folded_recurrence(variant, folds):
+    """After ``fold_gates``, ``fold_convs`` puts a one-node layer's q/k/v convs into its recurrence op, with the same
+    outputs, records and committed conv and recurrent states (fp32, CPU references); not where a conv's output is read
+    by anything else, nor where v's heads are read before the recurrence."""
+    fn = lambda *inputs: _convs_then_recurrence(*inputs, **variant)
+    inputs = _conv_pass_inputs(seed=5)
+    gm, example_inputs = _dynamo_graph(fn, *inputs)
+    fresh = [t.clone() for t in example_inputs]
+    expected = [*gm(*fresh), *fresh]
+    assert fold_gates(gm) == 1 and fold_convs(gm) == folds
+    assert _calls(gm, CONVS_FOLDED) == folds and _calls(gm, *CONVS) == 1 - folds
+    fresh = [t.clone() for t in example_inputs]
+    got = [*gm(*fresh), *fresh]
+    for g, e in zip(got, expected, strict=True):
+        assert (g - e).abs().max() <= 1e-6 * e.abs().max()
+
+
 def test_plain_decoding_through_folded_gates_equals_eager_decoding(monkeypatch, caplog):
     """With ``fold_gates`` (made to fold here: CPU, fp32), the one-node twin of plain decoding computes every layer's
     gates in its recurrence op while the drafted passes' twins keep theirs; drafted and plain decoding both equal
     eager decoding."""
     log = _decode_on_cpu_as_on_cuda("fold_gates", SpecConfig(mode="chain", depth=5, bucket=8), 4, monkeypatch, caplog)
     assert log.count("4 GDN layers' gates folded") == 1  # the 1-node twin's, not the draft bucket's
+
+
+def test_plain_decoding_through_folded_convs_equals_eager_decoding(monkeypatch, caplog):
+    """With ``fold_convs`` (made to fold here: CPU, where the op runs its reference composition), the one-node twin of
+    plain decoding runs each layer's q/k/v convs, gates and recurrence as one op while the drafted passes keep their
+    convs; drafted and plain decoding both equal eager decoding."""
+    log = _decode_on_cpu_as_on_cuda("fold_convs", SpecConfig(mode="chain", depth=5, bucket=8), 10, monkeypatch, caplog)
+    assert log.count("4 GDN layers' q/k/v convs folded") == 1  # the 1-token twin's, not the draft bucket's

@@ -13,8 +13,10 @@ import torch
 from kernel_cases import (
     NAMES,
     accepted_records,
+    conv_gates_oracle,
     gates_commit_verify_oracle,
     poisoned_allocations,
+    random_conv_gates_pass,
     random_gate_projections,
     random_inputs,
     random_parents,
@@ -83,6 +85,41 @@ def test_gates_commit_verify(case, v_major, monkeypatch):
     assert ((g - ref_g) / ref_g).abs().max() <= 1e-5 and ((beta - ref_beta) / ref_beta).abs().max() <= 1e-6
     assert rel_err(o, ref_o) <= O_TOL and rel_err(k_hat, ref_k) <= EXACT_TOL and rel_err(state, ref_state) <= EXACT_TOL
     assert len(launches) == (case == "single")
+
+
+@pytest.mark.parametrize("nums, v_major", [((1,), False), ((1,), True), ((1, 0, 2, 3), False)])
+def test_conv_gates_commit_verify(nums, v_major, monkeypatch):
+    """The one-node pass from its projection (``fold_convs``) with heads of 256 (8 value heads on 4 key heads, a bf16
+    projection, a float32 state, also fla's V-major one; 1 and 4 rows): one launch against the fp64 composition
+    (whose convs do not round to bf16); then 100 launches in a row from the same conv states, every commit exact.
+    Each key head's q/k conv windows are read by 32 programs (16 V tiles of 2 value heads) and committed by the last
+    of them: a commit before every program had read them would show here."""
+    case = random_conv_gates_pass(len(nums), HEADS, VALUE_HEADS, DIM, nums, seed=10, dtype=torch.bfloat16, device="cuda")
+    expected, expected_conv, expected_state = conv_gates_oracle(case, SCALE, True)
+    before = [s.clone() for s in (*case["conv_states"], case["state"])]
+    launches = []
+    kernel = triton_verify.commit_verify_one_token_conv_gates
+    monkeypatch.setattr(triton_verify, "commit_verify_one_token_conv_gates", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+
+    def run():
+        for tensor, saved in zip((*case["conv_states"], case["state"]), before):
+            tensor.copy_(saved)
+        state = case["state"].transpose(-1, -2).contiguous().transpose(-1, -2) if v_major else case["state"]
+        out = ops.gdn_conv_gates_commit_verify_(case["conv_states"], case["conv_pending"], case["xs"], case["weights"], True,
+                                                state, *case["records"], case["num"], *case["gates"], case["parents"], SCALE,
+                                                True)
+        return out, state
+
+    with poisoned_allocations():
+        got, state = run()
+    for name, a, b in zip(("o", "k_hat", "g", "beta", "v"), got, expected):
+        assert a.shape == b.shape and rel_err(a, b) <= (1e-5 if name in ("g", "beta") else O_TOL), name
+    assert all(torch.equal(copy, x) for copy, x in zip(got[5:], case["xs"]))
+    assert rel_err(state, expected_state) <= EXACT_TOL
+    for _ in range(100):
+        run()
+        assert all(torch.equal(s.double(), e) for s, e in zip(case["conv_states"], expected_conv))
+    assert len(launches) == 101
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -16,8 +16,10 @@ import torch
 from kernel_cases import (
     NAMES,
     accepted_records,
+    conv_gates_oracle,
     gates_commit_verify_oracle,
     poisoned_allocations,
+    random_conv_gates_pass,
     random_gate_projections,
     random_inputs,
     random_parents,
@@ -136,6 +138,35 @@ def test_one_token_pass_computes_its_gates(layout, source, l2, with_pending):
     # (each gate to 1e-5 of itself: e^-40 inherits the float32 rounding of a + dt_bias, 40 * 6e-8)
     assert ((g - ref_g) / ref_g).abs().max() <= 1e-5 and ((beta - ref_beta) / ref_beta).abs().max() <= 1e-6
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(k_hat, ref_k) <= 1e-6 and rel_err(state, ref_state) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("layout, nums", [("kv", (1, 3)), ("vk", (0, 2))])
+@pytest.mark.parametrize("l2", [True, False])
+def test_one_token_pass_convolves_its_projection(layout, nums, l2):
+    """Plain decoding's one-node pass from the projection itself (``fold_convs``): the q/k/v short convs of strided
+    slices of one output, from conv states into which each row's pending inputs commit first (none, some, the whole
+    window), then the gates and the recurrence, all in one launch of two V tiles a head, against the op's fp64
+    composition of the three-conv op and the gates op: outputs, records, committed conv and recurrent states; the
+    counters of each head's readers back at zero."""
+    case = random_conv_gates_pass(2, 2, 4, 16, nums, seed=21 + nums[0], dtype=torch.float32)
+    expected, expected_conv, expected_state = conv_gates_oracle(case, SCALE, l2)
+    xs, conv_states = case["xs"], case["conv_states"]
+    before = [s.clone() for s in conv_states]
+    state = in_layout(case["state"], layout)
+    with poisoned_allocations():
+        got = tv.commit_verify_one_token_conv_gates(xs, conv_states, case["weights"], case["conv_pending"], case["num"],
+                                                    True, *case["gates"], state, SCALE, l2,
+                                                    pending=tv.Pending(*case["records"], case["num"]),
+                                                    config=KernelConfig(block_v=8, num_warps=2))
+    assert len(got) == len(expected) == 8
+    for name, a, b in zip(("o", "k_hat", "g", "beta", "v"), got, expected):
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-5, name
+    assert all(torch.equal(copy, x) for copy, x in zip(got[5:], xs))  # (the conv records: the inputs)
+    assert all(torch.equal(s.double(), e) for s, e in zip(conv_states, expected_conv))  # (committed: values moved)
+    assert not torch.equal(conv_states[0][1], before[0][1])  # (row 1 commits two inputs)
+    assert rel_err(state, expected_state) <= 1e-6
+    assert not tv._readers(conv_states[0], 2 * 2).any()
 
 
 @interpreted

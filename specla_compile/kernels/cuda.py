@@ -110,6 +110,27 @@ def _commit_three_tree_convs_(state0, state1, state2, pending0, pending1, pendin
     return triton_conv.three_tree_convs(xs, states, weights, pendings, num_pending, parents, silu)
 
 
+@ops.gdn_conv_gates_commit_verify_.register_kernel("cuda")
+def _gdn_conv_gates_commit_verify_(conv_states, conv_pending, xs, conv_weights, silu, state, pending_k, pending_v,
+                                   pending_g, pending_beta, num_pending, a, b, a_log, dt_bias, parents, scale, use_qk_l2norm):
+    """One launch where the one-node gates kernel runs (:func:`_gdn_gates_commit_verify_`) and the three convs share
+    one (``triton_conv.fits_three_tree_convs``); else the convs' launch, then the gates and recurrence op."""
+    records = (pending_k, pending_v, pending_g, pending_beta, num_pending)
+    conv_tensors = (*conv_states, *xs, *conv_weights)
+    if (parents.shape[1] != 1 or state.dtype != torch.float32 or dispatch.choose_route(1) != "serial"
+            or torch.float64 in {t.dtype for t in (*conv_tensors, a, b, a_log, dt_bias)}
+            or not triton_conv.fits_three_tree_convs(xs, conv_states, conv_weights, conv_pending)):
+        ys_rows = _commit_three_tree_convs_(*conv_states, *conv_pending, num_pending, *xs, *conv_weights, parents, silu)
+        q, k, v = ops.conv_heads(ys_rows[:3], state)
+        return (*_gdn_gates_commit_verify_(state, *records, q, k, v, a, b, a_log, dt_bias, parents, scale, use_qk_l2norm),
+                v, *ys_rows[3:])
+    config = dispatch.kernel_config("serial", 1, pending=True, batch=parents.shape[0])
+    weights, pending_xs = ([t.contiguous() for t in ts] for ts in (conv_weights, conv_pending))
+    return _in_place(state, lambda s: triton_verify.commit_verify_one_token_conv_gates(
+        xs, conv_states, weights, pending_xs, num_pending, silu, a, b, a_log, dt_bias, s, scale, use_qk_l2norm,
+        pending=triton_verify.Pending(*records), config=config), _kernel_layout)
+
+
 @ops.conv_state_commit_.register_kernel("cuda")
 def _conv_state_commit_(conv_state, x, num_accepted):
     _in_place(conv_state, lambda s: triton_conv.conv_state_commit_(s, x, num_accepted), torch.Tensor.is_contiguous)

@@ -8,6 +8,8 @@ supplies ``v, g, beta`` itself. Commits mutate the durable state in place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from . import reference as ref
@@ -190,14 +192,18 @@ def gdn_gates_commit_verify_(
     return o, k_hat, g, beta
 
 
-@gdn_gates_commit_verify_.register_fake
-def _(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v, a, b, a_log, dt_bias, parents, scale,
-      use_qk_l2norm):
+def _gates_verify_fake(state, q, k, v, a, b, a_log, dt_bias, parents) -> tuple[torch.Tensor, ...]:
     ref.check_gdn_shapes(q, k, v, a, b, parents, state)
     if a_log.shape != (a.shape[-1],) or dt_bias.shape != a_log.shape:
         raise ValueError(f"A_log and dt_bias must be [HV] = [{a.shape[-1]}], got {tuple(a_log.shape)} and {tuple(dt_bias.shape)}")
     gates = a.new_empty(a.shape, dtype=ref.compute_dtype(a, b, a_log, dt_bias))
     return v.new_empty(v.shape), k.new_empty(k.shape, dtype=state.dtype), gates, gates.new_empty(gates.shape)
+
+
+@gdn_gates_commit_verify_.register_fake
+def _(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v, a, b, a_log, dt_bias, parents, scale,
+      use_qk_l2norm):
+    return _gates_verify_fake(state, q, k, v, a, b, a_log, dt_bias, parents)
 
 
 # --- short convolution ----------------------------------------------------------------------------
@@ -263,6 +269,56 @@ def _(state0, state1, state2, pending0, pending1, pending2, num_pending, x0, x1,
     for x, state, weight in zip((x0, x1, x2), (state0, state1, state2), (weight0, weight1, weight2)):
         ref.check_conv_shapes(x, state, weight, parents)
     return tuple(x.new_empty(x.shape) for x in (x0, x1, x2, x0, x1, x2))
+
+
+def conv_heads(ys: Sequence[torch.Tensor], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q/k/v conv outputs ``[B, N, D]`` as the heads the state ``[B, HV, K, V]`` reads: ``[B, N, D / K, K]`` for q
+    and k, ``[B, N, HV, V]`` for v."""
+    q, k, v = ys
+    _, hv, dk, dv = state.shape
+    return q.unflatten(-1, (-1, dk)), k.unflatten(-1, (-1, dk)), v.unflatten(-1, (hv, dv))
+
+
+@torch.library.custom_op("specla::gdn_conv_gates_commit_verify_", mutates_args=("conv_states", "state"),
+                         tags=_ANY_INPUT_STRIDES)
+def gdn_conv_gates_commit_verify_(
+    conv_states: list[torch.Tensor],
+    conv_pending: list[torch.Tensor],
+    xs: list[torch.Tensor],
+    conv_weights: list[torch.Tensor],
+    silu: bool,
+    state: torch.Tensor,
+    pending_k: torch.Tensor,
+    pending_v: torch.Tensor,
+    pending_g: torch.Tensor,
+    pending_beta: torch.Tensor,
+    num_pending: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    parents: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """:func:`commit_three_tree_convs_` of fla's q/k/v projections ``xs`` (their conv states, pending inputs and bias-free
+    weights), the outputs as heads (:func:`conv_heads`), then :func:`gdn_gates_commit_verify_` (on GPUs one launch for
+    a one-node pass). Returns ``(o, k_hat, g, beta)``, v's heads and the three copies of ``xs``: the pass's records."""
+    ys_rows = commit_three_tree_convs_(*conv_states, *conv_pending, num_pending, *xs, *conv_weights, parents, silu)
+    q, k, v = conv_heads(ys_rows[:3], state)
+    return (*gdn_gates_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, num_pending, q, k, v, a, b,
+                                      a_log, dt_bias, parents, scale, use_qk_l2norm), v, *ys_rows[3:])
+
+
+@gdn_conv_gates_commit_verify_.register_fake
+def _(conv_states, conv_pending, xs, conv_weights, silu, state, pending_k, pending_v, pending_g, pending_beta, num_pending,
+      a, b, a_log, dt_bias, parents, scale, use_qk_l2norm):
+    for x, conv_state, weight in zip(xs, conv_states, conv_weights):
+        ref.check_conv_shapes(x, conv_state, weight, parents)
+    q, k, v = conv_heads(xs, state)
+    return (*_gates_verify_fake(state, q, k, v, a, b, a_log, dt_bias, parents), v.new_empty(v.shape),
+            *(x.new_empty(x.shape) for x in xs))
 
 
 @torch.library.custom_op("specla::conv_state_commit_", mutates_args=("conv_state",))

@@ -15,7 +15,7 @@ from .pdl import launch_args, wait_upstream
 
 
 @triton.jit
-def _shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr):
+def shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr):
     """Row b's channels ``rd``: new column c is column num + c of (old state ++ accepted inputs), in place."""
     rs = tl.arange(0, BS)
     m2 = md[:, None] & (rs < S)[None, :]
@@ -26,6 +26,25 @@ def _shift_in(conv_state, x, num_accepted, b, rd, md, A, D, S, BS: tl.constexpr)
     shifted = tl.where(in_state, old, new.to(old.dtype))
     tl.debug_barrier()  # in place: every read of this block lands before any write
     tl.store(conv_state + (b * D + rd[:, None]) * S + rs[None, :], shifted, mask=m2)
+
+
+@triton.jit
+def one_node_conv(x, sxd, conv_state, pending_x, weight, b, rd, md, num, D, S, A, W: tl.constexpr, SILU: tl.constexpr):
+    """Row b's channels ``rd`` of one node's conv (a one-node pass: the node is its row's root), from the conv state
+    as committing the row's first ``num`` pending inputs leaves it, read where they lie: the state is not written
+    here (other programs may still read it). ``x`` points at the row's input, channels ``sxd`` apart. Returns the
+    output as :func:`_tree_conv_block` rounds it (in float32) and the input."""
+    own = tl.load(x + rd * sxd, mask=md, other=0.0)
+    acc = own.to(tl.float32) * tl.load(weight + rd * W + (W - 1), mask=md, other=0.0).to(tl.float32)
+    for i in tl.static_range(1, W):
+        src = tl.zeros_like(rd) + (num + S - i)  # the committed state's column S - i, in (old state ++ pending inputs)
+        old = tl.load(conv_state + (b * D + rd) * S + src, mask=md & (src < S), other=0.0)
+        new = tl.load(pending_x + (b * A + src - S) * D + rd, mask=md & (src >= S), other=0.0)
+        tap = tl.where(src < S, old.to(tl.float32), new.to(tl.float32))
+        acc += tap * tl.load(weight + rd * W + (W - 1 - i), mask=md, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc.to(own.dtype).to(tl.float32), own
 
 
 @triton.jit
@@ -44,7 +63,7 @@ def _tree_conv_block(
     mn = rn < N
     md = rd < D
     if COMMIT:
-        _shift_in(conv_state, pending_x, num_pending, b, rd, md, A, D, S, BS)
+        shift_in(conv_state, pending_x, num_pending, b, rd, md, A, D, S, BS)
         tl.debug_barrier()  # the taps below read columns other threads of this program just wrote
     m2 = mn[:, None] & md[None, :]
     own = tl.load(x + b * sxb + rn[:, None] * sxn + rd[None, :] * sxd, mask=m2, other=0.0)
@@ -110,7 +129,7 @@ def _conv_commit_kernel(conv_state, x, num_accepted, A, D, S, BS: tl.constexpr, 
     """Grid: (B, channel blocks)."""
     wait_upstream(USE_PDL)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    _shift_in(conv_state, x, num_accepted, tl.program_id(0), rd, rd < D, A, D, S, BS)
+    shift_in(conv_state, x, num_accepted, tl.program_id(0), rd, rd < D, A, D, S, BS)
 
 
 def tree_conv(

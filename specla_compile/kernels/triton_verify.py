@@ -31,6 +31,7 @@ from ..tree import PAD
 from .dispatch import ROUTES, KernelConfig
 from .pdl import launch_args, wait_upstream
 from .reference import L2NORM_EPS
+from .triton_conv import one_node_conv, shift_in
 
 _EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
 _PAD: tl.constexpr = tl.constexpr(PAD)
@@ -343,6 +344,26 @@ def _parallel_kernel(
 
 
 @triton.jit
+def _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD):
+    """fla's gates of row ``row``'s value head ``hv`` from their projections: ``-exp(A_log) * softplus(a + dt_bias)``
+    and ``sigmoid(b)``."""
+    a_j = tl.load(a + row * SA_ROW + hv * SA_HEAD).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32)
+    g = -tl.exp(tl.load(a_log + hv).to(tl.float32)) * _softplus(a_j)
+    return g, tl.sigmoid(tl.load(b_proj + row * SB_ROW + hv * SB_HEAD).to(tl.float32))
+
+
+@triton.jit
+def _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H: tl.constexpr,
+                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, rk, mk, rv, mv, HAS_PENDING: tl.constexpr):
+    """The program's state tile with the row's pending records applied, written back (the delayed commit)."""
+    s = tl.load(state + tile_off, mask=tile_mask, other=0.0)
+    if HAS_PENDING:
+        s = _apply_records(s, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V, rk, mk, rv, mv)
+        tl.store(state + tile_off, s, mask=tile_mask)
+    return s
+
+
+@triton.jit
 def _one_token_gates_kernel(
     q, k, v, a, b_proj, a_log, dt_bias, state, o, k_hat, g_out, beta_out,
     pk, pv, pg, pb, num_pending,
@@ -358,13 +379,9 @@ def _one_token_gates_kernel(
     i_bh = tl.program_id(1)
     row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
     qj, kj, vj = _load_qkv(q, k, v, row, 0, h, hv, 1, H, HV, K, V, rk, mk, rv, mv)
-    a_j = tl.load(a + row * SA_ROW + hv * SA_HEAD).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32)
-    g = -tl.exp(tl.load(a_log + hv).to(tl.float32)) * _softplus(a_j)
-    beta = tl.sigmoid(tl.load(b_proj + row * SB_ROW + hv * SB_HEAD).to(tl.float32))
-    s = tl.load(state + tile_off, mask=tile_mask, other=0.0)
-    if HAS_PENDING:
-        s = _apply_records(s, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V, rk, mk, rv, mv)
-        tl.store(state + tile_off, s, mask=tile_mask)
+    g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
+    s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                        rk, mk, rv, mv, HAS_PENDING)
     if i_v == 0:  # the node's records: its gates, and its normalized key once per key head
         tl.store(g_out + i_bh, g)
         tl.store(beta_out + i_bh, beta)
@@ -372,6 +389,60 @@ def _one_token_gates_kernel(
             _store_k_hat(k, k_hat, row, h, 1, H, K, BKF, USE_L2, 0, 1)
     s, oj = _step_out(s, qj, kj, vj, g, beta, scale, USE_L2)
     tl.store(o + (row * HV + hv) * V + rv, oj.to(o.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _one_token_conv_gates_kernel(
+    xq, xk, xv, SXB_Q, SXD_Q, SXB_K, SXD_K, SXB_V, SXD_V, conv_q, conv_k, conv_v, px_q, px_k, px_v, w_q, w_k, w_v,
+    rows_q, rows_k, rows_v, v_out, readers, conv_num, S, AX,
+    a, b_proj, a_log, dt_bias, state, o, k_hat, g_out, beta_out,
+    pk, pv, pg, pb, num_pending,
+    scale, A, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    W: tl.constexpr, BS: tl.constexpr, SILU: tl.constexpr, USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr,
+    SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """:func:`_one_token_gates_kernel` from the projection itself: the node's q/k/v short convs (``x*`` at any
+    strides) run here too, from their conv states as committing each row's first ``conv_num`` pending inputs
+    (``px_*``) leaves them; the inputs are copied out as the pass's conv records (``rows_*``) and v's conv output as
+    its v record (``v_out``). Every V-tile
+    program of a key head reads the head's q/k conv windows, so the last of them to finish reading commits those
+    (its arrival counted in ``readers [B * H]``, which it leaves at zero); a program commits its own v channels.
+    Grid: (V tiles, B * HV)."""
+    wait_upstream(USE_PDL)
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
+    num_x = tl.minimum(tl.load(conv_num + row).to(tl.int32), AX)
+    qc, vc = h * K + rk, hv * V + rv  # the channels of key head h and of this V tile
+    qj, xq_j = one_node_conv(xq + row * SXB_Q, SXD_Q, conv_q, px_q, w_q, row, qc, mk, num_x, H * K, S, AX, W, SILU)
+    kj, xk_j = one_node_conv(xk + row * SXB_K, SXD_K, conv_k, px_k, w_k, row, qc, mk, num_x, H * K, S, AX, W, SILU)
+    vj, xv_j = one_node_conv(xv + row * SXB_V, SXD_V, conv_v, px_v, w_v, row, vc, mv, num_x, HV * V, S, AX, W, SILU)
+    tl.store(rows_v + row * HV * V + vc, xv_j, mask=mv)
+    tl.store(v_out + row * HV * V + vc, vj.to(v_out.dtype.element_ty), mask=mv)
+    g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
+    s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                        rk, mk, rv, mv, HAS_PENDING)
+    if i_v == 0:  # the node's records: its gates, and once per key head its q/k inputs and normalized key
+        tl.store(g_out + i_bh, g)
+        tl.store(beta_out + i_bh, beta)
+        if hv % (HV // H) == 0:
+            tl.store(rows_q + row * H * K + qc, xq_j, mask=mk)
+            tl.store(rows_k + row * H * K + qc, xk_j, mask=mk)
+            k_norm = kj
+            if USE_L2:
+                k_norm = kj * tl.rsqrt(tl.sum(kj * kj, 0) + _EPS)
+            tl.store(k_hat + (row * H + h) * K + rk, k_norm, mask=mk)
+    s, oj = _step_out(s, qj, kj, vj, g, beta, scale, USE_L2)
+    tl.store(o + (row * HV + hv) * V + rv, oj.to(o.dtype.element_ty), mask=mv)
+    # the conv states' delayed commits, once every thread of the program has read its windows
+    tl.debug_barrier()
+    shift_in(conv_v, px_v, conv_num, row, vc, mv, AX, HV * V, S, BS)  # (no other program reads these channels)
+    arrived = tl.atomic_add(readers + row * H + h, 1, sem="acq_rel")  # (release: this program's reads came first)
+    if arrived == tl.num_programs(0) * (HV // H) - 1:  # the head's last reader
+        shift_in(conv_q, px_q, conv_num, row, qc, mk, AX, H * K, S, BS)
+        shift_in(conv_k, px_k, conv_num, row, qc, mk, AX, H * K, S, BS)
+        tl.store(readers + row * H + h, 0)
 
 
 # --- launchers ------------------------------------------------------------------------------------
@@ -511,6 +582,29 @@ def commit_(
     )
 
 
+def _one_token_launch(kernel, inputs: tuple, heads: int, dk: int, hv: int, dv: int, dtype: torch.dtype, a: torch.Tensor,
+                      b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, scale: float,
+                      use_qk_l2norm: bool, pending: Pending | None, config: KernelConfig | None,
+                      **constexprs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch a one-node gates kernel over (V tiles, B * HV) after its own ``inputs``; returns ``(o, k_hat, g, beta)``."""
+    config = config or KernelConfig()
+    batch, device = a.shape[0], a.device
+    o = torch.empty(batch, 1, hv, dv, dtype=dtype, device=device)
+    k_hat = torch.empty(batch, 1, heads, dk, dtype=torch.float32, device=device)
+    g = torch.empty(batch, 1, hv, dtype=torch.float32, device=device)
+    beta = torch.empty_like(g)
+    (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
+    block_v = min(config.block_v, _pow2_at_least(dv, 16))
+    sk, sv = _strides(state)
+    kernel[(triton.cdiv(dv, block_v), batch * hv)](
+        *inputs, a, b, a_log.contiguous(), dt_bias.contiguous(), state, o, k_hat, g, beta, pk, pv, pg, pb, num,
+        scale, n_pending, a.stride(0), a.stride(2), b.stride(0), b.stride(2),
+        H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
+        HAS_PENDING=has_pending, SK=sk, SV=sv, num_warps=config.num_warps, **constexprs, **launch_args(device),
+    )
+    return o, k_hat, g, beta
+
+
 def commit_verify_one_token_gates(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -530,21 +624,61 @@ def commit_verify_one_token_gates(
     [HV]`` in the launch; returns ``(o, k_hat, g, beta)`` like ``specla::gdn_gates_commit_verify_``."""
     if q.shape[1] != 1:
         raise ValueError(f"commit_verify_one_token_gates takes one node a row, got {q.shape[1]}")
-    config = config or KernelConfig()
-    q, k, v, a_log, dt_bias = (t.contiguous() for t in (q, k, v, a_log, dt_bias))
-    batch, _, heads, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    o = torch.empty_like(v)
-    k_hat = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    g = torch.empty(batch, 1, hv, dtype=torch.float32, device=q.device)
-    beta = torch.empty_like(g)
-    (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
-    block_v = min(config.block_v, _pow2_at_least(dv, 16))
-    sk, sv = _strides(state)
-    _one_token_gates_kernel[(triton.cdiv(dv, block_v), batch * hv)](
-        q, k, v, a, b, a_log, dt_bias, state, o, k_hat, g, beta, pk, pv, pg, pb, num,
-        scale, n_pending, a.stride(0), a.stride(2), b.stride(0), b.stride(2),
-        H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
-        HAS_PENDING=has_pending, SK=sk, SV=sv, num_warps=config.num_warps, **launch_args(q.device),
-    )
-    return o, k_hat, g, beta
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return _one_token_launch(_one_token_gates_kernel, (q, k, v), q.shape[2], q.shape[3], v.shape[2], v.shape[3], v.dtype,
+                             a, b, a_log, dt_bias, state, scale, use_qk_l2norm, pending, config)
+
+
+_READERS: dict[tuple, torch.Tensor] = {}
+
+
+def _readers(conv_state: torch.Tensor, count: int) -> torch.Tensor:
+    """The arrival counters of ``_one_token_conv_gates_kernel`` for the layer of this q conv state: zeros, allocated
+    at its first launch (a warm-up, before any capture) and left at zero by every launch. One set a layer, so that
+    launches on two streams of different layers or models never share a counter."""
+    key = (conv_state.device, conv_state.data_ptr(), count)
+    if key not in _READERS:
+        _READERS[key] = torch.zeros(count, dtype=torch.int32, device=conv_state.device)
+    return _READERS[key]
+
+
+def commit_verify_one_token_conv_gates(
+    xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    conv_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    conv_pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    num_pending: torch.Tensor,
+    silu: bool,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    *,
+    pending: Pending | None = None,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`commit_verify_one_token_gates` from the projection: the q/k/v short convs of ``xs [B, 1, D]`` (any
+    strides) from their contiguous ``conv_states [B, D, S]``, into which the launch commits the first
+    ``num_pending[b]`` rows of ``conv_pending [B, A, D]``, and contiguous ``conv_weights [D, W]``, bias-free. Returns ``(o, k_hat,
+    g, beta, v, *copies of xs)`` like ``specla::gdn_conv_gates_commit_verify_`` (``v [B, 1, HV, V]``: the conv's
+    output as the heads the recurrence read)."""
+    batch, nodes, _ = xs[0].shape
+    hv, dk, dv = state.shape[1:]
+    heads = xs[0].shape[2] // dk
+    if nodes != 1 or xs[1].shape != xs[0].shape or xs[2].shape != (batch, 1, hv * dv) or heads * dk != xs[0].shape[2]:
+        raise ValueError(f"commit_verify_one_token_conv_gates takes one node a row of q/k [B, 1, H * {dk}] and v "
+                         f"[B, 1, {hv} * {dv}], got {[tuple(x.shape) for x in xs]}")
+    if not all(t.is_contiguous() for t in (*conv_states, *conv_weights, *conv_pending)):
+        raise ValueError("the conv states, weights and pending inputs must be contiguous: the states update in place")
+    rows = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    v = torch.empty(batch, 1, hv, dv, dtype=xs[2].dtype, device=xs[2].device)
+    width = conv_states[0].shape[2]
+    inputs = (*xs, *(stride for x in xs for stride in (x.stride(0), x.stride(2))), *conv_states, *conv_pending,
+              *conv_weights, *rows, v, _readers(conv_states[0], batch * heads), num_pending, width, conv_pending[0].shape[1])
+    outputs = _one_token_launch(_one_token_conv_gates_kernel, inputs, heads, dk, hv, dv, xs[0].dtype, a, b, a_log,
+                                dt_bias, state, scale, use_qk_l2norm, pending, config, W=conv_weights[0].shape[1],
+                                BS=triton.next_power_of_2(width), SILU=silu)
+    return (*outputs, v, *rows)

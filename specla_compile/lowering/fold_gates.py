@@ -1,4 +1,5 @@
-"""Fold a GDN layer's gates into plain decoding's recurrence launch (the backend's ``fold_gates``).
+"""Fold a GDN layer's gates (the backend's ``fold_gates``), and then its q/k/v convs (``fold_convs``), into plain
+decoding's recurrence launch.
 
 Between a layer's convs and its recurrence, fla's GatedDeltaNet computes its gates as
 
@@ -10,6 +11,11 @@ in a twin whose passes have one node a row (plain decoding's step), each ``specl
 and ``beta`` are those expressions into ``specla.gdn_gates_commit_verify_``: the recurrence's launch computes them
 and returns them as the pass's records. Gates of any other form (transformers' Qwen3.5 takes ``sigmoid`` of the
 bf16 projection) stay as they are.
+
+The layer's three short convs (q, k, v, one launch of 4.2-4.7 us a layer at the same shape) come before it.
+:func:`fold_convs` rewrites a folded recurrence whose q, k and v are the heads of those convs' outputs into
+``specla.gdn_conv_gates_commit_verify_``, whose one-node kernel convolves the projection's slices itself
+(``triton_verify._one_token_conv_gates_kernel``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from .graph_analysis import (
     VIEW_METHODS,
     example_value,
     fill_example_values,
+    getitem_users,
     graph_fake_mode,
     is_call,
     recompiled,
@@ -31,6 +38,9 @@ from .graph_analysis import (
 
 VERIFY = (torch.ops.specla.gdn_commit_verify_.default, torch.ops.specla.gdn_commit_verify_)
 FOLDED = torch.ops.specla.gdn_gates_commit_verify_.default
+CONVS = (torch.ops.specla.commit_three_tree_convs_.default, torch.ops.specla.commit_three_tree_convs_)
+CONVS_FOLDED = torch.ops.specla.gdn_conv_gates_commit_verify_.default
+RESHAPES = ("reshape", "view", "unflatten")
 MULS, ADDS = (operator.mul, torch.mul), (operator.add, torch.add)
 NEGS, EXPS = (operator.neg, torch.neg), (torch.exp,)
 SOFTPLUS = (torch.nn.functional.softplus, torch._C._nn.softplus)
@@ -149,5 +159,67 @@ def fold_gates(gm: fx.GraphModule, nodes: int | None = None) -> int:
         graph.erase_node(verify)
         _erase_dead(graph, [g, beta, *outputs])
         fill_example_values(graph, fake_mode)
+        folded += 1
+    return recompiled(gm, folded)
+
+
+def _conv_head(node: fx.Node, convs: fx.Node, index: int, dims: tuple[int | None, int], alone: bool = True) -> bool:
+    """Whether ``node`` is ``convs``' output ``index`` (read by it alone) reshaped to heads of the last two ``dims``,
+    read by one node if ``alone``."""
+    source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    reshaped = (node.op == "call_method" and node.target in RESHAPES) or is_call(node, (torch.reshape, torch.unflatten))
+    if not (reshaped and source is not None and is_call(source, (operator.getitem,)) and source.args == (convs, index)
+            and len(source.users) == 1 and (len(node.users) == 1 or not alone)):
+        return False
+    heads, flat = example_value(node), example_value(source)
+    return (heads is not None and flat is not None and heads.dim() == 4 and heads.shape[-1] == dims[1]
+            and dims[0] in (None, heads.shape[-2]) and heads.shape[-2] * heads.shape[-1] == flat.shape[-1])
+
+
+def fold_convs(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, every ``specla.gdn_gates_commit_verify_`` (left by :func:`fold_gates`) whose q, k and v are
+    the heads of one ``specla.commit_three_tree_convs_``'s outputs, read by nothing else, into
+    ``specla.gdn_conv_gates_commit_verify_``: on GPUs the convs run in the recurrence's launch too (the backend's
+    ``fold_convs``). Returns the number folded."""
+    graph = gm.graph
+    fake_mode = graph_fake_mode(graph)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    folded = 0
+    for verify in [n for n in graph.nodes if n.target is FOLDED]:
+        state, *pending, num_pending, q, k, v, a, b, a_log, dt_bias, parents, scale, use_qk_l2norm = verify.args
+        convs = q.args[0].args[0] if q.args and isinstance(q.args[0], fx.Node) and q.args[0].args else None
+        if not (isinstance(convs, fx.Node) and is_call(convs, CONVS) and len(convs.args) == 15 and not convs.kwargs):
+            continue
+        conv_states, conv_pending, conv_num, xs, weights = (convs.args[0:3], convs.args[3:6], convs.args[6],
+                                                            convs.args[7:10], convs.args[10:13])
+        conv_parents, silu = convs.args[13:15]
+        _, value_heads, dk, dv = example_value(state).shape
+        if not (_conv_head(q, convs, 0, (None, dk)) and _conv_head(k, convs, 1, (None, dk))
+                and _conv_head(v, convs, 2, (value_heads, dv), alone=False)) or (conv_num, conv_parents) != (num_pending, parents):
+            continue
+        if any(order[user] < order[verify] for user in v.users):
+            continue  # (v's heads are the pass's v record too: the fused op returns them)
+        if any(not is_call(user, (operator.getitem,)) for user in convs.users):
+            continue
+        records = getitem_users(convs)
+        if any(order[user] < order[verify] for i in (3, 4, 5) for rec in records.get(i, ()) for user in rec.users):
+            continue  # (a record read before the recurrence, where the fused op makes it)
+        if any(written_tensors(n) for n in graph.nodes if order[convs] < order[n] < order[verify]):
+            continue  # (the fused op reads the convs' inputs later than the convs did)
+        with graph.inserting_before(verify):
+            fused = graph.call_function(CONVS_FOLDED, (list(conv_states), list(conv_pending), list(xs), list(weights),
+                                                       silu, state, *pending, num_pending, a, b, a_log, dt_bias, parents,
+                                                       scale, use_qk_l2norm))
+            v_heads = graph.call_function(operator.getitem, (fused, 4))
+            copies = {i: graph.call_function(operator.getitem, (fused, i + 2)) for i in records if i >= 3}
+        v.replace_all_uses_with(v_heads)
+        for i, rec in records.items():
+            for node in rec if i >= 3 else ():
+                node.replace_all_uses_with(copies[i])
+        verify.replace_all_uses_with(fused)
+        for node in (verify, q, k, v, *(n for rec in records.values() for n in rec), convs):
+            graph.erase_node(node)
+        fill_example_values(graph, fake_mode)
+        order = {node: i for i, node in enumerate(graph.nodes)}
         folded += 1
     return recompiled(gm, folded)
