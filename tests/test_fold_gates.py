@@ -129,17 +129,17 @@ def test_a_pass_of_several_nodes_keeps_its_gates():
     assert fold_gates(gm) == 0 and _calls(gm, *VERIFY) == 1
 
 
-def _convs_then_recurrence(*inputs, v_read_early: bool = False, y_kept: bool = False):
+def _convs_then_recurrence(*inputs, v_read_early: bool = False, y_kept: bool = False, state_read: bool = False):
     """A one-node layer as the rewrite leaves it: q/k/v convs, their outputs as heads, fla's gates, the recurrence;
     returns what the pass keeps (v's heads and the convs' inputs as records)."""
     states, pendings, num, xs, weights = inputs[0:3], inputs[3:6], inputs[6], inputs[7:10], inputs[10:13]
     state, records, (a, b, a_log, dt_bias, parents) = inputs[13], inputs[14:18], inputs[18:]
     y0, y1, y2, r0, r1, r2 = SPECLA.commit_three_tree_convs_(*states, *pendings, num, *xs, *weights, parents, True)
     q, k, v = y0.reshape(B, 1, -1, DIM), y1.reshape(B, 1, -1, DIM), y2.reshape(B, 1, VALUE_HEADS, DIM)
-    early = v * 2 if v_read_early else None
+    early = v * 2 if v_read_early else states[0] * 2 if state_read else None
     g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
     o, k_hat = SPECLA.gdn_commit_verify_(state, *records, num, q, k, v, g, b.float().sigmoid(), parents, 0.3, True)
-    kept = (early,) if v_read_early else (y0,) if y_kept else ()
+    kept = (early,) if early is not None else (y0,) if y_kept else ()
     return (o, k_hat, v.contiguous(), r0, r1, r2, *kept)
 
 
@@ -149,11 +149,13 @@ def _conv_pass_inputs(seed: int) -> list[torch.Tensor]:
             *case["records"], *case["gates"], case["parents"]]
 
 
-@pytest.mark.parametrize("variant, folds", [({}, 1), ({"v_read_early": True}, 0), ({"y_kept": True}, 0)])
+@pytest.mark.parametrize("variant, folds", [({}, 1), ({"v_read_early": True}, 0), ({"y_kept": True}, 0),
+                                            ({"state_read": True}, 0)])
 def test_the_convs_fold_into_the_folded_recurrence(variant, folds):
     """After ``fold_gates``, ``fold_convs`` puts a one-node layer's q/k/v convs into its recurrence op, with the same
     outputs, records and committed conv and recurrent states (fp32, CPU references); not where a conv's output is read
-    by anything else, nor where v's heads are read before the recurrence."""
+    by anything else, nor where v's heads or a conv state (which the fused op commits later) are read before the
+    recurrence."""
     fn = lambda *inputs: _convs_then_recurrence(*inputs, **variant)
     inputs = _conv_pass_inputs(seed=5)
     gm, example_inputs = _dynamo_graph(fn, *inputs)

@@ -91,9 +91,9 @@ def test_gates_commit_verify(case, v_major, monkeypatch):
 def test_conv_gates_commit_verify(nums, v_major, monkeypatch):
     """The one-node pass from its projection (``fold_convs``) with heads of 256 (8 value heads on 4 key heads, a bf16
     projection, a float32 state, also fla's V-major one; 1 and 4 rows): one launch against the fp64 composition
-    (whose convs do not round to bf16); then 100 launches in a row from the same conv states, every commit exact.
-    Each key head's q/k conv windows are read by 32 programs (16 V tiles of 2 value heads) and committed by the last
-    of them: a commit before every program had read them would show here."""
+    (whose convs do not round to bf16); then 100 launches in a row from the same states, each output bit for bit the
+    first's and every commit exact. Each key head's q/k conv windows are read by 32 programs (16 V tiles of 2 value
+    heads) and committed by the last of them: a commit before every program had read them would show here."""
     case = random_conv_gates_pass(len(nums), HEADS, VALUE_HEADS, DIM, nums, seed=10, dtype=torch.bfloat16, device="cuda")
     expected, expected_conv, expected_state = conv_gates_oracle(case, SCALE, True)
     before = [s.clone() for s in (*case["conv_states"], case["state"])]
@@ -116,8 +116,10 @@ def test_conv_gates_commit_verify(nums, v_major, monkeypatch):
         assert a.shape == b.shape and rel_err(a, b) <= (1e-5 if name in ("g", "beta") else O_TOL), name
     assert all(torch.equal(copy, x) for copy, x in zip(got[5:], case["xs"]))
     assert rel_err(state, expected_state) <= EXACT_TOL
-    for _ in range(100):
-        run()
+    first = [t.clone() for t in got[:5]]
+    for _ in range(100):  # (an early commit would change another program's q/k: its outputs, not the states)
+        again, _ = run()
+        assert all(torch.equal(a, b) for a, b in zip(again[:5], first))
         assert all(torch.equal(s.double(), e) for s, e in zip(case["conv_states"], expected_conv))
     assert len(launches) == 101
 

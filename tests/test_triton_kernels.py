@@ -170,6 +170,30 @@ def test_one_token_pass_convolves_its_projection(layout, nums, l2):
 
 
 @interpreted
+@pytest.mark.parametrize("source, conv_dtype, nums", [(torch.bfloat16, None, (1, 3)), (torch.bfloat16, None, (5, 7)),
+                                                       (torch.float32, torch.bfloat16, (2, 3))])
+def test_the_conv_fold_computes_what_the_unfused_kernels_do(source, conv_dtype, nums):
+    """``fold_convs``' one launch against the two it replaces (the three-conv kernel, then the one-node gates kernel) on
+    the same inputs: every output, record and committed state bit for bit, with pending counts past the capacity and
+    conv states of another dtype than the projection (a pending input rounds to the state's dtype in both)."""
+    case = random_conv_gates_pass(2, 2, 4, 16, nums, seed=5, dtype=source)
+    states = [s.to(conv_dtype or s.dtype) for s in case["conv_states"]]
+    fused_states, split_states = [s.clone() for s in states], [s.clone() for s in states]
+    fused_state, split_state = case["state"].clone(), case["state"].clone()
+    config, pending = KernelConfig(block_v=8, num_warps=2), tv.Pending(*case["records"], case["num"])
+    fused = tv.commit_verify_one_token_conv_gates(case["xs"], fused_states, case["weights"], case["conv_pending"],
+                                                  case["num"], True, *case["gates"], fused_state, SCALE, True,
+                                                  pending=pending, config=config)
+    ys_rows = tc.three_tree_convs(case["xs"], split_states, case["weights"], case["conv_pending"], case["num"],
+                                  case["parents"], True)
+    q, k, v = ops.conv_heads(ys_rows[:3], split_state)
+    split = (*tv.commit_verify_one_token_gates(q, k, v, *case["gates"], split_state, SCALE, True, pending=pending,
+                                               config=config), v, *ys_rows[3:])
+    assert all(torch.equal(a, b) for a, b in zip(fused, split, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip((*fused_states, fused_state), (*split_states, split_state)))
+
+
+@interpreted
 @pytest.mark.parametrize("block_v, layout", [(16, "kv"), (32, "kv"), (16, "vk")])
 def test_commit(block_v, layout):
     parents, x, _, _ = case_inputs("tree_padded", seed=3)

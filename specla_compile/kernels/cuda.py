@@ -119,7 +119,8 @@ def _gdn_conv_gates_commit_verify_(conv_states, conv_pending, xs, conv_weights, 
     conv_tensors = (*conv_states, *xs, *conv_weights)
     if (parents.shape[1] != 1 or state.dtype != torch.float32 or dispatch.choose_route(1) != "serial"
             or torch.float64 in {t.dtype for t in (*conv_tensors, a, b, a_log, dt_bias)}
-            or not triton_conv.fits_three_tree_convs(xs, conv_states, conv_weights, conv_pending)):
+            or not triton_conv.fits_three_tree_convs(xs, conv_states, conv_weights, conv_pending)
+            or not triton_verify.one_token_conv_gates_fits(xs, state)):
         ys_rows = _commit_three_tree_convs_(*conv_states, *conv_pending, num_pending, *xs, *conv_weights, parents, silu)
         q, k, v = ops.conv_heads(ys_rows[:3], state)
         return (*_gdn_gates_commit_verify_(state, *records, q, k, v, a, b, a_log, dt_bias, parents, scale, use_qk_l2norm),

@@ -40,7 +40,7 @@ def one_node_conv(x, sxd, conv_state, pending_x, weight, b, rd, md, num, D, S, A
         src = tl.zeros_like(rd) + (num + S - i)  # the committed state's column S - i, in (old state ++ pending inputs)
         old = tl.load(conv_state + (b * D + rd) * S + src, mask=md & (src < S), other=0.0)
         new = tl.load(pending_x + (b * A + src - S) * D + rd, mask=md & (src >= S), other=0.0)
-        tap = tl.where(src < S, old.to(tl.float32), new.to(tl.float32))
+        tap = tl.where(src < S, old, new.to(old.dtype)).to(tl.float32)  # (a pending input as the state would hold it)
         acc += tap * tl.load(weight + rd * W + (W - 1 - i), mask=md, other=0.0).to(tl.float32)
     if SILU:
         acc = acc * tl.sigmoid(acc)

@@ -21,6 +21,7 @@ The same code runs on CPU under ``TRITON_INTERPRET=1`` (the tests).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -635,11 +636,21 @@ _READERS: dict[tuple, torch.Tensor] = {}
 def _readers(conv_state: torch.Tensor, count: int) -> torch.Tensor:
     """The arrival counters of ``_one_token_conv_gates_kernel`` for the layer of this q conv state: zeros, allocated
     at its first launch (a warm-up, before any capture) and left at zero by every launch. One set a layer, so that
-    launches on two streams of different layers or models never share a counter."""
+    launches on two streams of different layers or models never share a counter; kept for the process (4 bytes a row
+    and head for each conv state ever seen: the engine allocates its caches once)."""
     key = (conv_state.device, conv_state.data_ptr(), count)
     if key not in _READERS:
         _READERS[key] = torch.zeros(count, dtype=torch.int32, device=conv_state.device)
     return _READERS[key]
+
+
+def one_token_conv_gates_fits(xs: Sequence[torch.Tensor], state: torch.Tensor) -> bool:
+    """Whether ``_one_token_conv_gates_kernel`` takes these: one node a row of q and k of one width, whole key heads
+    of the state's K, value heads a multiple of them, and v as wide as the state's value heads."""
+    _, hv, dk, dv = state.shape
+    width = xs[0].shape[-1]
+    return (xs[0].dim() == 3 and xs[0].shape[1] == 1 and xs[1].shape == xs[0].shape and width % dk == 0
+            and hv % (width // dk) == 0 and xs[2].shape == (xs[0].shape[0], 1, hv * dv))
 
 
 def commit_verify_one_token_conv_gates(
@@ -665,12 +676,11 @@ def commit_verify_one_token_conv_gates(
     ``num_pending[b]`` rows of ``conv_pending [B, A, D]``, and contiguous ``conv_weights [D, W]``, bias-free. Returns ``(o, k_hat,
     g, beta, v, *copies of xs)`` like ``specla::gdn_conv_gates_commit_verify_`` (``v [B, 1, HV, V]``: the conv's
     output as the heads the recurrence read)."""
-    batch, nodes, _ = xs[0].shape
-    hv, dk, dv = state.shape[1:]
-    heads = xs[0].shape[2] // dk
-    if nodes != 1 or xs[1].shape != xs[0].shape or xs[2].shape != (batch, 1, hv * dv) or heads * dk != xs[0].shape[2]:
-        raise ValueError(f"commit_verify_one_token_conv_gates takes one node a row of q/k [B, 1, H * {dk}] and v "
-                         f"[B, 1, {hv} * {dv}], got {[tuple(x.shape) for x in xs]}")
+    batch, hv, dk, dv = state.shape
+    heads = xs[0].shape[-1] // dk
+    if not one_token_conv_gates_fits(xs, state):
+        raise ValueError(f"commit_verify_one_token_conv_gates takes one node a row of q/k [B, 1, H * {dk}] (H dividing "
+                         f"{hv}) and v [B, 1, {hv} * {dv}], got {[tuple(x.shape) for x in xs]}")
     if not all(t.is_contiguous() for t in (*conv_states, *conv_weights, *conv_pending)):
         raise ValueError("the conv states, weights and pending inputs must be contiguous: the states update in place")
     rows = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]

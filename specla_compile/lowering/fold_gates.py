@@ -202,10 +202,13 @@ def fold_convs(gm: fx.GraphModule) -> int:
         if any(not is_call(user, (operator.getitem,)) for user in convs.users):
             continue
         records = getitem_users(convs)
+        if any(len(records.get(i, ())) != 1 for i in range(3)):
+            continue  # (a conv's output taken twice: read elsewhere)
         if any(order[user] < order[verify] for i in (3, 4, 5) for rec in records.get(i, ()) for user in rec.users):
             continue  # (a record read before the recurrence, where the fused op makes it)
-        if any(written_tensors(n) for n in graph.nodes if order[convs] < order[n] < order[verify]):
-            continue  # (the fused op reads the convs' inputs later than the convs did)
+        between = [n for n in graph.nodes if order[convs] < order[n] < order[verify]]
+        if any(written_tensors(n) or any(s in n.all_input_nodes for s in conv_states) for n in between):
+            continue  # (the fused op reads the convs' inputs later, and commits their states later, than the convs did)
         with graph.inserting_before(verify):
             fused = graph.call_function(CONVS_FOLDED, (list(conv_states), list(conv_pending), list(xs), list(weights),
                                                        silu, state, *pending, num_pending, a, b, a_log, dt_bias, parents,
