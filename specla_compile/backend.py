@@ -27,7 +27,9 @@ launch of a one-row GEMV where the heads fit it (:func:`.lowering.fold_norms.fol
 computed inside the recurrence's launch in the static twins of one node a row (plain decoding's step;
 :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's 1-node pass on an H200 from 1.503-1.513 to 1.420 ms
 (``e2e_gpu.md``, ``fold_ab``); ``fold_convs`` — False (default; built, not yet timed on a GPU): True also runs
-the q/k/v short convs inside that launch (:func:`.lowering.fold_gates.fold_convs`); ``fold_swiglu`` — False
+the q/k/v short convs inside that launch (:func:`.lowering.fold_gates.fold_convs`); ``fold_gates_drafted`` — False
+(default; built, not yet timed on a GPU): the gates of the twins of more nodes whose route is the parallel one
+(by the default cost model, drafted passes of more than 6 nodes) computed inside its launch; ``fold_swiglu`` — False
 (default; built, not yet timed on a GPU): True runs, on CUDA, the one-token twin's (B=1) bf16 MLP
 ``silu(gate) * up`` inside its down projection, one launch of the same one-row
 GEMV (:func:`.lowering.fold_norms.fold_swiglu`); ``triton_linears`` — False (default): True runs, on
@@ -67,8 +69,10 @@ from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
 
-SWITCHES = {"fuse_projections": True, "combo_kernels": True, "fold_norms": False, "fold_gated_norms": True, "fold_gates": True,
-            "fold_convs": False, "fold_swiglu": False, "triton_linears": False, "regional": True}  # (their defaults)
+SWITCHES = {  # the bool options and their defaults
+    "fuse_projections": True, "combo_kernels": True, "fold_norms": False, "fold_gated_norms": True, "fold_gates": True,
+    "fold_gates_drafted": False, "fold_convs": False, "fold_swiglu": False, "triton_linears": False, "regional": True,
+}
 OPTIONS = {"inner", "verify_kernel", "plain", *SWITCHES}
 PLAIN_PROGRAMS = ("compiled", "eager")
 
@@ -210,6 +214,9 @@ class SpeculativeGraph:
                 log.info("specla: %d GDN layers' gates folded into their recurrence", fold_gates(gm, nodes))
                 if "fold_convs" in on:
                     log.info("specla: %d GDN layers' q/k/v convs folded into their recurrence", fold_convs(gm))
+            elif "fold_gates_drafted" in on and dispatch.choose_route(nodes) == "parallel":  # (its kernel takes them)
+                folded = fold_gates(gm, nodes, drafted=True)
+                log.info("specla: %d GDN layers' gates folded into their parallel verify", folded)
             if rows <= ops.LINEAR_MAX_ROWS:
                 if "fold_norms" in on:
                     log.info("specla: %d norms folded into the GEMMs after them", fold_norms(gm))

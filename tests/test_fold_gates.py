@@ -124,9 +124,24 @@ def test_what_folds_and_what_stays(fn):
         assert g.dtype == e.dtype and (g - e).abs().max() <= 1e-6 * e.abs().max()
 
 
-def test_a_pass_of_several_nodes_keeps_its_gates():
-    gm, _ = _dynamo_graph(_fla, *_inputs(nodes=3, seed=4))
+def test_a_pass_of_several_nodes_folds_its_gates_when_drafted_passes_do():
+    """A pass of several nodes keeps its gates unless ``drafted`` (the parallel route computes them in its launch);
+    folded, its outputs, records and committed state stay."""
+    gm, example_inputs = _dynamo_graph(_fla, *_inputs(nodes=3, seed=4))
+    expected = _run(gm, example_inputs)
     assert fold_gates(gm) == 0 and _calls(gm, *VERIFY) == 1
+    assert fold_gates(gm, drafted=True) == 1 and _calls(gm, FOLDED) == 1
+    for g, e in zip(_run(gm, example_inputs), expected, strict=True):
+        assert (g - e).abs().max() <= 1e-6 * e.abs().max()
+
+
+def test_drafted_decoding_through_folded_gates_equals_eager_decoding(monkeypatch, caplog):
+    """With ``fold_gates_drafted`` (made to fold here: CPU), the twin of the 8-node draft bucket (whose 8-node chains
+    take the parallel route) folds every layer's gates too; drafted and plain decoding both equal eager decoding."""
+    log = _decode_on_cpu_as_on_cuda("fold_gates_drafted", SpecConfig(mode="chain", depth=7, bucket=8), 12, monkeypatch,
+                                    caplog)
+    assert log.count("4 GDN layers' gates folded into their parallel verify") >= 1  # (the 8-node twin's)
+    assert log.count("4 GDN layers' gates folded into their recurrence") == 1  # (the 1-node twin's, as by default)
 
 
 def _convs_then_recurrence(*inputs, v_read_early: bool = False, y_kept: bool = False, state_read: bool = False):

@@ -68,23 +68,25 @@ def test_verify(case, route):
 
 @pytest.mark.parametrize("case, v_major", [("single", False), ("single", True), ("chain8", False)])
 def test_gates_commit_verify(case, v_major, monkeypatch):
-    """The recurrence with the gates computed from bf16 projection slices (``fold_gates``): a one-node pass in one
-    launch of its own kernel (also on fla's V-major state), a longer one through the gates and then the verify kernels;
-    against the fp64 oracle."""
+    """The recurrence with the gates computed from bf16 projection slices (``fold_gates``, ``fold_gates_drafted``): a
+    one-node pass in one launch of its own kernel (also on fla's V-major state), an 8-node chain in the parallel
+    route's launch; against the fp64 oracle."""
     parents, x = inputs(case, seed=6)
     prev_parents, prev = inputs(case, seed=7)
     records, num = accepted_records(prev, prev_parents, max_accepted=4, seed=8)
     gates = random_gate_projections(*parents.shape, VALUE_HEADS, seed=9, dtype=torch.bfloat16, device="cuda")
     launches = []
-    kernel = triton_verify.commit_verify_one_token_gates
+    kernel, verify = triton_verify.commit_verify_one_token_gates, triton_verify.tree_verify
     monkeypatch.setattr(triton_verify, "commit_verify_one_token_gates", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(triton_verify, "tree_verify", lambda *a, **kw: launches.append(kw.get("gates") is not None and
+                                                                                      kw["route"]) or verify(*a, **kw))
     state = x["state"].transpose(-1, -2).contiguous().transpose(-1, -2) if v_major else x["state"].clone()
     with poisoned_allocations():
         o, k_hat, g, beta = ops.gdn_gates_commit_verify_(state, *records, num, x["q"], x["k"], x["v"], *gates, parents, SCALE, True)
     ref_o, ref_k, ref_state, ref_g, ref_beta = gates_commit_verify_oracle(x, gates, parents, SCALE, True, (records, num))
     assert ((g - ref_g) / ref_g).abs().max() <= 1e-5 and ((beta - ref_beta) / ref_beta).abs().max() <= 1e-6
     assert rel_err(o, ref_o) <= O_TOL and rel_err(k_hat, ref_k) <= EXACT_TOL and rel_err(state, ref_state) <= EXACT_TOL
-    assert len(launches) == (case == "single")
+    assert launches == ([1] if case == "single" else ["parallel"])
 
 
 @pytest.mark.parametrize("nums, v_major", [((1,), False), ((1,), True), ((1, 0, 2, 3), False)])

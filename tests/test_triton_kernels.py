@@ -141,6 +141,29 @@ def test_one_token_pass_computes_its_gates(layout, source, l2, with_pending):
 
 
 @interpreted
+@pytest.mark.parametrize("case, layout", [("tree_padded", "kv"), ("tree_16", "vk"), ("batch_split_commit", "kv")])
+def test_the_parallel_route_computes_its_gates(case, layout):
+    """A drafted pass on the parallel route with each node's gate and beta computed in its launch from strided slices
+    of a projection (``fold_gates_drafted``): gates, outputs, keys and committed state against the fp64 oracle, padded
+    trees and a batch whose commit runs apart included; other routes refuse gates in one line."""
+    parents, x, _, _ = case_inputs(case, seed=15)
+    prev_parents, prev = case_inputs(case, seed=16)[:2]
+    records, num = accepted_records(prev, prev_parents, max_accepted=4, seed=17)
+    gates = random_gate_projections(*parents.shape, x["v"].shape[2], seed=18, dtype=torch.float32)
+    state = in_layout(x["state"], layout)
+    g, beta = (torch.full(parents.shape + (x["v"].shape[2],), float("nan")) for _ in range(2))
+    config = dispatch.kernel_config("parallel", parents.shape[1], pending=True, batch=parents.shape[0])
+    with poisoned_allocations():
+        o, k_hat = tv.tree_verify(x["q"], x["k"], x["v"], g, beta, parents, state, SCALE, True, route="parallel",
+                                  pending=tv.Pending(*records, num), config=config, gates=gates)
+    ref_o, ref_k, ref_state, ref_g, ref_beta = gates_commit_verify_oracle(x, gates, parents, SCALE, True, (records, num))
+    assert ((g - ref_g) / ref_g).abs().max() <= 1e-5 and ((beta - ref_beta) / ref_beta).abs().max() <= 1e-6
+    assert rel_err(o, ref_o) <= 1e-5 and rel_err(k_hat, ref_k) <= 1e-6 and rel_err(state, ref_state) <= 1e-6
+    with pytest.raises(ValueError, match="parallel route's launch alone"):
+        tv.tree_verify(x["q"], x["k"], x["v"], g, beta, parents, state, SCALE, True, route="serial", gates=gates)
+
+
+@interpreted
 @pytest.mark.parametrize("layout, nums", [("kv", (1, 3)), ("vk", (0, 2))])
 @pytest.mark.parametrize("l2", [True, False])
 def test_one_token_pass_convolves_its_projection(layout, nums, l2):

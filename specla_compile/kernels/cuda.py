@@ -79,17 +79,26 @@ def _gdn_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, nu
 @ops.gdn_gates_commit_verify_.register_kernel("cuda")
 def _gdn_gates_commit_verify_(state, pending_k, pending_v, pending_g, pending_beta, num_pending,
                               q, k, v, a, b, a_log, dt_bias, parents, scale, use_qk_l2norm):
-    """One launch for a one-node pass in float32 state (plain decoding's step, the serial route's one-node case); else
-    (more nodes, float64, another route forced) the gates, then the verify op."""
+    """In float32 state, one launch where the verify's route computes the gates itself: a one-node pass on the serial
+    route (plain decoding's step) and any pass on the parallel route; else (the serial and hybrid routes' longer
+    passes, float64) the gates, then the verify op."""
     records = (pending_k, pending_v, pending_g, pending_beta, num_pending)
-    if (parents.shape[1] != 1 or state.dtype != torch.float32 or dispatch.choose_route(1) != "serial"
-            or torch.float64 in {t.dtype for t in (q, k, v, a, b, a_log, dt_bias)}):
+    batch, nodes = parents.shape
+    route = dispatch.choose_route(nodes)
+    if (state.dtype != torch.float32 or torch.float64 in {t.dtype for t in (q, k, v, a, b, a_log, dt_bias)}
+            or not (route == "parallel" or (route == "serial" and nodes == 1))):
         g, beta = reference.gdn_gates_reference(a, b, a_log, dt_bias)
         return (*_gdn_commit_verify_(state, *records, q, k, v, g, beta, parents, scale, use_qk_l2norm), g, beta)
-    config = dispatch.kernel_config("serial", 1, pending=True, batch=parents.shape[0])
-    return _in_place(state, lambda s: triton_verify.commit_verify_one_token_gates(
-        q, k, v, a, b, a_log, dt_bias, s, scale, use_qk_l2norm, pending=triton_verify.Pending(*records), config=config),
-        _kernel_layout)
+    pending = triton_verify.Pending(*records)
+    config = dispatch.kernel_config(route, nodes, pending=True, batch=batch)
+    if route == "serial":
+        return _in_place(state, lambda s: triton_verify.commit_verify_one_token_gates(
+            q, k, v, a, b, a_log, dt_bias, s, scale, use_qk_l2norm, pending=pending, config=config), _kernel_layout)
+    g, beta = (torch.empty(a.shape, dtype=torch.float32, device=a.device) for _ in range(2))
+    o, k_hat = _in_place(state, lambda s: triton_verify.tree_verify(
+        q, k, v, g, beta, parents, s, scale, use_qk_l2norm, route=route, pending=pending, config=config,
+        gates=(a, b, a_log, dt_bias)), _kernel_layout)
+    return o, k_hat, g, beta
 
 
 @ops.commit_tree_conv_.register_kernel("cuda")

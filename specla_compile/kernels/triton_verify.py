@@ -84,6 +84,14 @@ def _softplus(x):
 
 
 @triton.jit
+def _gates_of(a, b, a_log, dt_bias, hv):
+    """fla's gate and beta of value head ``hv`` from their float32 projections ``a``, ``b`` (one node's or a vector of
+    nodes'): ``-exp(A_log) * softplus(a + dt_bias)`` and ``sigmoid(b)``."""
+    g = -tl.exp(tl.load(a_log + hv).to(tl.float32)) * _softplus(a + tl.load(dt_bias + hv).to(tl.float32))
+    return g, tl.sigmoid(b)
+
+
+@triton.jit
 def _step(s, k, v, g, beta):
     """S <- alpha S; d = beta (v - S^T k); S <- S + k d^T (no output)."""
     s = s * tl.exp(g)
@@ -267,14 +275,17 @@ def _recurrent_kernel(
 def _parallel_kernel(
     q, k, v, g, beta, parents, state, o, k_hat,
     pk, pv, pg, pb, num_pending,
+    a, b_proj, a_log, dt_bias, SA_ROW, SA_NODE, SA_HEAD, SB_ROW, SB_NODE, SB_HEAD,
     scale, N, A,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2BT: tl.constexpr,
-    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, GATES: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr,
+    SV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING).
     Grid: (V tiles, B * HV). The K dimension streams in chunks of BK; raw dot products are
-    rescaled by the row norms afterwards, so normalization costs no extra pass."""
+    rescaled by the row norms afterwards, so normalization costs no extra pass. With GATES, each node's gate and beta
+    come from their projections (``a``, ``b_proj`` at any strides) and ``g``, ``beta`` receive them (the records)."""
     wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -300,8 +311,17 @@ def _parallel_kernel(
     prow = tl.load(parents + b * N + rt, mask=mt, other=_PAD)
     incl = _ancestor_matrix(prow, rt, LOG2BT)
     strict = incl & (rt[:, None] != rt[None, :])
-    gt = tl.load(g + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
-    bt = tl.load(beta + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
+    if GATES:
+        a_t = tl.load(a + b * SA_ROW + rt * SA_NODE + hv * SA_HEAD, mask=mt, other=0.0).to(tl.float32)
+        b_t = tl.load(b_proj + b * SB_ROW + rt * SB_NODE + hv * SB_HEAD, mask=mt, other=0.0).to(tl.float32)
+        gt, bt = _gates_of(a_t, b_t, a_log, dt_bias, hv)
+        gt, bt = tl.where(mt, gt, 0.0), tl.where(mt, bt, 0.0)
+        if i_v == 0:
+            tl.store(g + (b * N + rt) * HV + hv, gt, mask=mt)
+            tl.store(beta + (b * N + rt) * HV + hv, bt, mask=mt)
+    else:
+        gt = tl.load(g + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
+        bt = tl.load(beta + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
     gamma = tl.sum(tl.where(incl, gt[None, :], 0.0), 1)
 
     kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -346,11 +366,9 @@ def _parallel_kernel(
 
 @triton.jit
 def _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD):
-    """fla's gates of row ``row``'s value head ``hv`` from their projections: ``-exp(A_log) * softplus(a + dt_bias)``
-    and ``sigmoid(b)``."""
-    a_j = tl.load(a + row * SA_ROW + hv * SA_HEAD).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32)
-    g = -tl.exp(tl.load(a_log + hv).to(tl.float32)) * _softplus(a_j)
-    return g, tl.sigmoid(tl.load(b_proj + row * SB_ROW + hv * SB_HEAD).to(tl.float32))
+    """fla's gates of row ``row``'s value head ``hv`` from their projections (:func:`_gates_of`)."""
+    return _gates_of(tl.load(a + row * SA_ROW + hv * SA_HEAD).to(tl.float32),
+                     tl.load(b_proj + row * SB_ROW + hv * SB_HEAD).to(tl.float32), a_log, dt_bias, hv)
 
 
 @triton.jit
@@ -481,6 +499,11 @@ def _strides(state: torch.Tensor) -> tuple[int, int]:
     return strides
 
 
+def _row_node_head(x: torch.Tensor) -> tuple[int, int, int]:
+    """The strides of a ``[B, N, HV]`` gate projection over its rows, nodes and value heads (0 for anything else)."""
+    return tuple(x.stride()) if x.dim() == 3 else (0, 0, 0)
+
+
 def _pending_args(pending: Pending | None, state: torch.Tensor) -> tuple[list[torch.Tensor], int, bool]:
     if pending is None or pending.k.shape[1] == 0:
         return [state] * 5, 0, False  # never read: HAS_PENDING is off
@@ -502,15 +525,20 @@ def tree_verify(
     pending: Pending | None = None,
     config: KernelConfig | None = None,
     snapshot: torch.Tensor | None = None,
+    gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a tree with one route; returns ``(o, k_hat)`` like ``specla::gdn_tree_verify``.
 
     ``pending`` first commits accepted records into ``state`` in place (``specla::gdn_commit_verify_``).
-    ``snapshot [B, HV, N, K, V]`` (serial route only) receives every node's state."""
+    ``snapshot [B, HV, N, K, V]`` (serial route only) receives every node's state. ``gates = (a, b, A_log,
+    dt_bias)`` (parallel route only; ``a, b [B, N, HV]`` at any strides): the launch computes each node's gate and
+    beta from them (``specla::gdn_gates_commit_verify_``) and writes them into ``g`` and ``beta``, contiguous."""
     if route not in ROUTES:
         raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
     if snapshot is not None and route != "serial":
         raise ValueError("snapshot is only produced by the serial route")
+    if gates is not None and (route != "parallel" or not (g.is_contiguous() and beta.is_contiguous())):
+        raise ValueError("gates are computed in the parallel route's launch alone, into contiguous g and beta")
     config = config or KernelConfig()
     if pending is not None and config.separate_commit is not None:
         commit_(state, *pending, config=config.separate_commit)
@@ -530,9 +558,11 @@ def tree_verify(
                  HAS_PENDING=has_pending, SK=sk, SV=sv, num_warps=config.num_warps)
     if route == "parallel":
         bt = _pow2_at_least(n, 16)
+        a, b, a_log, dt_bias = gates if gates is not None else (g, g, g, g)  # (unread without GATES)
         _parallel_kernel[(grid_v, batch * hv)](
-            q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num, scale, n, n_pending,
-            BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1,
+            q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num,
+            a, b, a_log.contiguous(), dt_bias.contiguous(), *_row_node_head(a), *_row_node_head(b), scale, n, n_pending,
+            BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1, GATES=gates is not None,
             # tf32 keeps the error under a bf16 output's rounding; fp32 inputs get fp32-grade products
             PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape, **launch_args(q.device),
         )
@@ -672,10 +702,10 @@ def commit_verify_one_token_conv_gates(
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`commit_verify_one_token_gates` from the projection: the q/k/v short convs of ``xs [B, 1, D]`` (any
-    strides) from their contiguous ``conv_states [B, D, S]``, into which the launch commits the first
-    ``num_pending[b]`` rows of ``conv_pending [B, A, D]``, and contiguous ``conv_weights [D, W]``, bias-free. Returns ``(o, k_hat,
-    g, beta, v, *copies of xs)`` like ``specla::gdn_conv_gates_commit_verify_`` (``v [B, 1, HV, V]``: the conv's
-    output as the heads the recurrence read)."""
+    strides, bias-free, contiguous ``conv_weights [D, W]``) from their contiguous ``conv_states [B, D, S]``, into which
+    the launch commits the first ``num_pending[b]`` rows of ``conv_pending [B, A, D]``. Returns ``(o, k_hat, g, beta,
+    v, *copies of xs)`` like ``specla::gdn_conv_gates_commit_verify_`` (``v [B, 1, HV, V]``: the conv's output as the
+    heads the recurrence read)."""
     batch, hv, dk, dv = state.shape
     heads = xs[0].shape[-1] // dk
     if not one_token_conv_gates_fits(xs, state):

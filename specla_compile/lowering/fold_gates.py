@@ -127,11 +127,12 @@ def _heads_match(beta: fx.Node, *gate_inputs: fx.Node) -> bool:
     return len(shape) == len(a) == len(b) == 3 and a[-1] == b[-1] == shape[-1] and tuple(a_log) == tuple(dt_bias) == (shape[-1],)
 
 
-def fold_gates(gm: fx.GraphModule, nodes: int | None = None) -> int:
-    """Rewrite, in place, every one-node ``specla.gdn_commit_verify_`` whose gate and beta are fla's expressions of
-    their projections into ``specla.gdn_gates_commit_verify_`` (see the module docstring); returns the number
-    folded. ``nodes``: the graph's nodes a row, where its example values leave the count symbolic (the static
-    engine's one graph for every bucket)."""
+def fold_gates(gm: fx.GraphModule, nodes: int | None = None, drafted: bool = False) -> int:
+    """Rewrite, in place, every one-node ``specla.gdn_commit_verify_`` (with ``drafted``, of any node count: the
+    parallel route's kernel computes them too) whose gate and beta are fla's expressions of their projections into
+    ``specla.gdn_gates_commit_verify_`` (see the module docstring); returns the number folded. ``nodes``: the
+    graph's nodes a row, where its example values leave the count symbolic (the static engine's one graph for every
+    bucket)."""
     graph = gm.graph
     fake_mode = graph_fake_mode(graph)
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -143,7 +144,7 @@ def fold_gates(gm: fx.GraphModule, nodes: int | None = None) -> int:
         count = nodes if nodes is not None else example_value(parents).shape[1]
         gate, sigmoid = _gate(g), _args(beta, SIGMOIDS, "sigmoid", 1)
         b = _float32_of(sigmoid[0]) if sigmoid else None
-        if count != 1 or gate is None or b is None or not _heads_match(beta, gate[0], b, *gate[1:]):
+        if (count != 1 and not drafted) or gate is None or b is None or not _heads_match(beta, gate[0], b, *gate[1:]):
             continue
         a, a_log, dt_bias = gate
         if any(order[u] < order[verify] for t in (g, beta) for u in t.users) or not _unwritten_before(
@@ -194,8 +195,9 @@ def fold_convs(gm: fx.GraphModule) -> int:
                                                             convs.args[7:10], convs.args[10:13])
         conv_parents, silu = convs.args[13:15]
         _, value_heads, dk, dv = example_value(state).shape
-        if not (_conv_head(q, convs, 0, (None, dk)) and _conv_head(k, convs, 1, (None, dk))
-                and _conv_head(v, convs, 2, (value_heads, dv), alone=False)) or (conv_num, conv_parents) != (num_pending, parents):
+        heads = (_conv_head(q, convs, 0, (None, dk)) and _conv_head(k, convs, 1, (None, dk))
+                 and _conv_head(v, convs, 2, (value_heads, dv), alone=False))
+        if not heads or (conv_num, conv_parents) != (num_pending, parents):
             continue
         if any(order[user] < order[verify] for user in v.users):
             continue  # (v's heads are the pass's v record too: the fused op returns them)
