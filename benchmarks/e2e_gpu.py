@@ -10,6 +10,7 @@ is wrong, each sibling holds the true token with probability p in turn (a drafte
 
     python benchmarks/e2e_gpu.py --out $OUT                      # every section (H200, about 10 minutes)
     python benchmarks/e2e_gpu.py --sections fla_b1 --layers 4    # a quick look
+    python benchmarks/e2e_gpu.py --sections fold_ab --out $OUT   # the folds not yet timed against the defaults
     python benchmarks/e2e_gpu.py --plot benchmarks/results/e2e_gpu.json   # markdown + PNG from a JSON
 
 Decode figures exclude the prompt's prefill (the same eager call for every route); ``e2e`` figures
@@ -47,7 +48,7 @@ CHAIN_LENGTHS = (2, 4, 8, 12)
 TREES = ((2, 16), (4, 16), (2, 32), (4, 32))  # (top_k, nodes)
 BACKEND_OPTIONS: dict = {}  # --backend: the specla backend's options for every compile of this process
 ORACLE = {"device": True}  # --oracle: the controlled routes' drafts made on the device (else on the host)
-SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile", "fla_passes")
+SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile", "fla_passes", "fold_ab")
 
 
 def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.nn.Module:
@@ -569,6 +570,58 @@ def fla_passes(args, results: dict) -> None:
     plain.step.zero_()
 
 
+FOLD_AB = {  # option sets fold_ab times against the defaults: the folds built but not yet timed (docs/speed.md)
+    "defaults": [], "fold_swiglu": ["fold_swiglu=True"], "fold_convs": ["fold_convs=True"],
+    "fold_gates_drafted": ["fold_gates_drafted=True"],
+    "all three": ["fold_swiglu=True", "fold_convs=True", "fold_gates_drafted=True"],
+}
+
+
+def fold_ab(args, results: dict) -> None:
+    """``fla_passes`` in a child process for each of ``FOLD_AB``'s option sets (with ``--backend``'s options first):
+    each compiles its own twins, on the machine's warm caches where they hold them; about 1.5 minutes a set."""
+    section = results.setdefault("fold_ab", {})
+    for name, options in FOLD_AB.items():
+        backend = [*args.backend, *options]
+        with tempfile.TemporaryDirectory() as out:
+            command = [sys.executable, __file__, "--sections", "fla_passes", "--layers", str(args.layers or 24),
+                       "--prompts", str(args.prompts), "--out", out] + (["--backend", *backend] if backend else [])
+            print(f"fold_ab: {name} ({' '.join(backend) or 'the defaults'})", flush=True)
+            run = subprocess.run(command, capture_output=True, text=True, timeout=400)
+            path = os.path.join(out, "e2e_gpu.json")
+            passes = json.load(open(path)).get("fla_passes", {}) if os.path.exists(path) else {}
+        keep = ("plain_ms_per_token", "pass_ms", "pass_ms_tree")
+        section[name] = {"backend": backend, **{k: passes[k] for k in keep if k in passes},
+                         "kernels_1": passes.get("profile_1", {}).get("kernels_per_pass")}
+        if "pass_ms" not in passes:
+            section[name]["error"] = run.stderr[-2000:]
+        print(name, section[name], flush=True)
+        write_report(results, args.out)
+
+
+def fold_ab_markdown(section: dict) -> list[str]:
+    """``fold_ab``'s table: each option set's plain decoding and passes, and their ratio to the defaults'."""
+    base = section.get("defaults", {})
+    if "pass_ms" not in base:
+        return []
+
+    def cell(value, reference) -> str:
+        return f"{value:.3f} ({value / reference:.3f})" if value and reference else "-"
+
+    lines = ["", "Folds against the defaults (`fold_ab`; ms, and the ratio to the defaults' in one call):", "",
+             "| options | plain ms/token | 1-node pass | 16-node chain | 16-node tree | 32-node tree | kernels, 1-node |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, run in section.items():
+        if "pass_ms" not in run:
+            lines.append(f"| {name} | failed: see the JSON | | | | | |")
+            continue
+        values = [(run.get("plain_ms_per_token"), base.get("plain_ms_per_token"))]
+        values += [(run["pass_ms"].get(n), base["pass_ms"].get(n)) for n in ("1", "16")]
+        values += [(run.get("pass_ms_tree", {}).get(n), base.get("pass_ms_tree", {}).get(n)) for n in ("16", "32")]
+        lines.append(f"| {name} | " + " | ".join(cell(v, r) for v, r in values) + f" | {run.get('kernels_1')} |")
+    return lines
+
+
 def fla_profile(args, results: dict) -> None:
     """What bounds plain decoding and a 16-node pass, in about two minutes: the plain loop's time per
     token, its blocks, graph launch against replay time, and kernel and operator profiles."""
@@ -875,6 +928,7 @@ def write_report(results: dict, out_dir: str) -> None:
     lines += profile_markdown(b1.get("profile"), b1.get("weights_gb", 2.93) / 4.2)
     lines += op_profile_markdown(results.get("fla_profile", {}))
     lines += layer_markdown(results)
+    lines += fold_ab_markdown(results.get("fold_ab", {}))
     lines += ["", b1["profile_note"]] if b1.get("profile_note") else []
     if b1.get("chain"):
         lines += ["", "Chain speedup over graphed plain decoding (B=1, 128 new tokens, decode phase):", "",
@@ -1021,8 +1075,9 @@ def set_inductor_config(pairs: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--sections", nargs="+", default=[s for s in SECTIONS if s != "fla_passes"], choices=SECTIONS,
-                        help="default: all but fla_passes (the passes alone, which fla_b1 times too)")
+    parser.add_argument("--sections", nargs="+", default=[s for s in SECTIONS if s not in ("fla_passes", "fold_ab")],
+                        choices=SECTIONS, help="default: all but fla_passes (the passes alone, which fla_b1 times too) "
+                        "and fold_ab (fla_passes under each fold not yet timed)")
     parser.add_argument("--layers", type=int, default=None, help="fla model depth (default: 24, the 1.3B shape)")
     parser.add_argument("--qwen-layers", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=4)
