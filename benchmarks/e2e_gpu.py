@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -543,7 +544,8 @@ def fla_passes(args, results: dict) -> None:
     section = results.setdefault("fla_passes", {"pdl": pdl.enabled(torch.device("cuda"))})
     gen = make_generator(model)
     gen.decode(prompt, 2)
-    section["plain_ms_per_token"] = run_route(gen, prompts, args.new_tokens, plain=True)["ms_per_token"]
+    plain = run_route(gen, prompts, args.new_tokens, plain=True)
+    section["plain_ms_per_token"], section["plain_tokens_sha1"] = plain["ms_per_token"], tokens_sha1(plain["sequences"])
     print(f"plain graphed: {section['plain_ms_per_token']:.3f} ms/token", flush=True)
     default = generator_module.PLAIN_LOOKAHEAD
     for ahead in (0, 2, default, 8):  # passes queued behind a block while the host reads it (0: the GPU waits)
@@ -570,6 +572,11 @@ def fla_passes(args, results: dict) -> None:
     plain.step.zero_()
 
 
+def tokens_sha1(sequences: list[torch.Tensor]) -> str:
+    """A short digest of generated token ids: equal runs, equal digests (how ``fold_ab`` compares option sets)."""
+    return hashlib.sha1(b"".join(s.cpu().numpy().astype(np.int64).tobytes() for s in sequences)).hexdigest()[:12]
+
+
 FOLD_AB = {  # option sets fold_ab times against the defaults: the folds built but not yet timed (docs/speed.md)
     "defaults": [], "fold_swiglu": ["fold_swiglu=True"], "fold_convs": ["fold_convs=True"],
     "fold_gates_drafted": ["fold_gates_drafted=True"],
@@ -590,7 +597,7 @@ def fold_ab(args, results: dict) -> None:
             run = subprocess.run(command, capture_output=True, text=True, timeout=400)
             path = os.path.join(out, "e2e_gpu.json")
             passes = json.load(open(path)).get("fla_passes", {}) if os.path.exists(path) else {}
-        keep = ("plain_ms_per_token", "pass_ms", "pass_ms_tree")
+        keep = ("plain_ms_per_token", "plain_tokens_sha1", "pass_ms", "pass_ms_tree")
         section[name] = {"backend": backend, **{k: passes[k] for k in keep if k in passes},
                          "kernels_1": passes.get("profile_1", {}).get("kernels_per_pass")}
         if "pass_ms" not in passes:
@@ -609,16 +616,18 @@ def fold_ab_markdown(section: dict) -> list[str]:
         return f"{value:.3f} ({value / reference:.3f})" if value and reference else "-"
 
     lines = ["", "Folds against the defaults (`fold_ab`; ms, and the ratio to the defaults' in one call):", "",
-             "| options | plain ms/token | 1-node pass | 16-node chain | 16-node tree | 32-node tree | kernels, 1-node |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| options | plain ms/token | 1-node pass | 16-node chain | 16-node tree | 32-node tree | kernels, 1-node "
+             "| plain tokens as the defaults' |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, run in section.items():
         if "pass_ms" not in run:
-            lines.append(f"| {name} | failed: see the JSON | | | | | |")
+            lines.append(f"| {name} | failed: see the JSON | | | | | | |")
             continue
         values = [(run.get("plain_ms_per_token"), base.get("plain_ms_per_token"))]
         values += [(run["pass_ms"].get(n), base["pass_ms"].get(n)) for n in ("1", "16")]
         values += [(run.get("pass_ms_tree", {}).get(n), base.get("pass_ms_tree", {}).get(n)) for n in ("16", "32")]
-        lines.append(f"| {name} | " + " | ".join(cell(v, r) for v, r in values) + f" | {run.get('kernels_1')} |")
+        same = run.get("plain_tokens_sha1") == base.get("plain_tokens_sha1") is not None
+        lines.append(f"| {name} | " + " | ".join(cell(v, r) for v, r in values) + f" | {run.get('kernels_1')} | "
+                     + ("yes" if same else "no") + " |")
     return lines
 
 

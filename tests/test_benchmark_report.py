@@ -73,7 +73,8 @@ def test_warm_start_times_a_child_on_empty_caches_then_one_on_the_caches_it_fill
 
 def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios(tmp_path, monkeypatch):
     """Each option set of ``FOLD_AB`` is one child ``fla_passes`` with ``--backend``'s options first, then its own;
-    the table divides each by the defaults' figures, and a child that timed nothing is reported, not dropped."""
+    the table divides each by the defaults' figures and says whether its plain tokens were the defaults', and a child
+    that timed nothing is reported, not dropped."""
     commands = []
 
     def child(command, **_):
@@ -83,7 +84,8 @@ def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios
         if "fold_convs=True" in options and len(options) == 2:  # (the fold_convs child fails)
             return argparse.Namespace(stdout="", stderr="Traceback: boom")
         speed = 0.9 if "fold_swiglu=True" in options else 1.0
-        passes = {"plain_ms_per_token": 1.5 * speed, "pass_ms": {"1": 1.4 * speed, "16": 1.75},
+        passes = {"plain_ms_per_token": 1.5 * speed, "plain_tokens_sha1": "ab" if len(options) < 3 else "cd",
+                  "pass_ms": {"1": 1.4 * speed, "16": 1.75},
                   "pass_ms_tree": {"16": 1.75, "32": 2.0}, "profile_1": {"kernels_per_pass": 258.0}}
         Path(out, "e2e_gpu.json").write_text(json.dumps({"fla_passes": passes}))
         return argparse.Namespace(stdout="", stderr="")
@@ -96,8 +98,8 @@ def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios
     assert all(c[c.index("--backend") + 1] == "regional=True" for c in commands)
     assert results["fold_ab"]["fold_convs"]["error"].endswith("boom")
     table = (tmp_path / "e2e_gpu.md").read_text()
-    assert "| fold_swiglu | 1.350 (0.900) | 1.260 (0.900) | 1.750 (1.000) | 1.750 (1.000) | 2.000 (1.000) | 258.0 |" in table
-    assert "| fold_convs | failed: see the JSON |" in table
+    assert "| fold_swiglu | 1.350 (0.900) | 1.260 (0.900) | 1.750 (1.000) | 1.750 (1.000) | 2.000 (1.000) | 258.0 | yes |" in table
+    assert "| fold_convs | failed: see the JSON |" in table and table.rstrip().endswith("| 258.0 | no |")  # (all three)
 
 
 def test_plain_target_is_the_b1_run_else_the_profile_run_and_operators_reach_the_report(tmp_path):
