@@ -28,8 +28,8 @@ computed inside the recurrence's launch in the static twins of one node a row (p
 :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's 1-node pass on an H200 from 1.503-1.513 to 1.420 ms
 (``e2e_gpu.md``, ``fold_ab``); ``fold_convs`` — False (default; built, not yet timed on a GPU): True also runs
 the q/k/v short convs inside that launch (:func:`.lowering.fold_gates.fold_convs`); ``fold_gates_drafted`` — False
-(default; built, not yet timed on a GPU): the gates of the twins of more nodes whose route is the parallel one
-(by the default cost model, drafted passes of more than 6 nodes) computed inside its launch; ``fold_swiglu`` — False
+(default; built, not yet timed on a GPU): the gates of the twins of more nodes whose passes all take the parallel
+route (by the default cost model, more than 6 nodes) computed inside its launch; ``fold_swiglu`` — False
 (default; built, not yet timed on a GPU): True runs, on CUDA, the one-token twin's (B=1) bf16 MLP
 ``silu(gate) * up`` inside its down projection, one launch of the same one-row
 GEMV (:func:`.lowering.fold_norms.fold_swiglu`); ``triton_linears`` — False (default): True runs, on
@@ -195,6 +195,14 @@ class SpeculativeGraph:
             raise RuntimeError(f"specla cannot verify through this graph: {self.unverifiable}")
         return self._verify(session, args)
 
+    def _parallel_at(self, nodes: int) -> bool:
+        """Whether every pass of ``nodes`` nodes takes the parallel route: forced by ``verify_kernel``, or so by the
+        cost model even for a chain (which favours the walking routes most). One twin serves every bucket of its size,
+        whatever each bucket's topology, and its op re-decides the route at each call."""
+        forced = contextlib.nullcontext() if self.verify_kernel == "auto" else dispatch.use_route(self.verify_kernel)
+        with forced, dispatch.topology_hint(dispatch.TopologyHint.chain(nodes)):
+            return dispatch.choose_route(nodes) == "parallel"
+
     def _twin_for(self, inputs: list, rows: int) -> Callable:
         """The static twin of these inputs' sizes (``rows`` tokens in all), compiled at the first call of a size."""
         key = tuple(inputs[i] if isinstance(inputs[i], int) else tuple(inputs[i].shape) for i in self.size_inputs)
@@ -214,7 +222,7 @@ class SpeculativeGraph:
                 log.info("specla: %d GDN layers' gates folded into their recurrence", fold_gates(gm, nodes))
                 if "fold_convs" in on:
                     log.info("specla: %d GDN layers' q/k/v convs folded into their recurrence", fold_convs(gm))
-            elif "fold_gates_drafted" in on and dispatch.choose_route(nodes) == "parallel":  # (its kernel takes them)
+            elif "fold_gates_drafted" in on and self._parallel_at(nodes):  # (its kernel takes them)
                 folded = fold_gates(gm, nodes, drafted=True)
                 log.info("specla: %d GDN layers' gates folded into their parallel verify", folded)
             if rows <= ops.LINEAR_MAX_ROWS:

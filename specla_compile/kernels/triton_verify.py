@@ -311,18 +311,10 @@ def _parallel_kernel(
     prow = tl.load(parents + b * N + rt, mask=mt, other=_PAD)
     incl = _ancestor_matrix(prow, rt, LOG2BT)
     strict = incl & (rt[:, None] != rt[None, :])
-    if GATES:
-        a_t = tl.load(a + b * SA_ROW + rt * SA_NODE + hv * SA_HEAD, mask=mt, other=0.0).to(tl.float32)
-        b_t = tl.load(b_proj + b * SB_ROW + rt * SB_NODE + hv * SB_HEAD, mask=mt, other=0.0).to(tl.float32)
-        gt, bt = _gates_of(a_t, b_t, a_log, dt_bias, hv)
-        gt, bt = tl.where(mt, gt, 0.0), tl.where(mt, bt, 0.0)
-        if i_v == 0:
-            tl.store(g + (b * N + rt) * HV + hv, gt, mask=mt)
-            tl.store(beta + (b * N + rt) * HV + hv, bt, mask=mt)
-    else:
+    if not GATES:
         gt = tl.load(g + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
         bt = tl.load(beta + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
-    gamma = tl.sum(tl.where(incl, gt[None, :], 0.0), 1)
+        gamma = tl.sum(tl.where(incl, gt[None, :], 0.0), 1)
 
     kk = tl.zeros([BT, BT], dtype=tl.float32)
     qk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -352,6 +344,15 @@ def _parallel_kernel(
         ks = ks * k_inv[:, None]
         qs = qs * q_inv[:, None]
 
+    if GATES:  # (after the K loop: fewer registers live across it, measured offline at 32 nodes)
+        a_t = tl.load(a + b * SA_ROW + rt * SA_NODE + hv * SA_HEAD, mask=mt, other=0.0).to(tl.float32)
+        b_t = tl.load(b_proj + b * SB_ROW + rt * SB_NODE + hv * SB_HEAD, mask=mt, other=0.0).to(tl.float32)
+        gt, bt = _gates_of(a_t, b_t, a_log, dt_bias, hv)
+        gt, bt = tl.where(mt, gt, 0.0), tl.where(mt, bt, 0.0)
+        if i_v == 0:
+            tl.store(g + (b * N + rt) * HV + hv, gt, mask=mt)
+            tl.store(beta + (b * N + rt) * HV + hv, bt, mask=mt)
+        gamma = tl.sum(tl.where(incl, gt[None, :], 0.0), 1)
     decay = tl.where(incl, tl.exp(tl.where(incl, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
     a = tl.where(strict, bt[:, None] * decay * kk, 0.0)
     t_inv = _unit_lower_inverse(a, rt, LOG2BT, PREC)
@@ -500,7 +501,7 @@ def _strides(state: torch.Tensor) -> tuple[int, int]:
 
 
 def _row_node_head(x: torch.Tensor) -> tuple[int, int, int]:
-    """The strides of a ``[B, N, HV]`` gate projection over its rows, nodes and value heads (0 for anything else)."""
+    """The strides of a ``[B, N, HV]`` gate projection over its rows, nodes and value heads (unread stand-ins: 0)."""
     return tuple(x.stride()) if x.dim() == 3 else (0, 0, 0)
 
 
@@ -537,8 +538,10 @@ def tree_verify(
         raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
     if snapshot is not None and route != "serial":
         raise ValueError("snapshot is only produced by the serial route")
-    if gates is not None and (route != "parallel" or not (g.is_contiguous() and beta.is_contiguous())):
-        raise ValueError("gates are computed in the parallel route's launch alone, into contiguous g and beta")
+    if gates is not None and (route != "parallel" or not (g.is_contiguous() and beta.is_contiguous())
+                              or gates[0].shape != g.shape or gates[1].shape != g.shape):
+        raise ValueError("gates are computed in the parallel route's launch alone, from a and b [B, N, HV] into "
+                         "contiguous g and beta of their shape")
     config = config or KernelConfig()
     if pending is not None and config.separate_commit is not None:
         commit_(state, *pending, config=config.separate_commit)
