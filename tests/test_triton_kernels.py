@@ -131,7 +131,7 @@ def test_one_token_pass_computes_its_gates(layout, source, l2, with_pending):
     pending = (records, num) if with_pending else None
     state = in_layout(x["state"], layout)
     with poisoned_allocations():
-        outs = tv.commit_verify_one_token_gates(x["q"], x["k"], x["v"], *gates, state, SCALE, l2, config=config,
+        outs = tv.commit_verify_one_token_gates(x["q"], x["k"], x["v"], gates, state, SCALE, l2, config=config,
                                                 pending=tv.Pending(*records, num) if with_pending else None)
     o, k_hat, g, beta = outs
     ref_o, ref_k, ref_state, ref_g, ref_beta = gates_commit_verify_oracle(x, gates, parents, SCALE, l2, pending)
@@ -179,7 +179,7 @@ def test_one_token_pass_convolves_its_projection(layout, nums, l2):
     state = in_layout(case["state"], layout)
     with poisoned_allocations():
         got = tv.commit_verify_one_token_conv_gates(xs, conv_states, case["weights"], case["conv_pending"], case["num"],
-                                                    True, *case["gates"], state, SCALE, l2,
+                                                    True, case["gates"], state, SCALE, l2,
                                                     pending=tv.Pending(*case["records"], case["num"]),
                                                     config=KernelConfig(block_v=8, num_warps=2))
     assert len(got) == len(expected) == 8
@@ -205,12 +205,12 @@ def test_the_conv_fold_computes_what_the_unfused_kernels_do(source, conv_dtype, 
     fused_state, split_state = case["state"].clone(), case["state"].clone()
     config, pending = KernelConfig(block_v=8, num_warps=2), tv.Pending(*case["records"], case["num"])
     fused = tv.commit_verify_one_token_conv_gates(case["xs"], fused_states, case["weights"], case["conv_pending"],
-                                                  case["num"], True, *case["gates"], fused_state, SCALE, True,
+                                                  case["num"], True, case["gates"], fused_state, SCALE, True,
                                                   pending=pending, config=config)
     ys_rows = tc.three_tree_convs(case["xs"], split_states, case["weights"], case["conv_pending"], case["num"],
                                   case["parents"], True)
     q, k, v = ops.conv_heads(ys_rows[:3], split_state)
-    split = (*tv.commit_verify_one_token_gates(q, k, v, *case["gates"], split_state, SCALE, True, pending=pending,
+    split = (*tv.commit_verify_one_token_gates(q, k, v, case["gates"], split_state, SCALE, True, pending=pending,
                                                config=config), v, *ys_rows[3:])
     assert all(torch.equal(a, b) for a, b in zip(fused, split, strict=True))
     assert all(torch.equal(a, b) for a, b in zip((*fused_states, fused_state), (*split_states, split_state)))

@@ -89,15 +89,15 @@ def _gdn_gates_commit_verify_(state, pending_k, pending_v, pending_g, pending_be
             or not (route == "parallel" or (route == "serial" and nodes == 1))):
         g, beta = reference.gdn_gates_reference(a, b, a_log, dt_bias)
         return (*_gdn_commit_verify_(state, *records, q, k, v, g, beta, parents, scale, use_qk_l2norm), g, beta)
-    pending = triton_verify.Pending(*records)
+    pending, gates = triton_verify.Pending(*records), triton_verify.GateProjections(a, b, a_log, dt_bias)
     config = dispatch.kernel_config(route, nodes, pending=True, batch=batch)
     if route == "serial":
         return _in_place(state, lambda s: triton_verify.commit_verify_one_token_gates(
-            q, k, v, a, b, a_log, dt_bias, s, scale, use_qk_l2norm, pending=pending, config=config), _kernel_layout)
+            q, k, v, gates, s, scale, use_qk_l2norm, pending=pending, config=config), _kernel_layout)
     g, beta = (torch.empty(a.shape, dtype=torch.float32, device=a.device) for _ in range(2))
     o, k_hat = _in_place(state, lambda s: triton_verify.tree_verify(
         q, k, v, g, beta, parents, s, scale, use_qk_l2norm, route=route, pending=pending, config=config,
-        gates=(a, b, a_log, dt_bias)), _kernel_layout)
+        gates=gates), _kernel_layout)
     return o, k_hat, g, beta
 
 
@@ -137,7 +137,8 @@ def _gdn_conv_gates_commit_verify_(conv_states, conv_pending, xs, conv_weights, 
     config = dispatch.kernel_config("serial", 1, pending=True, batch=parents.shape[0])
     weights, pending_xs = ([t.contiguous() for t in ts] for ts in (conv_weights, conv_pending))
     return _in_place(state, lambda s: triton_verify.commit_verify_one_token_conv_gates(
-        xs, conv_states, weights, pending_xs, num_pending, silu, a, b, a_log, dt_bias, s, scale, use_qk_l2norm,
+        xs, conv_states, weights, pending_xs, num_pending, silu, triton_verify.GateProjections(a, b, a_log, dt_bias), s,
+        scale, use_qk_l2norm,
         pending=triton_verify.Pending(*records), config=config), _kernel_layout)
 
 

@@ -478,6 +478,15 @@ class Pending(NamedTuple):
     num: torch.Tensor  # [B]
 
 
+class GateProjections(NamedTuple):
+    """What fla's gates are computed from, where a launch computes them itself (the backend's ``fold_gates``)."""
+
+    a: torch.Tensor  # [B, N, HV], any strides: -exp(A_log) * softplus(a + dt_bias)
+    b: torch.Tensor  # [B, N, HV], any strides: sigmoid(b)
+    a_log: torch.Tensor  # [HV]
+    dt_bias: torch.Tensor  # [HV]
+
+
 def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(n))
 
@@ -526,14 +535,14 @@ def tree_verify(
     pending: Pending | None = None,
     config: KernelConfig | None = None,
     snapshot: torch.Tensor | None = None,
-    gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    gates: GateProjections | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a tree with one route; returns ``(o, k_hat)`` like ``specla::gdn_tree_verify``.
 
     ``pending`` first commits accepted records into ``state`` in place (``specla::gdn_commit_verify_``).
-    ``snapshot [B, HV, N, K, V]`` (serial route only) receives every node's state. ``gates = (a, b, A_log,
-    dt_bias)`` (parallel route only; ``a, b [B, N, HV]`` at any strides): the launch computes each node's gate and
-    beta from them (``specla::gdn_gates_commit_verify_``) and writes them into ``g`` and ``beta``, contiguous."""
+    ``snapshot [B, HV, N, K, V]`` (serial route only) receives every node's state. ``gates`` (parallel route only):
+    the launch computes each node's gate and beta from them (``specla::gdn_gates_commit_verify_``) and writes them
+    into ``g`` and ``beta``, contiguous."""
     if route not in ROUTES:
         raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
     if snapshot is not None and route != "serial":
@@ -616,12 +625,13 @@ def commit_(
     )
 
 
-def _one_token_launch(kernel, inputs: tuple, heads: int, dk: int, hv: int, dv: int, dtype: torch.dtype, a: torch.Tensor,
-                      b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, scale: float,
-                      use_qk_l2norm: bool, pending: Pending | None, config: KernelConfig | None,
+def _one_token_launch(kernel, inputs: tuple, heads: int, dk: int, hv: int, dv: int, dtype: torch.dtype,
+                      gates: GateProjections, state: torch.Tensor, scale: float, use_qk_l2norm: bool,
+                      pending: Pending | None, config: KernelConfig | None,
                       **constexprs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch a one-node gates kernel over (V tiles, B * HV) after its own ``inputs``; returns ``(o, k_hat, g, beta)``."""
     config = config or KernelConfig()
+    a, b, a_log, dt_bias = gates
     batch, device = a.shape[0], a.device
     o = torch.empty(batch, 1, hv, dv, dtype=dtype, device=device)
     k_hat = torch.empty(batch, 1, heads, dk, dtype=torch.float32, device=device)
@@ -640,27 +650,16 @@ def _one_token_launch(kernel, inputs: tuple, heads: int, dk: int, hv: int, dv: i
 
 
 def commit_verify_one_token_gates(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool,
-    *,
-    pending: Pending | None = None,
-    config: KernelConfig | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: GateProjections, state: torch.Tensor, scale: float,
+    use_qk_l2norm: bool, *, pending: Pending | None = None, config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A one-node pass (``q [B, 1, H, K]``) with its gates computed from ``a, b [B, 1, HV]`` and ``a_log, dt_bias
-    [HV]`` in the launch; returns ``(o, k_hat, g, beta)`` like ``specla::gdn_gates_commit_verify_``."""
+    """A one-node pass (``q [B, 1, H, K]``) with its gates computed from ``gates`` in the launch; returns ``(o, k_hat,
+    g, beta)`` like ``specla::gdn_gates_commit_verify_``."""
     if q.shape[1] != 1:
         raise ValueError(f"commit_verify_one_token_gates takes one node a row, got {q.shape[1]}")
     q, k, v = (t.contiguous() for t in (q, k, v))
     return _one_token_launch(_one_token_gates_kernel, (q, k, v), q.shape[2], q.shape[3], v.shape[2], v.shape[3], v.dtype,
-                             a, b, a_log, dt_bias, state, scale, use_qk_l2norm, pending, config)
+                             GateProjections(*gates), state, scale, use_qk_l2norm, pending, config)
 
 
 _READERS: dict[tuple, torch.Tensor] = {}
@@ -693,10 +692,7 @@ def commit_verify_one_token_conv_gates(
     conv_pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     num_pending: torch.Tensor,
     silu: bool,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    gates: GateProjections,
     state: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
@@ -721,7 +717,7 @@ def commit_verify_one_token_conv_gates(
     width = conv_states[0].shape[2]
     inputs = (*xs, *(stride for x in xs for stride in (x.stride(0), x.stride(2))), *conv_states, *conv_pending,
               *conv_weights, *rows, v, _readers(conv_states[0], batch * heads), num_pending, width, conv_pending[0].shape[1])
-    outputs = _one_token_launch(_one_token_conv_gates_kernel, inputs, heads, dk, hv, dv, xs[0].dtype, a, b, a_log,
-                                dt_bias, state, scale, use_qk_l2norm, pending, config, W=conv_weights[0].shape[1],
-                                BS=triton.next_power_of_2(width), SILU=silu)
+    outputs = _one_token_launch(_one_token_conv_gates_kernel, inputs, heads, dk, hv, dv, xs[0].dtype,
+                                GateProjections(*gates), state, scale, use_qk_l2norm, pending, config,
+                                W=conv_weights[0].shape[1], BS=triton.next_power_of_2(width), SILU=silu)
     return (*outputs, v, *rows)
