@@ -174,3 +174,28 @@ def test_graphed_pipelined_eagle_drafting_equals_the_host_loop_and_plain_decodin
         assert (drafter._device_cached is not None) == (pipelined is None)
     plain_out = gen.decode(prompts, max_new_tokens=16, eos_token_id=eos, pad_token_id=VOCAB + 1).sequences.tolist()
     assert outs[None] == outs[False] == plain_out
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_graphed_decoding_through_the_folds_not_yet_timed_equals_plain_eager_decoding(mode, caplog):
+    """The backend's ``fold_convs`` and ``fold_gates_drafted`` (``fold_swiglu`` too, which folds bf16 MLPs only) on a
+    small fp32 fla model in CUDA graphs, two rows, one stopping at EOS: the one-node twin runs each layer's convs,
+    gates and recurrence in one launch, the 8-node and 16-node twins their gates in the parallel route's; drafted and
+    plain decoding give plain eager decoding's tokens."""
+    model = tiny_model("fla").cuda()
+    prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(23)).cuda()
+    refs = [plain(model, p, 20)[0][0, 6:].tolist() for p in prompts]
+    eos = refs[1][9]
+    config = SpecConfig(mode=mode, depth=7 if mode == "chain" else 4, tree_top_k=2, budget=15, bucket=8 if mode == "chain" else 16)
+    options = {**COMPILE, "inner": "inductor", "fold_convs": True, "fold_gates_drafted": True, "fold_swiglu": True}
+    gen = SpeculativeGenerator(model, OracleDrafter([r + [0] * 16 for r in refs], error_rate=0.25, seed=3), config,
+                               compile_options=options)
+    with caplog.at_level(logging.INFO, logger="specla_compile"):
+        drafted = gen.generate(prompts, max_new_tokens=20, eos_token_id=eos, pad_token_id=VOCAB + 1)
+        decoded = gen.decode(prompts, max_new_tokens=20, eos_token_id=eos, pad_token_id=VOCAB + 1)
+    assert "q/k/v convs folded into their recurrence" in caplog.text
+    assert "gates folded into their parallel verify" in caplog.text
+    for b in range(2):
+        expected = plain(model, prompts[b], 20, eos)[0][0, 6:].tolist()
+        assert drafted.sequences[b, 6 : 6 + len(expected)].tolist() == expected
+        assert decoded.sequences[b, 6 : 6 + len(expected)].tolist() == expected
