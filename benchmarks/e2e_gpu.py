@@ -588,7 +588,8 @@ def fold_ab(args, results: dict) -> None:
     """``fla_passes`` in a child process for each of ``FOLD_AB``'s option sets (with ``--backend``'s options first):
     each compiles its own twins, on the machine's warm caches where they hold them; about 1.5 minutes a set."""
     section = results.setdefault("fold_ab", {})
-    for name, options in FOLD_AB.items():
+    for name in args.ab_sets or FOLD_AB:  # (the defaults first: the table divides by them)
+        options = FOLD_AB[name]
         backend = [*args.backend, *options]
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, __file__, "--sections", "fla_passes", "--layers", str(args.layers or 24),
@@ -1096,6 +1097,8 @@ def main() -> None:
                              "for independent pointwise kernels): an A/B of inductor's options against a run without")
     parser.add_argument("--backend", nargs="+", metavar="KEY=VALUE", default=[],
                         help="options of the specla backend for every compile, e.g. fold_norms=True: an A/B against a run without")
+    parser.add_argument("--ab-sets", nargs="+", choices=list(FOLD_AB), default=None,
+                        help="fold_ab's option sets to run (default: all, about 1.5 minutes each on a warm machine)")
     parser.add_argument("--oracle", choices=("device", "host"), default="device",
                         help="where the controlled routes' oracle drafts after a call's first pass (default: the device, "
                              "as a GPU drafter does; fla_batch also times the host's at its target route)")

@@ -92,7 +92,7 @@ def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios
 
     monkeypatch.setattr(e2e_gpu.subprocess, "run", child)
     results = {}
-    args = argparse.Namespace(layers=None, prompts=4, backend=["regional=True"], out=str(tmp_path))
+    args = argparse.Namespace(layers=None, prompts=4, backend=["regional=True"], out=str(tmp_path), ab_sets=None)
     e2e_gpu.fold_ab(args, results)
     assert len(commands) == len(e2e_gpu.FOLD_AB)
     assert all(c[c.index("--backend") + 1] == "regional=True" for c in commands)
