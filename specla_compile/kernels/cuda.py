@@ -136,9 +136,9 @@ def _gdn_conv_gates_commit_verify_(conv_states, conv_pending, xs, conv_weights, 
                 v, *ys_rows[3:])
     config = dispatch.kernel_config("serial", 1, pending=True, batch=parents.shape[0])
     weights, pending_xs = ([t.contiguous() for t in ts] for ts in (conv_weights, conv_pending))
+    gates = triton_verify.GateProjections(a, b, a_log, dt_bias)
     return _in_place(state, lambda s: triton_verify.commit_verify_one_token_conv_gates(
-        xs, conv_states, weights, pending_xs, num_pending, silu, triton_verify.GateProjections(a, b, a_log, dt_bias), s,
-        scale, use_qk_l2norm,
+        xs, conv_states, weights, pending_xs, num_pending, silu, gates, s, scale, use_qk_l2norm,
         pending=triton_verify.Pending(*records), config=config), _kernel_layout)
 
 

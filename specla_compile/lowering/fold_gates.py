@@ -165,8 +165,8 @@ def fold_gates(gm: fx.GraphModule, nodes: int | None = None, drafted: bool = Fal
 
 
 def _conv_head(node: fx.Node, convs: fx.Node, index: int, dims: tuple[int | None, int], alone: bool = True) -> bool:
-    """Whether ``node`` is ``convs``' output ``index`` (read by it alone) reshaped to heads of the last two ``dims``,
-    read by one node if ``alone``."""
+    """Whether ``node`` reshapes ``convs``' output ``index``, which nothing else reads, into heads whose last two sizes
+    are ``dims`` (None: any), and, if ``alone``, is itself read by one node."""
     source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     reshaped = (node.op == "call_method" and node.target in RESHAPES) or is_call(node, (torch.reshape, torch.unflatten))
     if not (reshaped and source is not None and is_call(source, (operator.getitem,)) and source.args == (convs, index)
@@ -218,9 +218,9 @@ def fold_convs(gm: fx.GraphModule) -> int:
             v_heads = graph.call_function(operator.getitem, (fused, 4))
             copies = {i: graph.call_function(operator.getitem, (fused, i + 2)) for i in records if i >= 3}
         v.replace_all_uses_with(v_heads)
-        for i, rec in records.items():
-            for node in rec if i >= 3 else ():
-                node.replace_all_uses_with(copies[i])
+        for i, copy in copies.items():
+            for node in records[i]:
+                node.replace_all_uses_with(copy)
         verify.replace_all_uses_with(fused)
         for node in (verify, q, k, v, *(n for rec in records.values() for n in rec), convs):
             graph.erase_node(node)
