@@ -597,7 +597,10 @@ def fold_ab(args, results: dict) -> None:
             print(f"fold_ab: {name} ({' '.join(backend) or 'the defaults'})", flush=True)
             run = subprocess.run(command, capture_output=True, text=True, timeout=400)
             path = os.path.join(out, "e2e_gpu.json")
-            passes = json.load(open(path)).get("fla_passes", {}) if os.path.exists(path) else {}
+            passes = {}
+            if os.path.exists(path):
+                with open(path) as f:
+                    passes = json.load(f).get("fla_passes", {})
         keep = ("plain_ms_per_token", "plain_tokens_sha1", "pass_ms", "pass_ms_tree")
         section[name] = {"backend": backend, **{k: passes[k] for k in keep if k in passes},
                          "kernels_1": passes.get("profile_1", {}).get("kernels_per_pass")}

@@ -212,7 +212,7 @@ class SpeculativeGraph:
             program = self.program.graph_module  # (a copy per size: inductor's passes edit the graph they get)
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
             gathers_as_slices(gm)
-            on = {name for name, value in self.switches.items() if value and _on_cuda(inputs)}  # (the folds: CUDA only)
+            on = {name for name, value in self.switches.items() if value} if _on_cuda(inputs) else set()  # (CUDA only)
             if rows == 1 and "fold_gated_norms" in on:  # (its kernel takes one row: the plain step)
                 log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm))
             if rows == 1 and "fold_swiglu" in on:  # (the same one-row kernel)

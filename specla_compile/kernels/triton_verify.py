@@ -509,11 +509,6 @@ def _strides(state: torch.Tensor) -> tuple[int, int]:
     return strides
 
 
-def _row_node_head(x: torch.Tensor) -> tuple[int, int, int]:
-    """The strides of a ``[B, N, HV]`` gate projection over its rows, nodes and value heads (unread stand-ins: 0)."""
-    return tuple(x.stride()) if x.dim() == 3 else (0, 0, 0)
-
-
 def _pending_args(pending: Pending | None, state: torch.Tensor) -> tuple[list[torch.Tensor], int, bool]:
     if pending is None or pending.k.shape[1] == 0:
         return [state] * 5, 0, False  # never read: HAS_PENDING is off
@@ -573,7 +568,7 @@ def tree_verify(
         a, b, a_log, dt_bias = gates if gates is not None else (g, g, g, g)  # (unread without GATES)
         _parallel_kernel[(grid_v, batch * hv)](
             q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num,
-            a, b, a_log.contiguous(), dt_bias.contiguous(), *_row_node_head(a), *_row_node_head(b), scale, n, n_pending,
+            a, b, a_log.contiguous(), dt_bias.contiguous(), *a.stride(), *b.stride(), scale, n, n_pending,
             BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1, GATES=gates is not None,
             # tf32 keeps the error under a bf16 output's rounding; fp32 inputs get fp32-grade products
             PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape, **launch_args(q.device),

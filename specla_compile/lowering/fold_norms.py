@@ -131,15 +131,24 @@ def _norm_calls(graph: fx.Graph, targets: tuple) -> list[fx.Node]:
     return [n for n in graph.nodes if is_call(n, targets) and not n.kwargs and len(n.args) == 4]
 
 
+def _product_nodes(product: fx.Node) -> list[fx.Node]:
+    """The nodes of ``silu(gate) * up`` as :func:`_silu_times_up` found it: the product, the SiLU, the two slices."""
+    silu, up = product.args if is_call(product.args[0], SILUS) else product.args[::-1]
+    return [product, silu, silu.args[0], up]
+
+
+def _graph_weight(weight: fx.Node) -> bool:
+    """Whether ``weight`` is a graph input (a parameter): the one-row GEMVs load its first tile before the kernel
+    before them ends, which no kernel of the pass may write."""
+    return weight.op in ("placeholder", "get_attr")
+
+
 def _replace(linear: fx.Node, gated: fx.Node | None, out: fx.Node) -> list[fx.Node]:
     """Make ``out`` stand for the GEMM (or for the ``silu(gate) * up`` after it, when ``gated``); returns the nodes
     left dead, the GEMM's own last."""
-    replaced = gated if gated is not None else linear
-    replaced.replace_all_uses_with(out)
-    dead = [replaced]
-    if gated is not None:
-        silu, up = gated.args if is_call(gated.args[0], SILUS) else gated.args[::-1]
-        dead += [silu, silu.args[0], up, linear]
+    (gated if gated is not None else linear).replace_all_uses_with(out)
+    dead = _product_nodes(gated) if gated is not None else []
+    dead.append(linear)
     return dead
 
 
@@ -247,8 +256,8 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
         heads, weight = example_value(rows), example_value(parts[1])
         if heads is None or weight is None or not ops.gated_norm_gemv_heads_fit(*heads.shape[-2:], weight, GEMV_BLOCK_K):
             continue  # (where the kernel does not take it, the op's reference would be slower than the unfolded norm)
-        if parts[1].op not in ("placeholder", "get_attr") or _writes_between(graph, norm, linear):
-            continue  # (the kernel reads its weight before the kernels before it end; the op reads the heads late)
+        if not _graph_weight(parts[1]) or _writes_between(graph, norm, linear):
+            continue  # (the op reads the heads later than the norm did)
         with graph.inserting_before(linear):
             out = graph.call_function(ops.gated_norm_linear._opoverload, (rows, gate, norm_weight, eps, parts[1]))
         linear.replace_all_uses_with(out)
@@ -279,13 +288,12 @@ def fold_swiglu(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None)
         weight = example_value(parts[1])
         if weight is None or ops.swiglu_gemv_block_k(weight) is None:
             continue
-        if parts[1].op not in ("placeholder", "get_attr") or _writes_between(graph, gate_up, down):
-            continue  # (the kernel reads its weight before the kernels before it end; the op reads gate/up late)
+        if not _graph_weight(parts[1]) or _writes_between(graph, gate_up, down):
+            continue  # (the op reads gate/up later than the product did)
         with graph.inserting_before(down):
             out = graph.call_function(ops.swiglu_linear._opoverload, (gate_up, parts[1]))
         down.replace_all_uses_with(out)
-        silu, up = product.args if is_call(product.args[0], SILUS) else product.args[::-1]
-        for node in (down, product, silu, silu.args[0], up):
+        for node in (down, *_product_nodes(product)):
             graph.erase_node(node)
         fill_example_values(graph, fake_mode)
         folded += 1
