@@ -1112,7 +1112,7 @@ def main() -> None:
     ORACLE["device"] = args.oracle == "device"
     try:
         set_inductor_config(args.inductor)
-        from specla_compile.backend import OPTIONS
+        from specla_compile.backend_options import OPTIONS
 
         BACKEND_OPTIONS.update(literal_pairs("--backend", args.backend, OPTIONS.__contains__,
                                               f"the specla backend's options {sorted(OPTIONS)}"))

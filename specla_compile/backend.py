@@ -56,6 +56,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .backend_options import INNER_COMPILERS, OPTIONS, PLAIN_PROGRAMS, SWITCHES
 from .kernels import dispatch, ops
 from .lowering.capture import install
 from .lowering.fold_gates import fold_convs, fold_gates
@@ -65,16 +66,8 @@ from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sd
 from .lowering.regions import compile_by_layer
 from .lowering.rewrite import VerifyProgram, rewrite_for_verify
 from .lowering.session import LayerBinding, VerifySession, active_session
-from .runtime.config import INNER_COMPILERS
 
 log = logging.getLogger("specla_compile")
-
-SWITCHES = {  # the bool options and their defaults
-    "fuse_projections": True, "combo_kernels": True, "fold_norms": False, "fold_gated_norms": True, "fold_gates": True,
-    "fold_gates_drafted": False, "fold_convs": False, "fold_swiglu": False, "triton_linears": False, "regional": True,
-}
-OPTIONS = {"inner", "verify_kernel", "plain", *SWITCHES}
-PLAIN_PROGRAMS = ("compiled", "eager")
 
 
 def _inner_compiler(inner: str, mode: str | None, combo_kernels: bool = True) -> Callable:
@@ -203,8 +196,9 @@ class SpeculativeGraph:
         with forced, dispatch.topology_hint(dispatch.TopologyHint.chain(nodes)):
             return dispatch.choose_route(nodes) == "parallel"
 
-    def _twin_for(self, inputs: list, rows: int) -> Callable:
-        """The static twin of these inputs' sizes (``rows`` tokens in all), compiled at the first call of a size."""
+    def _twin_for(self, inputs: list, tokens: int) -> Callable:
+        """The static twin of these inputs' sizes (``tokens``: batch rows times draft nodes), compiled at the first
+        call of a size."""
         key = tuple(inputs[i] if isinstance(inputs[i], int) else tuple(inputs[i].shape) for i in self.size_inputs)
         twin = self.twins.get(key)
         if twin is None:
@@ -213,9 +207,9 @@ class SpeculativeGraph:
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
             gathers_as_slices(gm)
             on = {name for name, value in self.switches.items() if value} if _on_cuda(inputs) else set()  # (CUDA only)
-            if rows == 1 and "fold_gated_norms" in on:  # (its kernel takes one row: the plain step)
+            if tokens == 1 and "fold_gated_norms" in on:  # (its kernel takes one row: the plain step)
                 log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm))
-            if rows == 1 and "fold_swiglu" in on:  # (the same one-row kernel)
+            if tokens == 1 and "fold_swiglu" in on:  # (the same one-row kernel)
                 log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", fold_swiglu(gm))
             nodes = inputs[self.program.num_model_inputs].shape[1]  # (the first input the rewrite added: parents [B, N])
             if "fold_gates" in on and nodes == 1:  # (its kernel runs one node a row: plain decoding)
@@ -225,7 +219,7 @@ class SpeculativeGraph:
             elif "fold_gates_drafted" in on and self._parallel_at(nodes):  # (its kernel takes them)
                 folded = fold_gates(gm, nodes, drafted=True)
                 log.info("specla: %d GDN layers' gates folded into their parallel verify", folded)
-            if rows <= ops.LINEAR_MAX_ROWS:
+            if tokens <= ops.LINEAR_MAX_ROWS:
                 if "fold_norms" in on:
                     log.info("specla: %d norms folded into the GEMMs after them", fold_norms(gm))
                 if "triton_linears" in on:

@@ -89,7 +89,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of :func:`main`; every option's help shows its default."""
-    from .runtime.config import INNER_COMPILERS
+    from .backend_options import INNER_COMPILERS
 
     parser = _Parser(prog=prog, description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument

@@ -8,9 +8,6 @@ from typing import Literal
 
 from .topology import bucket_size
 
-# inner compilers of the specla backend (``options={"inner": ...}``)
-INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-
 BATCH_WITHOUT_PADDING = 8  # from this many rows the default bucket pads no draft (SpecConfig.pass_nodes)
 
 
