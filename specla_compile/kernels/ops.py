@@ -1,7 +1,9 @@
 """``torch.library`` custom ops that compiled graphs call, with fake (meta) implementations.
 
-Every device runs the PyTorch reference for now; GPU kernels register a ``cuda`` implementation
-over the same op. Records (see :class:`~specla_compile.kernels.reference.FactorRecords`) travel as
+Each op's body is its PyTorch reference (:mod:`.reference`), which CPUs run; on CUDA, :mod:`.cuda` registers
+Triton kernels over the same ops (``register_kernel("cuda")``), so a compiled graph calls one op either way.
+The verification twins call :func:`gdn_commit_verify_` (the rewrite puts it in place of each recurrence,
+``lowering/rewrite.py``); :func:`gdn_tree_verify` is the same verify without pending records. Records (see :class:`~specla_compile.kernels.reference.FactorRecords`) travel as
 four tensors ``(k, v, g, beta)``; the verify ops emit the normalized keys ``k_hat`` and the graph
 supplies ``v, g, beta`` itself. Commits mutate the durable state in place.
 """
@@ -103,7 +105,8 @@ def gdn_tree_verify(
     scale: float,
     use_qk_l2norm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify a tree from ``state``: returns ``o [B, N, HV, V]`` and normalized keys ``k_hat [B, N, H, K]``."""
+    """Verify a tree from ``state``: returns ``o [B, N, HV, V]`` and normalized keys ``k_hat [B, N, H, K]`` (no
+    pending records: the twins call :func:`gdn_commit_verify_`; tests and benchmarks call this)."""
     o, records = ref.gdn_tree_factorized(q, k, v, g, beta, parents, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     return o, _own_copy(records.k, state.dtype)
 

@@ -610,7 +610,7 @@ def commit_(
     sk, sv = _strides(state)
     block_v = min(config.block_v, _pow2_at_least(dv, 16))
     grid_v = triton.cdiv(dv, block_v)
-    unused = state  # verify-only pointers: VERIFY is off
+    unused = state  # verify-only pointers (VERIFY is off: any tensor stands in, here state and num)
     _recurrent_kernel[(grid_v, batch * hv, 1)](
         unused, unused, unused, unused, unused, num, state, unused, unused, unused, num,
         pk, pv, pg, pb, num, 1.0, 0, n_pending,

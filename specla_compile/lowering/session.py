@@ -1,10 +1,11 @@
 """Verification session: what the runtime hands the compiled graphs, and what they hand back.
 
-A :class:`VerifySession` lives for one generation. Inside ``with session.verify(parents, tree_mask):``
+A :class:`VerifySession` lives for one generation of the dynamic path, or for the life of one static
+engine bucket (``static=True``: its pending buffers are the bucket's static inputs). Inside ``with session.verify(parents, tree_mask):``
 every call of a ``specla``-compiled graph runs its verification twin: it commits the session's pending
 accepted records, verifies the tree, and leaves each GDN layer's new per-node records in
 ``session.records``. :meth:`VerifySession.accept` gathers the accepted path of every layer into the
-pending records (GatherAcceptedBuffer: only those nodes, no dense states); the next verification
+pending records (only those nodes' factor records, no dense states); the next verification
 commits them first (delayed update); :meth:`VerifySession.flush` commits what is still pending, after
 which the model's cache equals the cache of plain decoding.
 """
@@ -39,7 +40,8 @@ class DraftInputs:
 
 @dataclass
 class VerifySession:
-    """Pending and fresh factor records of every GDN layer, keyed by the layer's recurrent-state tensor."""
+    """Pending and fresh factor records of every GDN layer, keyed by the ``data_ptr()`` of the layer's
+    recurrent-state tensor."""
 
     pending: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     num_pending: torch.Tensor | None = None

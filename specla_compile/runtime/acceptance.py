@@ -23,7 +23,8 @@ _EMPTY_MASS = 1e-12
 class Acceptance:
     """Result of accepting one draft per batch row.
 
-    ``path [B, N]``: accepted node indices from node 0 on, padded with -1; ``num_accepted [B]`` (>= 1);
+    ``path [B, N]``: accepted node indices from node 0 on, padded with -1; ``num_accepted [B]`` (>= 1, but
+    0 for a row the engine had stopped before the pass);
     ``next_token [B]``: the token the target emits after the last accepted node (the next pending token).
     ``accepted_before_cut [B]``: where the engine already cut rows at EOS and budget (``num_accepted`` then
     counts the nodes kept), the nodes accepted before that cut; None where nothing was cut.

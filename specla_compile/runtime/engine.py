@@ -2,9 +2,9 @@
 
 As in gpt-fast, the durable cache lives in tensors allocated once (per batch size) and updated in place,
 and the draft of every pass is written into static buffers (``tokens``, ``parents``). One step per bucket
-size N runs the compiled model's verification twin on them and, when greedy, accepts on the device,
-gathers the accepted factor records into the static pending buffers (committed inside the next pass),
-compacts attention K/V and advances the committed lengths. On CUDA that step is captured as a CUDA graph
+(node count N, chain or tree, and who accepts) runs the compiled model's verification twin on them and,
+when greedy, accepts on the device, gathers the accepted factor records into the static pending buffers
+(committed inside the next pass), compacts attention K/V and advances the committed lengths. On CUDA that step is captured as a CUDA graph
 at its first use and replayed afterwards; a smaller tree replays its bucket's graph with inert padding.
 The host synchronises once per pass, to read the accepted path, and waits for that pass alone
 (:meth:`StaticEngine.launch`, :meth:`StaticEngine.collect`): a drafter can queue the next draft behind it
@@ -153,12 +153,14 @@ class StepResult:
 
 
 class _Bucket:
-    """Static inputs and outputs of the passes of one node count, and their captured graph."""
+    """Static inputs and outputs of the passes of one key (node count, chain or tree, ``mode``: see
+    :meth:`StaticEngine._switch_to`), and their captured graph."""
 
-    def __init__(self, batch: int, nodes: int, chain: bool, device: torch.device, loop: bool = False):
+    def __init__(self, batch: int, nodes: int, chain: bool, device: torch.device, mode: str):
         self.nodes = nodes
         self.chain = chain  # every draft of this bucket is a chain: accepted paths are prefixes
-        self.loop = loop  # plain decoding on the device: the pass feeds its token to the next pass
+        self.accepts = mode != "host"  # greedy acceptance inside the step (else the caller accepts)
+        self.loop = mode == "loop"  # plain decoding on the device: the pass feeds its token to the next pass
         self.log = torch.zeros(2, batch, LOG_SLOTS, dtype=torch.long, device=device)  # tokens, counts per step (a ring)
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # the log slot of the next pass
         self.slot = 0  # the same, as the host counts the passes it queued
@@ -309,7 +311,7 @@ class StaticEngine:
         (:class:`~.drafting.Draft`'s flag); None: read from ``parents``. Greedy passes accept on the device:
         :meth:`launch`, then :meth:`collect`."""
         bucket = self._begin_pass(tokens, parents, "host", chain)
-        self._run(bucket, accept=False)
+        self._run(bucket)
         return bucket.result
 
     def launch(self, tokens: torch.Tensor, parents: torch.Tensor, chain: bool | None = None) -> PassOutputs:
@@ -321,7 +323,7 @@ class StaticEngine:
         if len(self.launched) == MAX_IN_FLIGHT:
             raise RuntimeError(f"{MAX_IN_FLIGHT} passes launched and not collected: collect() first")
         bucket = self._begin_pass(tokens, parents, "accept", chain)
-        self._run(bucket, accept=True)
+        self._run(bucket)
         if bucket.staged is not None:
             slot, bucket.next_slot = bucket.next_slot, (bucket.next_slot + 1) % MAX_IN_FLIGHT
             bucket.host_summary[slot].copy_(bucket.summary, non_blocking=True)
@@ -365,7 +367,7 @@ class StaticEngine:
         bucket = self._switch_to(nodes, parents, mode, chain)
         self._load_draft(bucket, tokens, parents)
         if not bucket.prepared:
-            self._prepare(bucket, mode == "accept")
+            self._prepare(bucket)
         return bucket
 
     def _load_draft(self, bucket: _Bucket, tokens: torch.Tensor, parents: torch.Tensor) -> None:
@@ -398,7 +400,7 @@ class StaticEngine:
         batch = self.committed.shape[0]
         bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop", chain=True)
         if not bucket.prepared:
-            self._prepare(bucket, accept=True)  # (before the inputs are set: its capture runs feed tokens back)
+            self._prepare(bucket)  # (before the inputs are set: its capture runs feed tokens back)
         bucket.draft[0, :, 0].copy_(pending, non_blocking=True)
         bucket.step.zero_()
         bucket.snapshots += [block.snapshot for block in bucket.queued]  # (a call whose rows all ended left passes unread)
@@ -419,7 +421,7 @@ class StaticEngine:
         if self.kv_valid is not None and self.columns + unread + steps > self.capacity:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
         for _ in range(steps):
-            self._run(bucket, accept=True)
+            self._run(bucket)
         on_cuda = bucket.staged is not None
         snapshot = bucket.snapshots.pop() if bucket.snapshots else torch.empty_like(bucket.log, device="cpu", pin_memory=on_cuda)
         snapshot.copy_(bucket.log, non_blocking=on_cuda)
@@ -530,7 +532,7 @@ class StaticEngine:
         return out.hidden_states[-1] if self.features else None
 
     def commit(self, path: torch.Tensor, counts: torch.Tensor) -> None:
-        """Keep each row's first ``counts[b]`` nodes of ``path [B, N]`` (after a pass without ``accept``)."""
+        """Keep each row's first ``counts[b]`` nodes of ``path [B, N]`` (after :meth:`verify`, whose caller accepts)."""
         counts = torch.where(self.active, counts.to(self.committed.device), 0)
         self._commit(self.last, path.to(self.committed.device), counts)
         self.columns += int(counts.max())
@@ -565,7 +567,7 @@ class StaticEngine:
             chain = all(p in (j - 1, PAD) for row in parents.tolist() for j, p in enumerate(row))  # (lists: 5x faster than ops here)
         key = (nodes, chain, mode)
         if key not in self.buckets:
-            self.buckets[key] = _Bucket(self.committed.shape[0], nodes, chain, self.committed.device, loop=mode == "loop")
+            self.buckets[key] = _Bucket(self.committed.shape[0], nodes, chain, self.committed.device, mode)
             self.buckets[key].hint = TopologyHint.from_parents(parents.cpu())  # the route is fixed per captured graph
         bucket = self.buckets[key]
         if self.last is not None and self.last is not bucket:
@@ -573,12 +575,12 @@ class StaticEngine:
         self.last = bucket
         return bucket
 
-    def _run(self, bucket: _Bucket, accept: bool) -> None:
+    def _run(self, bucket: _Bucket) -> None:
         """One pass of a prepared ``bucket`` over its static draft: a replay where it was captured."""
         if bucket.graph is not None:
             bucket.graph.replay()
         else:
-            bucket.result = self._step(bucket, accept)
+            bucket.result = self._step(bucket)
 
     def _forward(self, bucket: _Bucket) -> StepResult:
         tokens, parents = bucket.draft[0], bucket.draft[1]
@@ -598,6 +600,9 @@ class StaticEngine:
             # start. Not for hybrids: transformers' sdpa call computes is_causal from the query length,
             # which a dynamic length of 1 turns into a symbolic bool that sdpa refuses.
             torch._dynamo.maybe_mark_dynamic(tokens, 1)
+        # Next hop: Dynamo's guard check, then backend.SpeculativeGraph.__call__, which finds this session through
+        # lowering.session.active_session and runs the verification twin; each GDN layer's recurrence in it is
+        # specla::gdn_commit_verify_ (kernels/ops.py; on CUDA kernels/cuda.py, route by topology_hint).
         with bucket.session.verify(parents, tree_mask), topology_hint(bucket.hint), size_oblivious(one_graph):
             out = self.compiled(input_ids=tokens, **{self.cache_arg: self.cache}, **kwargs)
         if not bucket.session.records:
@@ -607,9 +612,9 @@ class StaticEngine:
             )
         return StepResult(out.logits, out.hidden_states[-1] if self.features else None)
 
-    def _step(self, bucket: _Bucket, accept: bool) -> StepResult:
+    def _step(self, bucket: _Bucket) -> StepResult:
         result = self._forward(bucket)
-        if accept:
+        if bucket.accepts:
             loop = (bucket.log, bucket.step) if bucket.loop else None
             with torch._dynamo.config.patch(recompile_limit=ACCEPT_PROGRAMS):
                 path, counts = self.accept_pass(bucket.draft, result.logits, bucket.ancestors, self.active, self.committed,
@@ -672,7 +677,7 @@ class StaticEngine:
 
     # --- capture -----------------------------------------------------------------------------------
 
-    def _prepare(self, bucket: _Bucket, accept: bool) -> None:
+    def _prepare(self, bucket: _Bucket) -> None:
         """First pass of a bucket: compile it (Dynamo, inductor) and, with graphs, capture it. The runs
         before the real one commit nothing (no row active, pending records flushed first)."""
         for other in self.buckets.values():
@@ -688,7 +693,7 @@ class StaticEngine:
         self.active.fill_(False)
         # (the device's attention length: a pass launched and not collected yet has advanced it past self.columns)
         length = self._attention_length().clone() if self.kv_valid is not None else None
-        bucket.graph, bucket.result = capture(lambda: self._step(bucket, accept))
+        bucket.graph, bucket.result = capture(lambda: self._step(bucket))
         # the flush too (about 100 launches, once per call): nothing is pending yet, so its warm-up
         # only compiles its kernels
         bucket.flush_graph, _ = capture(bucket.session.flush, warmups=1)
