@@ -276,7 +276,7 @@ class SpeculativeGenerator:
             run_type = _Run if engine is None else _StaticRun
             if engine is not None and _plain and not args.do_sample:
                 run_type = _PlainDeviceRun
-            run = run_type(self, drafter, rows, args, streamer, generator)
+            run = run_type(self, drafter, rows, args, streamer, generator, engine)
             return run.run(input_ids, past_key_values)
         except BaseException:
             if saved is not None:
@@ -305,10 +305,14 @@ class SpeculativeGenerator:
 
 
 class _Run:
-    """The state of one ``generate`` call."""
+    """The state of one ``generate`` call, and its loop on the dynamic path: each pass calls the compiled model on
+    the model's own growing cache and the host accepts (``SpecConfig(engine="dynamic")``, or more EOS ids than the
+    engine checks). :class:`_StaticRun` runs the passes through the static engine instead."""
 
-    def __init__(self, owner: SpeculativeGenerator, drafter: Drafter, rows, args: GenerationArgs, streamer, generator):
+    def __init__(self, owner: SpeculativeGenerator, drafter: Drafter, rows, args: GenerationArgs, streamer, generator,
+                 engine: StaticEngine | None = None):
         self.owner, self.compiled, self.drafter, self.config = owner, owner.compiled, drafter, owner.config
+        self.engine = engine  # (the static engine of a _StaticRun)
         self.rows = [r.long() for r in rows]
         self.device = self.target_device = self.rows[0].device
         self.batch = len(rows)
@@ -638,7 +642,6 @@ class _StaticRun(_Run):
     the host reads the accepted path once per pass."""
 
     def _prefill(self, past_key_values):
-        self.engine = self.owner.engine(self.device, self.owner.engine_features(self.drafter))
         self.engine_started = False
         cache = None
         wanted = self.config.prefill == "engine" or (self.config.prefill is None and self.engine.graphs)
