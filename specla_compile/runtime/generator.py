@@ -314,7 +314,9 @@ class _Run:
         self.owner, self.compiled, self.drafter, self.config = owner, owner.compiled, drafter, owner.config
         self.engine = engine  # (the static engine of a _StaticRun)
         self.rows = [r.long() for r in rows]
-        self.device = self.target_device = self.rows[0].device
+        # where the host's bookkeeping tensors (committed lengths, pending tokens, drafts) live: the target's device,
+        # the CPU once a static run starts (the engine keeps its own copies on the device)
+        self.book_device = self.target_device = self.rows[0].device
         self.batch = len(rows)
         self.max_new_tokens = args.max_new_tokens
         self.do_sample, self.warp, self.generator = args.do_sample, args.warp, generator
@@ -335,7 +337,7 @@ class _Run:
     def _timed(self, what: str):
         """Add the block's time to ``stats.<what>``. On CUDA two events bracket it, read when the call ends:
         waiting for the device after each phase would stall the pipeline (the host could not queue the
-        verify pass while the draft runs). (``self.device`` is the host's once a static run starts.)"""
+        verify pass while the draft runs)."""
         if self.target_device.type != "cuda":
             start = time.perf_counter()
             yield
@@ -366,13 +368,13 @@ class _Run:
                 "(which attention columns of each row hold tokens is known only for those); continue rows one by one"
             )
         if valid is None:
-            valid = torch.ones(1, width, dtype=torch.bool, device=self.device)
+            valid = torch.ones(1, width, dtype=torch.bool, device=self.book_device)
         if valid.shape != (self.batch, width):
             raise ValueError(
                 f"the cache holds {width} attention columns, its call returned {valid.shape[1]} for "
                 f"{valid.shape[0]} rows, and this call has {self.batch} rows (was the cache changed after that call?)"
             )
-        return valid.to(self.device)
+        return valid.to(self.book_device)
 
     def _model_kwargs(self) -> dict:
         return {"use_cache": True, "output_hidden_states": self.drafter.needs_features}
@@ -398,7 +400,7 @@ class _Run:
                 before = past_valid.sum(-1)
             else:
                 before = _committed_length(past_key_values) if past_key_values is not None else 0
-            self.committed = before + torch.tensor([r.numel() for r in self.rows], device=self.device)
+            self.committed = before + torch.tensor([r.numel() for r in self.rows], device=self.book_device)
             outs = [(out.logits[b, -1], out.hidden_states[-1][b] if self.drafter.needs_features else None) for b in range(self.batch)]
         else:
             caches = []
@@ -409,7 +411,7 @@ class _Run:
             self.stats.prefill_passes = self.batch
             lengths = [r.numel() for r in self.rows]
             self.cache = caches[0] if self.batch == 1 else stack_rows(caches, lengths)
-            self.committed = torch.tensor(lengths, device=self.device)
+            self.committed = torch.tensor(lengths, device=self.book_device)
         self.attention = has_attention(self.cache)
         if past_valid is not None:
             self.kv_valid = kwargs["attention_mask"].bool()
@@ -447,7 +449,7 @@ class _Run:
 
     def _extend(self, active: list[int], committed: list[list[int]]) -> list[torch.Tensor]:
         """Append each active row's committed tokens to its history; returns them as tensors."""
-        new = [torch.tensor(tokens, device=self.device) for tokens in committed]
+        new = [torch.tensor(tokens, device=self.book_device) for tokens in committed]
         for b, tokens in zip(active, new):
             self.rows[b] = torch.cat([self.rows[b], tokens])
         return new
@@ -465,21 +467,21 @@ class _Run:
                 tokens, parents = torch.nn.functional.pad(tokens, tail), torch.nn.functional.pad(parents, tail, value=PAD)
         else:
             tokens = self.pending[:, None].repeat(1, self.nodes)
-            parents = torch.full((self.batch, self.nodes), PAD, dtype=torch.long, device=self.device)
+            parents = torch.full((self.batch, self.nodes), PAD, dtype=torch.long, device=self.book_device)
             parents[:, 0] = -1
-            index = torch.tensor(active, device=self.device)
-            tokens[index, :n] = draft.tokens.to(self.device)
-            parents[index, :n] = draft.parents.to(self.device)
+            index = torch.tensor(active, device=self.book_device)
+            tokens[index, :n] = draft.tokens.to(self.book_device)
+            parents[index, :n] = draft.parents.to(self.book_device)
         probs = None
         if draft.probs is not None:
-            index = torch.tensor(active, device=self.device)
-            probs = torch.zeros(self.batch, self.nodes, draft.probs.shape[-1], device=self.device)
-            probs[index, :n] = draft.probs.to(self.device, torch.float32)
+            index = torch.tensor(active, device=self.book_device)
+            probs = torch.zeros(self.batch, self.nodes, draft.probs.shape[-1], device=self.book_device)
+            probs[index, :n] = draft.probs.to(self.book_device, torch.float32)
         return Draft(tokens, parents, probs, draft.chain)
 
     def _draft_device(self, draft: Draft) -> torch.device:
         """Where the verify pass takes a draft: the model's device."""
-        return self.device
+        return self.target_device
 
     def _verify(self, tokens: torch.Tensor, parents: torch.Tensor):
         kwargs = self._model_kwargs()
@@ -539,13 +541,13 @@ class _Run:
     def _commit(self, acceptance: Acceptance, emitted: list[list[int]], hidden) -> None:
         """Keep the first ``len(emitted[b])`` accepted nodes of every row: the old pending token and the
         accepted drafts before the new pending token."""
-        counts = torch.tensor([len(e) for e in emitted], device=self.device)
+        counts = torch.tensor([len(e) for e in emitted], device=self.book_device)
         self.session.accept(acceptance.path, counts)
         width = int(counts.max())
         if self.attention:
             past = self.kv_valid.shape[1]
             compact_attention(self.cache, past, acceptance.path, width)
-            new_valid = torch.arange(width, device=self.device)[None] < counts[:, None]
+            new_valid = torch.arange(width, device=self.book_device)[None] < counts[:, None]
             self.kv_valid = torch.cat([self.kv_valid, new_valid], dim=1)
         self.committed += counts
         set_fla_seen_tokens(self.cache, int(self.committed.max()))
@@ -563,7 +565,7 @@ class _Run:
                 paths = acceptance.path.to(hidden.device, non_blocking=True)  # (pageable: staged, no stream synchronisation)
                 features = [hidden[b, paths[b, : len(emitted[b])]] for b in active]
             self.drafter.commit(active, committed, features)
-        self.pending = torch.tensor([e[-1] if e else p for e, p in zip(emitted, pending)], device=self.device)
+        self.pending = torch.tensor([e[-1] if e else p for e, p in zip(emitted, pending)], device=self.book_device)
 
     def _pass(self, draft: Draft) -> tuple[Acceptance, torch.Tensor | None, Draft]:
         """One target pass over a padded draft and its acceptance: ``(acceptance, last hidden state or None,
@@ -649,11 +651,11 @@ class _StaticRun(_Run):
             cache = self._empty_cache()
         if cache is None:
             return super()._prefill(past_key_values)
-        self.engine.start(cache, torch.zeros(self.batch, dtype=torch.long, device=self.device), None)
+        self.engine.start(cache, torch.zeros(self.batch, dtype=torch.long, device=self.book_device), None)
         self.engine_started = True
         logits, features = self.engine.prefill(self.rows)
         self.cache, self.attention = cache, False
-        self.committed = torch.tensor([r.numel() for r in self.rows], device=self.device)
+        self.committed = torch.tensor([r.numel() for r in self.rows], device=self.book_device)
         self.stats.prefill_passes = self.engine.prefill_passes
         return self._begin(logits, features)
 
@@ -669,7 +671,7 @@ class _StaticRun(_Run):
         (a process's first call at this batch size) from a one-token eager forward."""
         template = self.engine.cache
         if template is None or self.engine.committed.shape[0] != self.batch:
-            one = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+            one = torch.zeros(self.batch, 1, dtype=torch.long, device=self.book_device)
             template = returned_cache(self.owner.model(input_ids=one, use_cache=True))
         return None if has_attention(template) else zeroed_copy(template)
 
@@ -683,7 +685,7 @@ class _StaticRun(_Run):
         if not self.do_sample:  # greedy passes stop rows on the device (EOS, budget): the host never trims them
             self.engine.begin_generation(list(self.eos), [self.max_new_tokens - len(t) for t in self.new_tokens], self.finished)
         # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
-        self.device = torch.device("cpu")
+        self.book_device = torch.device("cpu")
         self.max_length = max(r.numel() for r in self.rows) + 1 + self.max_new_tokens  # (prompt, pending, new tokens)
         self.history = TokenRows(self.rows, self.max_length)  # (each row's history from here on; self.rows keeps the prompts)
         self.pending = self.pending.cpu()
