@@ -25,6 +25,7 @@ from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.capture import install, recurrence_calls
 from ..lowering.fuse_projections import pack_projections
 from ..lowering.session import VerifySession
+from ..tree import PAD, ancestor_mask, depth
 from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
 from .cache_layout import (
     attention_width,
@@ -49,7 +50,6 @@ from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .graph_capture import capturable_experts
 from .token_rows import TokenRows
-from .topology import PAD, ancestor_mask, depth
 
 log = logging.getLogger("specla_compile")
 

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import ops
-from ..tree import ancestor_mask_device
+from ..tree import PAD, ROOT, ancestor_mask_device
 from .config import SpecConfig
 from .drafting import Draft
-from .topology import PAD, ROOT
 
 PAD_TOKEN = 0  # token id stored at padding nodes; never read
 
