@@ -258,7 +258,7 @@ def run_route(gen, prompts, new_tokens: int, drafter=None, config=None, plain: b
 
 def bucket_key(nodes: int, chain: bool = True) -> tuple:
     """The engine's key of a bucket: plain decoding's 1-node pass loops on the device, drafts accept greedily."""
-    return (nodes, chain, "loop" if nodes == 1 else "accept")
+    return (nodes, chain, "loop" if nodes == 1 else "accept", None)
 
 
 def pass_ms(gen, nodes: int, pending: int = 0, repeats: int = 50, chain: bool = True) -> float:

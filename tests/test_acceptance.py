@@ -8,7 +8,14 @@ from scipy.stats import chi2_contingency
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specla_compile.runtime import acceptance
-from specla_compile.runtime.acceptance import greedy_accept, greedy_accept_device, sample_accept, warp_probs
+from specla_compile.runtime.acceptance import (
+    draw_uniforms,
+    greedy_accept,
+    greedy_accept_device,
+    sample_accept,
+    sample_accept_device,
+    warp_probs,
+)
 from specla_compile.runtime.topology import PAD, ancestor_mask
 
 
@@ -115,10 +122,18 @@ def _random_drafts(parents: list[int], target: torch.Tensor, draft: torch.Tensor
     return tokens, target_probs, draft_probs
 
 
-def _first_two(parents, tokens, tp, dp, gen, use_draft_probs: bool, target: torch.Tensor) -> torch.Tensor:
+def _walk_or_device(tokens, parents, tp, dp, gen, device: bool):
+    """:func:`sample_accept` (the walk) or, with ``device``, :func:`sample_accept_device` on uniforms drawn
+    from ``gen``."""
+    if not device:
+        return sample_accept(tokens, parents, tp, dp, gen)
+    return sample_accept_device(tokens, parents, tp, dp, draw_uniforms(*tokens.shape, gen))
+
+
+def _first_two(parents, tokens, tp, dp, gen, use_draft_probs: bool, target: torch.Tensor, device: bool = False) -> torch.Tensor:
     """The first two emitted tokens per row (as ``first * V + second``); rows that emit a single token
     continue with a plain target sample, as the next iteration would."""
-    out = sample_accept(tokens, torch.tensor([parents]).expand_as(tokens), tp, dp if use_draft_probs else None, gen)
+    out = _walk_or_device(tokens, torch.tensor([parents]).expand_as(tokens), tp, dp if use_draft_probs else None, gen, device)
     rows = torch.arange(tokens.shape[0])
     emitted = torch.cat(
         [tokens.gather(1, out.path.clamp(min=0))[:, 1:], torch.zeros(len(rows), 1, dtype=torch.long)], 1
@@ -130,13 +145,13 @@ def _first_two(parents, tokens, tp, dp, gen, use_draft_probs: bool, target: torc
     return first * V + second
 
 
-def _p_values(tree: str, use_draft_probs: bool, rows: int = 12000, seed: int = 0) -> tuple[float, float]:
+def _p_values(tree: str, use_draft_probs: bool, rows: int = 12000, seed: int = 0, device: bool = False) -> tuple[float, float]:
     """Chi-square p-values of (first token, first two tokens) against plain sampling from the target."""
     parents = TREES[tree]
     gen = torch.Generator().manual_seed(seed)
     target, draft = _table(gen, len(parents)), _table(gen, len(parents))
     tokens, tp, dp = _random_drafts(parents, target, draft, rows, gen)
-    pairs = _first_two(parents, tokens, tp, dp, gen, use_draft_probs, target)
+    pairs = _first_two(parents, tokens, tp, dp, gen, use_draft_probs, target, device)
     first = torch.multinomial(target[0, tokens[:, 0]], 1, generator=gen)[:, 0]
     ref = first * V + torch.multinomial(target[1, first], 1, generator=gen)[:, 0]
     p_values = []
@@ -146,16 +161,18 @@ def _p_values(tree: str, use_draft_probs: bool, rows: int = 12000, seed: int = 0
     return p_values[0], p_values[1]
 
 
+@pytest.mark.parametrize("device", [False, True], ids=["walk", "device"])
 @pytest.mark.parametrize("tree", sorted(TREES))
 @pytest.mark.parametrize("use_draft_probs", [True, False])
-def test_sampling_is_lossless(tree, use_draft_probs):
-    p_first, p_pair = _p_values(tree, use_draft_probs)
+def test_sampling_is_lossless(tree, use_draft_probs, device):
+    p_first, p_pair = _p_values(tree, use_draft_probs, device=device)
     assert p_first > 0.01 and p_pair > 0.01, (p_first, p_pair)
 
 
-def test_accept_always_rule_is_detected(monkeypatch):
+@pytest.mark.parametrize("device", [False, True], ids=["walk", "device"])
+def test_accept_always_rule_is_detected(monkeypatch, device):
     monkeypatch.setattr(acceptance, "_accept_probability", lambda p, q, x: torch.ones_like(x, dtype=p.dtype))
-    assert min(_p_values("tree", use_draft_probs=True)) < 0.01
+    assert min(_p_values("tree", use_draft_probs=True, device=device)) < 0.01
 
 
 @pytest.mark.parametrize("use_draft_probs", [True, False])
@@ -190,3 +207,44 @@ def test_device_greedy_acceptance_equals_the_walk(parents, seed):
     assert torch.equal(walk.next_token, device.next_token)
     for b, count in enumerate(walk.num_accepted.tolist()):
         assert torch.equal(walk.path[b, :count], device.path[b, :count])
+
+
+@settings(max_examples=150, deadline=None)
+@given(parent_batches(max_rows=3, max_nodes=12), st.booleans(), st.integers(0, 10**6))
+def test_device_sampling_equals_the_walk(parents, use_draft_probs, seed):
+    """The loop-free rejection sampling the engine runs inside its CUDA graph takes the same path, count and
+    next token as the level-by-level walk on the same uniforms, on random trees with duplicate sibling tokens,
+    padding, second roots and distributions with zeros (top-k'd targets)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, n = parents.shape
+    vocab = 4
+    tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+    target = warp_probs(torch.randn(batch, n, vocab, generator=gen), top_k=2)
+    draft = torch.rand(batch, n, vocab, generator=gen).softmax(-1) if use_draft_probs else None
+    uniforms = draw_uniforms(batch, n, gen)
+    walk = sample_accept(tokens, parents, target, draft, uniforms=uniforms)
+    device = sample_accept_device(tokens, parents, target, draft, uniforms)
+    assert torch.equal(walk.num_accepted, device.num_accepted)
+    assert torch.equal(walk.path, device.path)
+    assert torch.equal(walk.next_token, device.next_token)
+
+
+def test_device_sampling_traces_as_one_graph():
+    """Nothing in the device acceptance synchronises with the host or branches on data: Dynamo traces it
+    whole (``fullgraph``), as the engine's compiled acceptance needs inside a CUDA graph."""
+    gen = torch.Generator().manual_seed(3)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, PAD]])
+    tokens = torch.randint(0, 6, (1, 6), generator=gen)
+    target = torch.rand(1, 6, 6, generator=gen).softmax(-1)
+    uniforms = draw_uniforms(1, 6, gen)
+    compiled = torch.compile(sample_accept_device, backend="eager", fullgraph=True)
+    ours, eager = compiled(tokens, parents, target, None, uniforms), sample_accept_device(tokens, parents, target, None, uniforms)
+    assert torch.equal(ours.path, eager.path) and torch.equal(ours.next_token, eager.next_token)
+
+
+def test_a_residual_token_is_never_one_of_zero_probability():
+    """Inverse-CDF sampling at uniforms at and next to 1 still lands on a token the residual can emit."""
+    p = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.5, 0.0, 0.5, 0.0]], dtype=torch.float64)
+    for u in (0.0, 0.3, 0.999999, 1.0 - 2**-53, 1.0):
+        token = acceptance._sample_token(p, torch.full((2,), u, dtype=torch.float64))
+        assert (p.gather(1, token[:, None]) > 0).all(), u

@@ -11,6 +11,8 @@ from test_generator import COMPILE, OracleDrafter, plain
 
 from specla_compile import SpecConfig, SpeculativeGenerator
 from specla_compile.runtime.cache_layout import cache_slots, zeroed_copy
+from specla_compile.runtime.drafters import ModelDrafter
+from specla_compile.runtime.drafting import Draft
 
 CONFIGS = {
     "chain": SpecConfig(mode="chain", depth=5, bucket=8),
@@ -45,6 +47,48 @@ def test_static_engine_gives_the_dynamic_paths_tokens_and_cache(family, mode):
         assert static.sequences[b, width : width + len(expected)].tolist() == expected
 
 
+class _SelfDrafter(ModelDrafter):
+    """The target's own top-k drafts (a copy of it drafts), with, where ``with_probs``, a draft distribution at
+    every node (most of its mass on the drafted child's token), as a sampling drafter hands them over."""
+
+    def __init__(self, model, with_probs: bool):
+        super().__init__(model)
+        self.with_probs = with_probs
+
+    def propose(self, request, config):
+        draft = super().propose(request, config)
+        if not self.with_probs:
+            return draft
+        logits = torch.randn(*draft.tokens.shape, VOCAB, generator=torch.Generator().manual_seed(len(request.sequences[0])))
+        logits.scatter_add_(-1, draft.tokens.roll(-1, 1)[..., None], torch.full((*draft.tokens.shape, 1), 3.0))
+        return Draft(draft.tokens, draft.parents, logits.softmax(-1), draft.chain)
+
+
+@pytest.mark.parametrize(("mode", "with_probs"), [("chain", True), ("tree", False)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_through_the_engine_gives_the_dynamic_paths_tokens(family, mode, with_probs):
+    """Sampled passes accept on the device, inside the step (rejection sampling over the static uniforms and
+    draft distributions, the cut at EOS and budget): on the same generator the engine emits the dynamic path's
+    tokens, whose acceptance the host walks level by level, and leaves the same cache."""
+    model = tiny_model(family)
+    prompts, input_ids, mask = left_padded_batch((4, 6), seed=21)
+    eos = plain(model, prompts[0], 12)[0][0, prompts[0].numel() + 4].item()  # row 0 may stop there
+    runs, gens = {}, {}
+    for engine in ("static", "dynamic"):
+        config = SpecConfig(**{**CONFIGS[mode].__dict__, "engine": engine})
+        drafter = _SelfDrafter(tiny_model(family), with_probs)
+        gen = gens[engine] = SpeculativeGenerator(model, drafter, config, compile_options=COMPILE)
+        runs[engine] = gen.generate(input_ids, max_new_tokens=12, attention_mask=mask, do_sample=True, temperature=0.5,
+                                    top_k=3, top_p=0.95, eos_token_id=eos, pad_token_id=VOCAB + 1,
+                                    generator=torch.Generator().manual_seed(8))
+    static, dynamic = runs["static"], runs["dynamic"]
+    assert static.sequences.tolist() == dynamic.sequences.tolist()
+    assert static.stats.iterations == dynamic.stats.iterations and static.stats.mean_accepted > 0.2
+    assert max((a - b).abs().max().item() for a, b in zip(_states(static.past_key_values), _states(dynamic.past_key_values))) <= 1e-5
+    keys = gens["static"].engine(input_ids.device, features=False).buckets
+    assert [key[3] for key in keys if key[2] == "accept"] == [(0.5, 3, 0.95, with_probs)]  # one sampling bucket
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plain_decoding_through_the_engine_equals_eager_decoding(family, caplog):
     model = tiny_model(family)
@@ -57,7 +101,7 @@ def test_plain_decoding_through_the_engine_equals_eager_decoding(family, caplog)
     assert out.stats.iterations == 8 and out.stats.mean_accepted == 0  # one token per pass
     assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
     engine = gen.engine(prompt.device, features=False)
-    assert list(engine.buckets) == [(1, True, "loop")]
+    assert list(engine.buckets) == [(1, True, "loop", None)]
 
 
 @pytest.mark.parametrize("family", ["fla", "qwen3_5"])  # (Qwen3-Next decodes one token through the same routed conv update)
@@ -237,7 +281,7 @@ def test_chain_and_tree_drafts_of_one_size_use_separate_buckets_and_stay_exact()
     out = gen.generate(prompt, max_new_tokens=24)
     assert out.sequences.tolist() == expected.tolist()
     assert max_cache_diff(out.past_key_values, expected_cache) <= 1e-5
-    assert set(gen.engine(prompt.device, features=False).buckets) == {(8, True, "accept"), (8, False, "accept")}
+    assert set(gen.engine(prompt.device, features=False).buckets) == {(8, True, "accept", None), (8, False, "accept", None)}
 
 
 def test_engine_reuses_its_static_buffers_across_calls_and_leaves_callers_caches_alone():
@@ -384,7 +428,7 @@ def test_shared_features_engine_serves_every_route_with_one_compile(compiles):
         assert gen.decode(prompt, max_new_tokens=10).sequences.tolist() == expected
         assert set(gen._engines) == engines and len(compiles) == compiled, (shared, len(compiles))
         if shared:  # one engine: the EAGLE route's bucket (its pass, its CUDA graph) served the oracle too
-            assert list(gen._engines[True].buckets) == [(8, True, "accept"), (1, True, "loop")]
+            assert list(gen._engines[True].buckets) == [(8, True, "accept", None), (1, True, "loop", None)]
     assert handed and all(f is None for f in handed)
 
 
@@ -440,7 +484,7 @@ def test_engine_prefill_gives_the_eager_prefills_tokens_cache_and_features(lengt
     out = gen.generate(input_ids, max_new_tokens=10, attention_mask=mask, pad_token_id=VOCAB + 1)
     assert out.stats.prefill_passes == passes
     engine = gen.engine(input_ids.device, features=True)
-    assert (PREFILL_NODES, True, "host") in engine.buckets and sorted(engine.chunks) == sorted(chunks)
+    assert (PREFILL_NODES, True, "host", None) in engine.buckets and sorted(engine.chunks) == sorted(chunks)
     width = input_ids.shape[1]
     for b, p in enumerate(prompts):
         assert out.sequences[b, width:].tolist() == refs[b]
@@ -501,13 +545,15 @@ def test_engine_prefill_leaves_hybrids_and_continued_caches_to_the_eager_model(m
     assert torch.cat([first.sequences, more.sequences[:, 1:]], 1).tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("shape", ["loop", "chain", "tree", "tree_with_ancestors"])  # (hybrids pass the mask they built)
+@pytest.mark.parametrize("shape", ["loop", "chain", "tree", "tree_with_ancestors", "tree_sampled", "chain_sampled"])
 def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
     """Graphed engines run a pass's acceptance and bookkeeping as one inductor program: on random drafts that
     match the target in part, with a row not active, an EOS, a budget and the log's ring wrapping, it returns
-    and writes what the eager ops do, and cuts each row where the host's bookkeeping would."""
-    from specla_compile.runtime.acceptance import greedy_accept
-    from specla_compile.runtime.engine import LOG_SLOTS, accept_pass_
+    and writes what the eager ops do, and cuts each row where the host's bookkeeping would (hybrids pass the
+    ancestor mask they built; sampled passes accept by rejection sampling on static uniforms and draft
+    distributions, as the host's walk does on the same ones)."""
+    from specla_compile.runtime.acceptance import draw_uniforms, greedy_accept, sample_accept, warp_probs
+    from specla_compile.runtime.engine import LOG_SLOTS, Sampling, accept_pass_
     from specla_compile.tree import PAD, ancestor_mask_device
 
     gen = torch.Generator().manual_seed(17)
@@ -523,8 +569,15 @@ def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
     take = torch.rand(batch, n, generator=gen) < 0.8
     tokens = torch.where(take & (parents >= 0), best.gather(1, parents.clamp(min=0)), tokens)
     draft = torch.stack([tokens, parents])
+    sampling = None
+    if shape.endswith("sampled"):  # (draft distributions that put most mass on the drafted tokens)
+        draft_probs = (torch.randn(batch, n, vocab, generator=gen) + 4 * torch.nn.functional.one_hot(tokens.roll(-1, 1), vocab)).softmax(-1)
+        sampling = Sampling((0.7, 5, 0.95), draw_uniforms(batch, n, gen), draft_probs)
     # what each row emits, by the host's rules: the accepted drafts, then the target's token
-    host = greedy_accept(tokens, parents, logits)
+    if sampling is None:
+        host = greedy_accept(tokens, parents, logits)
+    else:
+        host = sample_accept(tokens, parents, warp_probs(logits, *sampling.warp), sampling.draft_probs, uniforms=sampling.uniforms)
     emitted = [[tokens[b, j].item() for j in host.path[b, 1 : host.num_accepted[b]]] + [host.next_token[b].item()] for b in range(batch)]
     eos = torch.full((8,), -1)
     eos[0] = emitted[0][-1] if n == 1 else emitted[0][0]  # row 0 stops at EOS (inside its draft, unless a loop)
@@ -540,7 +593,7 @@ def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
         state = [t.clone() for t in (draft, active, committed, remaining, summary)]
         ring = None if loop is None else tuple(t.clone() for t in loop)
         ancestors = ancestor_mask_device(parents) if shape == "tree_with_ancestors" else None
-        path, counts = fn(state[0], logits, ancestors, state[1], state[2], state[3], eos, state[4], ring)
+        path, counts = fn(state[0], logits, ancestors, state[1], state[2], state[3], eos, state[4], ring, sampling)
         return [path, counts, *state, *(ring or ())]
 
     eager = run(accept_pass_)
@@ -559,7 +612,7 @@ def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
             assert written[b, n + 1] == row[-1], b  # the next pending token: the last one kept
         assert written[b, n + 3] == host.num_accepted[b], b  # what was accepted before the cut (the stats')
     assert counts[1] == 0 and not active_after[0]  # row 1 was not active; row 0 emitted EOS and stopped
-    if n > 1:  # row 0 cut inside its draft at EOS; row 2 ends at its budget
+    if n > 1 and sampling is None:  # row 0 cut inside its draft at EOS; row 2 ends at its budget
         assert counts[0] == 1 < host.num_accepted[0] and counts[2] == 2 and not active_after[2]
     if shape == "loop":
         assert eager[-1].item() == 0  # the ring wrapped

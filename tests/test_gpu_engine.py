@@ -14,6 +14,7 @@ from test_generator import COMPILE, OracleDrafter, plain
 
 from specla_compile import SpecConfig, SpeculativeGenerator
 from specla_compile.runtime.cache_layout import cache_slots
+from specla_compile.runtime.drafters import ModelDrafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,6 +45,25 @@ def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode):
     ours = [s.get() for s in cache_slots(outs[True].past_key_values) if s.kind == "state"]
     theirs = [s.get() for s in cache_slots(outs[False].past_key_values) if s.kind == "state"]
     assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["fla", "qwen3_5"])
+def test_graphed_sampling_equals_uncaptured_sampling_and_the_dynamic_path(family):
+    """Sampled passes accept inside the captured step (rejection sampling on the uniforms drawn before each pass):
+    on the same CUDA generator, the tokens of the same engine run uncaptured and of the dynamic path, whose host
+    walks the acceptance level by level; the drafts are the target's own (a copy of it drafts)."""
+    model = tiny_model(family).cuda()
+    prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(22)).cuda()
+    base = SpecConfig(mode="tree", depth=4, tree_top_k=2, budget=7, bucket=8)
+    outs = {}
+    for name, change in {"graphed": {}, "uncaptured": {"cuda_graphs": False}, "dynamic": {"engine": "dynamic"}}.items():
+        gen = SpeculativeGenerator(model, ModelDrafter(tiny_model(family).cuda()), SpecConfig(**{**base.__dict__, **change}))
+        outs[name] = gen.generate(prompts, max_new_tokens=20, do_sample=True, temperature=0.5, top_k=3,
+                                  generator=torch.Generator("cuda").manual_seed(3))
+        if name == "graphed":
+            assert all(bucket.graph is not None for bucket in gen.engine(prompts.device, False).buckets.values())
+    assert outs["graphed"].sequences.tolist() == outs["uncaptured"].sequences.tolist() == outs["dynamic"].sequences.tolist()
+    assert outs["graphed"].stats.mean_accepted > 0.2
 
 
 def test_graphed_prefill_chunks_give_plain_eager_decoding():

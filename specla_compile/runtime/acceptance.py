@@ -132,26 +132,47 @@ def _after_rejection(
     return _normalize((p - q).clamp(min=0.0), p), _normalize(q.masked_fill(drop, 0.0), q)
 
 
+def draw_uniforms(batch: int, nodes: int, generator: torch.Generator | None = None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """The uniforms one sampled pass consumes, ``[batch, nodes]`` fp64: column ``j >= 1`` decides whether node
+    ``j`` is accepted when it is tried, column 0 (node 0 is never tried) draws the token after the path."""
+    return torch.rand(batch, nodes, generator=generator, device=device, dtype=torch.float64)
+
+
+def _sample_token(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``p [B, V]`` by inverse CDF at ``u [B]`` (a token of zero probability never: where
+    rounding puts ``u`` past the last step, the last token of positive probability)."""
+    cdf = p.cumsum(-1)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    last_positive = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.uint8).argmax(-1)
+    return torch.minimum(token, last_positive)
+
+
 def sample_accept(
     tokens: torch.Tensor,
     parents: torch.Tensor,
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> Acceptance:
-    """Lossless recursive rejection sampling over each accepted node's children.
+    """Lossless recursive rejection sampling over each accepted node's children, walked level by level (the
+    reference of :func:`sample_accept_device`).
 
     ``target_probs [B, N, V]`` is the target's sampling distribution at every node (see
     :func:`warp_probs`). ``draft_probs [B, N, V]`` is the distribution each node's children were drawn
     from without replacement, in index order; ``None`` means the children were chosen
     deterministically. The emitted tokens (accepted path after node 0, then ``next_token``) are
-    distributed exactly as sampling from the target token by token.
+    distributed exactly as sampling from the target token by token. ``uniforms [B, N]``: what the pass
+    consumes (:func:`draw_uniforms`; default: drawn here with ``generator``).
     """
     parents = _check_draft(tokens, parents, target_probs, "target_probs")
     if draft_probs is not None and draft_probs.shape != target_probs.shape:
         raise ValueError(f"draft_probs {tuple(draft_probs.shape)} must match target_probs {tuple(target_probs.shape)}")
     batch, n = parents.shape
     device = tokens.device
+    if uniforms is None:
+        uniforms = draw_uniforms(batch, n, generator, device)
     rows = torch.arange(batch, device=device)
     kids = _children_table(parents)
     path = torch.full((batch, n), -1, dtype=torch.long, device=device)
@@ -170,8 +191,7 @@ def sample_accept(
             if not trying.any():
                 break
             x = tokens[rows, child.clamp(min=0)]
-            u = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
-            accept = trying & (u < _accept_probability(p, q, x))
+            accept = trying & (uniforms[rows, child.clamp(min=0)] < _accept_probability(p, q, x))
             reject = trying & ~accept
             p_next, q_next = _after_rejection(p, q, x)
             p = torch.where(reject[:, None], p_next, p)
@@ -183,9 +203,41 @@ def sample_accept(
         count += moved.long()
         done = walking & ~moved  # every child rejected (or none): emit from the residual
         if done.any():
-            next_token[done] = torch.multinomial(p[done], 1, generator=generator)[:, 0]
+            next_token[done] = _sample_token(p[done], uniforms[done, 0])
         walking = moved
     return Acceptance(path, count, next_token)
+
+
+def sample_accept_device(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
+                         draft_probs: torch.Tensor | None, uniforms: torch.Tensor) -> Acceptance:
+    """:func:`sample_accept` without host synchronisation or data-dependent loops (it runs inside the engine's
+    CUDA graph), on the same ``uniforms``: the same path, count and next token. One pass over the nodes in index
+    order suffices, since a walk only moves down a topologically ordered tree and tries each node's children in
+    index order: node ``j`` is tried exactly when its parent is the walk's current node. ``parents`` must already
+    be valid (no checks here: they would synchronise)."""
+    batch, n = parents.shape
+    cur = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+    count = torch.ones_like(cur)
+    slot = torch.full((batch, n), n, dtype=torch.long, device=tokens.device)  # each node's place on the path (n: off it)
+    slot[:, 0] = 0
+    p = target_probs[:, 0].double()
+    q = None if draft_probs is None else draft_probs[:, 0].double()
+    for j in range(1, n):
+        trying = parents[:, j] == cur
+        x = tokens[:, j]
+        accept = trying & (uniforms[:, j] < _accept_probability(p, q, x))
+        reject = trying & ~accept
+        p_next, q_next = _after_rejection(p, q, x)
+        p = torch.where(accept[:, None], target_probs[:, j].double(), torch.where(reject[:, None], p_next, p))
+        if q is not None:
+            q = torch.where(accept[:, None], draft_probs[:, j].double(), torch.where(reject[:, None], q_next, q))
+        slot[:, j] = torch.where(accept, count, n)
+        count = count + accept.long()
+        cur = torch.where(accept, j, cur)
+    node = torch.arange(n, device=tokens.device)
+    path = torch.full((batch, n + 1), -1, dtype=torch.long, device=tokens.device)
+    path.scatter_(1, slot, node.expand(batch, n).clone())
+    return Acceptance(path[:, :n], count, _sample_token(p, uniforms[:, 0]))
 
 
 def greedy_accept_device(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, ancestors: torch.Tensor) -> Acceptance:

@@ -2,9 +2,10 @@
 
 As in gpt-fast, the durable cache lives in tensors allocated once (per batch size) and updated in place,
 and the draft of every pass is written into static buffers (``tokens``, ``parents``). One step per bucket
-(node count N, chain or tree, and who accepts) runs the compiled model's verification twin on them and,
-when greedy, accepts on the device, gathers the accepted factor records into the static pending buffers
-(committed inside the next pass), compacts attention K/V and advances the committed lengths. On CUDA that step is captured as a CUDA graph
+(node count N, chain or tree, who accepts, sampling warpers) runs the compiled model's verification twin on
+them, accepts on the device (greedily, or by lossless rejection sampling on uniforms drawn before the pass),
+gathers the accepted factor records into the static pending buffers (committed inside the next pass),
+compacts attention K/V and advances the committed lengths. On CUDA that step is captured as a CUDA graph
 at its first use and replayed afterwards; a smaller tree replays its bucket's graph with inert padding.
 The host synchronises once per pass, to read the accepted path, and waits for that pass alone
 (:meth:`StaticEngine.launch`, :meth:`StaticEngine.collect`): a drafter can queue the next draft behind it
@@ -14,7 +15,7 @@ the host reads. Plain greedy decoding runs the loop on
 the device (:meth:`StaticEngine.queue_steps`, :meth:`StaticEngine.read_steps`): each replay of the 1-node
 graph feeds its token to the next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per
 synchronisation while the device runs the ``PLAIN_LOOKAHEAD`` passes queued behind them. Where graphs are
-captured, the step's greedy acceptance and bookkeeping after the model run as one inductor-compiled function
+captured, the step's acceptance and bookkeeping after the model run as one inductor-compiled function
 (:func:`accept_pass_`): a few kernels instead of about sixty small eager ones.
 
 A pass with no active row commits nothing (count 0), which makes the warm-up and capture runs of a new
@@ -35,7 +36,7 @@ from torch.fx.experimental import _config as fx_config
 from ..kernels.dispatch import TopologyHint, topology_hint
 from ..lowering.session import VerifySession
 from ..tree import PAD, ancestor_mask_device
-from .acceptance import Acceptance, cut_at_stop, greedy_accept_device
+from .acceptance import Acceptance, cut_at_stop, greedy_accept_device, sample_accept_device, warp_probs
 from .cache_layout import (
     cache_argument,
     cache_slots,
@@ -100,16 +101,35 @@ def prefill_chunks(shortest: int) -> list[int]:
 
 
 # Programs of the compiled acceptance (:func:`accept_pass_`), one per bucket shape (batch, node count, loop or
-# not) in a process: past Dynamo's default of 8, a new bucket would run it eagerly.
+# not, sampling warpers) in a process: past Dynamo's default of 8, a new bucket would run it eagerly.
 ACCEPT_PROGRAMS = 64
+
+
+@dataclass
+class Sampling:
+    """What a sampled pass accepts with: transformers' warpers ``warp`` (temperature, top-k, top-p:
+    :func:`~.acceptance.warp_probs`), the pass's ``uniforms [B, N]`` (:func:`~.acceptance.draw_uniforms`) and the
+    distributions its children were drawn from, ``draft_probs [B, N, V]`` (None: chosen deterministically)."""
+
+    warp: tuple
+    uniforms: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def key(self) -> tuple:
+        """What its captured graphs depend on: the warpers (constants in the graph) and whether drafts have
+        distributions."""
+        return (*self.warp, self.draft_probs is not None)
 
 
 def accept_pass_(draft: torch.Tensor, logits: torch.Tensor, ancestors: torch.Tensor | None, active: torch.Tensor,
                  committed: torch.Tensor, remaining: torch.Tensor, eos: torch.Tensor, summary: torch.Tensor,
-                 loop: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The end of a greedy pass on the device, in place: accept the draft ``draft [2, B, N]`` (tokens, parents)
-    against ``logits [B, N, V]``, cut each row's tokens after its first EOS (``eos [E]``, -1 padded) and at its
-    budget ``remaining [B]`` (:func:`cut_at_stop`), advance ``committed`` and lower ``remaining`` by the rows'
+                 loop: tuple[torch.Tensor, torch.Tensor] | None,
+                 sampling: Sampling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end of a pass on the device, in place: accept the draft ``draft [2, B, N]`` (tokens, parents)
+    against ``logits [B, N, V]`` (greedily, or by rejection sampling on ``sampling``'s static buffers), cut each
+    row's tokens after its first EOS (``eos [E]``, -1 padded) and at its budget ``remaining [B]``
+    (:func:`cut_at_stop`), advance ``committed`` and lower ``remaining`` by the rows'
     counts (0 for rows not ``active``), stop the rows that ended and write path, count, next token, whether
     the row is still active and the nodes it accepted before the cut into ``summary [B, N + 4]``: the host never
     has to trim a pass, so the next one can be queued before the host reads this one. ``ancestors``: the
@@ -117,9 +137,13 @@ def accept_pass_(draft: torch.Tensor, logits: torch.Tensor, ancestors: torch.Ten
     decoding's ``(log, step)``: log the token and the count at ``step`` of the ring ``log [2, B, S]`` and feed the
     token to the next pass. Returns ``(path [B, N], counts [B])`` for the commit of the records."""
     tokens, parents = draft[0], draft[1]
-    if ancestors is None:
-        ancestors = ancestor_mask_device(parents, height=parents.shape[1])
-    acceptance = greedy_accept_device(tokens, parents, logits, ancestors)
+    if sampling is not None:
+        probs = warp_probs(logits, *sampling.warp)
+        acceptance = sample_accept_device(tokens, parents, probs, sampling.draft_probs, sampling.uniforms)
+    else:
+        if ancestors is None:
+            ancestors = ancestor_mask_device(parents, height=parents.shape[1])
+        acceptance = greedy_accept_device(tokens, parents, logits, ancestors)
     kept, token, stops = cut_at_stop(tokens, acceptance, remaining, eos)
     counts = torch.where(active, kept, 0)
     committed += counts
@@ -159,7 +183,8 @@ class _Bucket:
     def __init__(self, batch: int, nodes: int, chain: bool, device: torch.device, mode: str):
         self.nodes = nodes
         self.chain = chain  # every draft of this bucket is a chain: accepted paths are prefixes
-        self.accepts = mode != "host"  # greedy acceptance inside the step (else the caller accepts)
+        self.accepts = mode != "host"  # acceptance inside the step (else the caller accepts)
+        self.sampling: Sampling | None = None  # a sampling bucket's static uniforms and draft distributions
         self.loop = mode == "loop"  # plain decoding on the device: the pass feeds its token to the next pass
         self.log = torch.zeros(2, batch, LOG_SLOTS, dtype=torch.long, device=device)  # tokens, counts per step (a ring)
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # the log slot of the next pass
@@ -243,7 +268,7 @@ class StaticEngine:
         self.verified_draft: torch.Tensor | None = None  # [2, B, N] host tokens and parents of the last accepting pass
         self.launched: deque[_Launched] = deque()  # passes launched and not collected, oldest first
         self.active_rows: list[bool] = []  # per row, still active after the last collected pass
-        self.buckets: dict[tuple[int, bool, str], _Bucket] = {}
+        self.buckets: dict[tuple[int, bool, str, tuple | None], _Bucket] = {}
         self.chunks: dict[int, _Chunk] = {}  # prefill chunks by length, over the current static cache
         self.chunk_error = ""  # why a chunk's capture failed: prefills then run passes only
         self.prefill_passes = 0  # chunks and passes of the last prefill
@@ -307,22 +332,24 @@ class StaticEngine:
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, chain: bool | None = None) -> StepResult:
         """Run one pass over the draft ``tokens, parents [B, N]`` (host or device tensors) whose caller accepts
-        (sampling, the prefill): call :meth:`commit` next. ``chain``: whether the draft is a chain
-        (:class:`~.drafting.Draft`'s flag); None: read from ``parents``. Greedy passes accept on the device:
+        and commits (the prefill's chain passes). ``chain``: whether the draft is a chain
+        (:class:`~.drafting.Draft`'s flag); None: read from ``parents``. Generation's passes accept on the device:
         :meth:`launch`, then :meth:`collect`."""
-        bucket = self._begin_pass(tokens, parents, "host", chain)
+        bucket = self._begin_pass(tokens, parents, "host", chain, None)
         self._run(bucket)
         return bucket.result
 
-    def launch(self, tokens: torch.Tensor, parents: torch.Tensor, chain: bool | None = None) -> PassOutputs:
-        """Queue one pass over a draft (as :meth:`verify`) with greedy acceptance and the commit of the
-        accepted paths in the same step, and the copy of its result to the host, without waiting for either:
+    def launch(self, tokens: torch.Tensor, parents: torch.Tensor, chain: bool | None = None,
+               sampling: Sampling | None = None) -> PassOutputs:
+        """Queue one pass over a draft (as :meth:`verify`) with its acceptance (greedy, or rejection sampling with
+        ``sampling``) and the commit of the accepted paths in the same step, and the copy of its result to the
+        host, without waiting for either:
         returns the pass's device outputs, from which a drafter may queue the next draft before
         :meth:`collect` waits for this pass alone. Up to ``MAX_IN_FLIGHT`` passes may wait to be collected:
         the next pass can be queued before the host reads the one before it."""
         if len(self.launched) == MAX_IN_FLIGHT:
             raise RuntimeError(f"{MAX_IN_FLIGHT} passes launched and not collected: collect() first")
-        bucket = self._begin_pass(tokens, parents, "accept", chain)
+        bucket = self._begin_pass(tokens, parents, "accept", chain, sampling)
         self._run(bucket)
         if bucket.staged is not None:
             slot, bucket.next_slot = bucket.next_slot, (bucket.next_slot + 1) % MAX_IN_FLIGHT
@@ -359,13 +386,18 @@ class StaticEngine:
         in_flight = sum(launched.bucket.nodes for launched in self.launched)
         return self.kv_valid is None or self.columns + in_flight + nodes <= self.capacity
 
-    def _begin_pass(self, tokens: torch.Tensor, parents: torch.Tensor, mode: str, chain: bool | None) -> _Bucket:
-        """The draft's bucket, prepared (compiled, captured) and holding the draft."""
+    def _begin_pass(self, tokens: torch.Tensor, parents: torch.Tensor, mode: str, chain: bool | None,
+                    sampling: Sampling | None) -> _Bucket:
+        """The draft's bucket, prepared (compiled, captured) and holding the draft (and ``sampling``'s inputs)."""
         nodes = tokens.shape[1]
         if not self.has_room(nodes):
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
-        bucket = self._switch_to(nodes, parents, mode, chain)
+        bucket = self._switch_to(nodes, parents, mode, chain, sampling)
         self._load_draft(bucket, tokens, parents)
+        if sampling is not None:
+            bucket.sampling.uniforms.copy_(sampling.uniforms, non_blocking=True)
+            if sampling.draft_probs is not None:
+                bucket.sampling.draft_probs.copy_(sampling.draft_probs, non_blocking=True)
         if not bucket.prepared:
             self._prepare(bucket)
         return bucket
@@ -398,7 +430,7 @@ class StaticEngine:
         :meth:`queue_steps` queues verifies the token the pass before it emitted, and a row stops where
         :meth:`begin_generation` said."""
         batch = self.committed.shape[0]
-        bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop", chain=True)
+        bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop", True, None)
         if not bucket.prepared:
             self._prepare(bucket)  # (before the inputs are set: its capture runs feed tokens back)
         bucket.draft[0, :, 0].copy_(pending, non_blocking=True)
@@ -531,43 +563,24 @@ class StaticEngine:
         set_fla_seen_tokens(self.cache, 0)
         return out.hidden_states[-1] if self.features else None
 
-    def commit(self, path: torch.Tensor, counts: torch.Tensor) -> None:
-        """Keep each row's first ``counts[b]`` nodes of ``path [B, N]`` (after :meth:`verify`, whose caller accepts)."""
-        counts = torch.where(self.active, counts.to(self.committed.device), 0)
-        self._commit(self.last, path.to(self.committed.device), counts)
-        self.columns += int(counts.max())
-
-    def trim(self, accepted: torch.Tensor, kept: list[int], finished: list[bool]) -> None:
-        """The host cut some rows' tokens (EOS, token budget) after the last pass committed ``accepted [B]``
-        nodes: keep ``kept[b]`` of them instead (they are still pending, so nothing was applied yet), and
-        commit nothing more for ``finished`` rows."""
-        device = self.committed.device
-        # (non-blocking copies: a blocking one would wait for the draft a pipelined run queued behind the pass)
-        kept_t = torch.tensor(kept).to(device, non_blocking=True)
-        for bucket in self.buckets.values():
-            if bucket.session.num_pending is not None:
-                bucket.session.num_pending.copy_(torch.minimum(bucket.session.num_pending, kept_t))
-        self.committed -= accepted.to(device, non_blocking=True) - kept_t
-        self.active.copy_(~torch.tensor(finished).to(device, non_blocking=True))
-        if self.kv_valid is not None:
-            start = self.columns - int(accepted.max())
-            self.kv_valid[:, start:] = False
-            self.kv_valid[:, start : start + max(kept)] = torch.arange(max(kept), device=device)[None] < kept_t[:, None]
-            self.columns = start + max(kept)
-            self._set_attention_length(self.columns)
-
     # --- inside the step -------------------------------------------------------------------------
 
-    def _switch_to(self, nodes: int, parents: torch.Tensor, mode: str, chain: bool | None) -> _Bucket:
+    def _switch_to(self, nodes: int, parents: torch.Tensor, mode: str, chain: bool | None,
+                   sampling: Sampling | None) -> _Bucket:
         """The bucket of a draft, keyed by its node count, whether it is a chain (``chain``, else checked on
-        the host copy of ``parents``) and ``mode`` (``accept``: greedy acceptance in the step; ``host``: the
-        caller accepts; ``loop``: plain decoding on the device), each its own captured graph; the bucket used
-        before it is flushed."""
+        the host copy of ``parents``), ``mode`` (``accept``: acceptance in the step; ``host``: the caller accepts;
+        ``loop``: plain decoding on the device) and ``sampling``'s key (None: greedy), each its own captured graph;
+        the bucket used before it is flushed."""
         if chain is None:  # (a device draft's copy waits for the drafter: drafters say what they made)
             chain = all(p in (j - 1, PAD) for row in parents.tolist() for j, p in enumerate(row))  # (lists: 5x faster than ops here)
-        key = (nodes, chain, mode)
+        key = (nodes, chain, mode, None if sampling is None else sampling.key)
         if key not in self.buckets:
             self.buckets[key] = _Bucket(self.committed.shape[0], nodes, chain, self.committed.device, mode)
+            if sampling is not None:  # (static copies of its inputs, which every pass of the bucket loads)
+                probs = None if sampling.draft_probs is None else torch.zeros(
+                    sampling.draft_probs.shape, dtype=torch.float32, device=self.committed.device)
+                uniforms = torch.zeros(sampling.uniforms.shape, dtype=torch.float64, device=self.committed.device)
+                self.buckets[key].sampling = Sampling(sampling.warp, uniforms, probs)
             self.buckets[key].hint = TopologyHint.from_parents(parents.cpu())  # the route is fixed per captured graph
         bucket = self.buckets[key]
         if self.last is not None and self.last is not bucket:
@@ -618,7 +631,7 @@ class StaticEngine:
             loop = (bucket.log, bucket.step) if bucket.loop else None
             with torch._dynamo.config.patch(recompile_limit=ACCEPT_PROGRAMS):
                 path, counts = self.accept_pass(bucket.draft, result.logits, bucket.ancestors, self.active, self.committed,
-                                                self.remaining, self.eos, bucket.summary, loop)
+                                                self.remaining, self.eos, bucket.summary, loop, bucket.sampling)
             self._keep(bucket, path, counts)
         return result
 

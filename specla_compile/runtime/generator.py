@@ -26,7 +26,7 @@ from ..lowering.capture import install, recurrence_calls
 from ..lowering.fuse_projections import pack_projections
 from ..lowering.session import VerifySession
 from ..tree import PAD, ancestor_mask, depth
-from .acceptance import Acceptance, greedy_accept, sample_accept, warp_probs
+from .acceptance import Acceptance, draw_uniforms, greedy_accept, sample_accept, warp_probs
 from .cache_layout import (
     attention_width,
     cache_argument,
@@ -45,7 +45,7 @@ from .cache_layout import (
 from .config import SpecConfig
 from .distributed import broadcast_draft, tensor_parallel_mesh
 from .drafting import Draft, Drafter, DraftRequest, PassOutputs, output_vocab_size
-from .engine import EOS_SLOTS, PLAIN_LOOKAHEAD, PLAIN_STEPS, StaticEngine, eos_fits
+from .engine import EOS_SLOTS, PLAIN_LOOKAHEAD, PLAIN_STEPS, Sampling, StaticEngine, eos_fits
 from .generation_args import GenerationArgs
 from .generation_args import resolve as resolve_generation_args
 from .graph_capture import capturable_experts
@@ -269,7 +269,7 @@ class SpeculativeGenerator:
         try:
             drafter = _PlainDrafter() if _plain else self.drafter
             engine = self.engine(input_ids.device, self.engine_features(drafter))
-            if engine is not None and not args.do_sample and not eos_fits(args.eos_token_ids):
+            if engine is not None and not eos_fits(args.eos_token_ids):
                 log.warning("specla: %d EOS ids, more than the %d that the engine's passes check on the device: "
                             "decoding without the static engine", len(set(args.eos_token_ids)), EOS_SLOTS)
                 engine = None
@@ -681,9 +681,8 @@ class _StaticRun(_Run):
             # attention columns: powers of two from 256, so that calls of similar lengths share graphs
             capacity = max(256, 1 << (columns + self.max_new_tokens + self.nodes).bit_length()) if self.attention else 0
             self.engine.start(self.cache, self.committed, self.kv_valid if self.attention else None, capacity)
-        self.engine_finished = [False] * self.batch  # (sampling: the host trims the passes)
-        if not self.do_sample:  # greedy passes stop rows on the device (EOS, budget): the host never trims them
-            self.engine.begin_generation(list(self.eos), [self.max_new_tokens - len(t) for t in self.new_tokens], self.finished)
+        # every pass stops rows on the device (EOS, budget): the host never trims them
+        self.engine.begin_generation(list(self.eos), [self.max_new_tokens - len(t) for t in self.new_tokens], self.finished)
         # from here on the host keeps its bookkeeping (history, pending tokens, drafts) on the CPU
         self.book_device = torch.device("cpu")
         self.max_length = max(r.numel() for r in self.rows) + 1 + self.max_new_tokens  # (prompt, pending, new tokens)
@@ -694,15 +693,12 @@ class _StaticRun(_Run):
         self.pipelined = not self.do_sample and self.owner.tp_mesh is None and self.config.pipelined is not False
 
     def _iteration(self) -> None:
-        """Greedy: the pass is queued and, where the drafter can, the next draft behind it (pipelined:
+        """The pass is queued and, greedy, where the drafter can, the next draft behind it (pipelined:
         ``SpecConfig.pipelined``), then the next pass behind that draft, before the host reads the first: every
-        pass stops rows at EOS and at their budgets on the device, so the device runs pass after pass while the
-        host does its bookkeeping. The next pass is queued that early only where the pass before it cannot end
-        every row by its budget (a row's EOS can: the pass queued after it then commits nothing), else once the
-        host has read that some row goes on. Sampling accepts on the host (:meth:`_pass`)."""
-        if self.do_sample:
-            super()._iteration()
-            return
+        pass accepts and stops rows at EOS and at their budgets on the device, so the device runs pass after pass
+        while the host does its bookkeeping. The next pass is queued that early only where the pass before it
+        cannot end every row by its budget (a row's EOS can: the pass queued after it then commits nothing), else
+        once the host has read that some row goes on."""
         active = [b for b in range(self.batch) if not self.finished[b]]
         left = [self.max_new_tokens - len(self.new_tokens[b]) for b in active]  # tokens each row may still emit
         if not self.in_flight:
@@ -725,8 +721,12 @@ class _StaticRun(_Run):
     def _launch(self, draft: Draft, budgets: list[int]) -> None:
         """Queue the pass over ``draft`` and, where the drafter can and a row has ``budgets`` (tokens left before
         this pass, or a bound on them) for more than this pass, the next draft behind it."""
+        sampling = None
+        if self.do_sample:  # (the uniforms drawn on the target's device, as the dynamic path draws them)
+            uniforms = draw_uniforms(self.batch, draft.tokens.shape[1], self.generator, self.target_device)
+            sampling = Sampling(self.warp, uniforms, draft.probs)
         with self._timed("verify_seconds"):
-            outputs = self.engine.launch(draft.tokens, draft.parents, draft.chain)
+            outputs = self.engine.launch(draft.tokens, draft.parents, draft.chain, sampling)
         self.in_flight.append((outputs, draft.chain, draft.tokens.shape[1]))
         self.next_draft = None
         if self.pipelined and any(budget > 1 for budget in budgets):  # (else every row ends with this pass)
@@ -744,27 +744,10 @@ class _StaticRun(_Run):
     def _extend(self, active: list[int], committed: list[list[int]]) -> list[torch.Tensor]:
         return [self.history.append(b, tokens) for b, tokens in zip(active, committed)]
 
-    def _pass(self, draft: Draft):
-        """A sampling pass: the engine verifies, the host accepts and tells the engine what to commit."""
-        tokens, parents = draft.tokens, draft.parents
-        result = self.engine.verify(tokens, parents, chain=draft.chain)
-        device = result.logits.device
-        probs = draft.probs.to(device) if draft.probs is not None else None
-        acceptance = sample_accept(tokens.to(device), parents.to(device), warp_probs(result.logits, *self.warp), probs, self.generator)
-        live = torch.tensor([not f for f in self.finished])
-        counts = acceptance.num_accepted.cpu() * live
-        self.engine.commit(acceptance.path, counts)
-        host = Draft(tokens.cpu(), parents.cpu(), chain=draft.chain)
-        return Acceptance(acceptance.path.cpu(), counts, acceptance.next_token.cpu()), result.hidden, host
-
     def _commit(self, acceptance: Acceptance, emitted, hidden) -> None:
         kept, counts = [len(e) for e in emitted], acceptance.num_accepted.tolist()
-        if not self.do_sample:  # (the device cut the pass: a disagreement is a bug, not something to trim)
-            if kept != counts:
-                raise RuntimeError(f"specla: the engine kept {counts} tokens per row where the host kept {kept}")
-        elif kept != counts or self.finished != self.engine_finished:
-            self.engine.trim(acceptance.num_accepted, kept, self.finished)
-            self.engine_finished = list(self.finished)
+        if kept != counts:  # (the device cut the pass: a disagreement is a bug, not something to trim)
+            raise RuntimeError(f"specla: the engine kept {counts} tokens per row where the host kept {kept}")
         self._advance(acceptance, emitted, hidden)
 
     def _finish(self) -> None:
