@@ -11,6 +11,7 @@ is wrong, each sibling holds the true token with probability p in turn (a drafte
     python benchmarks/e2e_gpu.py --out $OUT                      # every section (H200, about 10 minutes)
     python benchmarks/e2e_gpu.py --sections fla_b1 --layers 4    # a quick look
     python benchmarks/e2e_gpu.py --sections fold_ab --out $OUT   # the folds not yet timed against the defaults
+    python benchmarks/e2e_gpu.py --sections fla_sampling --out $OUT   # sampled chains over plain sampling
     python benchmarks/e2e_gpu.py --plot benchmarks/results/e2e_gpu.json   # markdown + PNG from a JSON
 
 Decode figures exclude the prompt's prefill (the same eager call for every route); ``e2e`` figures
@@ -49,7 +50,8 @@ CHAIN_LENGTHS = (2, 4, 8, 12)
 TREES = ((2, 16), (4, 16), (2, 32), (4, 32))  # (top_k, nodes)
 BACKEND_OPTIONS: dict = {}  # --backend: the specla backend's options for every compile of this process
 ORACLE = {"device": True}  # --oracle: the controlled routes' drafts made on the device (else on the host)
-SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile", "fla_passes", "fold_ab")
+SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile", "fla_passes", "fold_ab",
+            "fla_sampling")
 
 
 def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.nn.Module:
@@ -224,21 +226,25 @@ def decode_seconds(out, wall: float) -> float:
     return wall - out.stats.prefill_seconds
 
 
-def run_route(gen, prompts, new_tokens: int, drafter=None, config=None, plain: bool = False, truths=None) -> dict:
-    """Greedy runs of every prompt row-batch; returns time, tokens, acceptance and the sequences. The
-    benchmark swaps the generator's drafter and config between routes, so that every route shares one
-    compiled model and one engine."""
+def run_route(gen, prompts, new_tokens: int, drafter=None, config=None, plain: bool = False, truths=None,
+              sample: dict | None = None) -> dict:
+    """Greedy runs of every prompt row-batch (``sample``: sampled with these settings, each call on its own seeded
+    CUDA generator); returns time, tokens, acceptance and the sequences. The benchmark swaps the generator's
+    drafter and config between routes, so that every route shares one compiled model and one engine."""
     warm_gpu(gen, prompts[0])
     if drafter is not None:
         gen.drafter, gen.config = drafter, config
         drafter.truth = truths[0]
-        gen.generate(prompts[0], 16)  # the route's own first use (a device drafter's first draws took 0.1 s), untimed
+        gen.generate(prompts[0], 16, **sampled(sample, -1))  # the route's own first use (a device drafter's first draws took 0.1 s), untimed
+    elif sample is not None:
+        gen.decode(prompts[0], 16, **sampled(sample, -1))  # (its sampling bucket's capture, untimed)
     decode, e2e, tokens, passes, accepted, sequences = 0.0, 0.0, 0, 0, [], []
     phases = dict.fromkeys(("draft_seconds", "verify_seconds", "commit_seconds"), 0.0)
     for i, prompt in enumerate(prompts):
         if drafter is not None:
             drafter.truth = truths[i]
-        out, wall = timed(lambda: gen.decode(prompt, new_tokens) if plain else gen.generate(prompt, new_tokens))
+        settings = sampled(sample, i)
+        out, wall = timed(lambda: gen.decode(prompt, new_tokens, **settings) if plain else gen.generate(prompt, new_tokens, **settings))
         decode += decode_seconds(out, wall)
         e2e += wall
         tokens += out.stats.new_tokens
@@ -254,6 +260,11 @@ def run_route(gen, prompts, new_tokens: int, drafter=None, config=None, plain: b
         "ms_per_pass": {phase.split("_")[0]: 1000 * t / max(passes, 1) for phase, t in phases.items()},
         "sequences": sequences,
     }
+
+
+def sampled(sample: dict | None, seed: int) -> dict:
+    """``generate``'s keywords for one sampled call (a CUDA generator seeded with ``seed``), or none (greedy)."""
+    return {} if sample is None else {**sample, "generator": torch.Generator("cuda").manual_seed(seed)}
 
 
 def bucket_key(nodes: int, chain: bool = True) -> tuple:
@@ -712,6 +723,47 @@ def qwen(args, results: dict) -> None:
         print(f"qwen p={p} L=8: {r['speedup']:.2f}x", flush=True)
 
 
+SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 50, "top_p": 0.9}
+
+
+def fla_sampling(args, results: dict) -> None:
+    """Sampling (``SAMPLING``) through the engine at the GDN-1.3B shape, in about three minutes: plain sampling
+    (1-node passes, each accepted on the device and read by the host) against chains of L=8 from the oracle at
+    p = 1.0 and 0.8 (the peaked logits sample their argmax nearly always, so the greedy continuation stays the
+    likeliest draft), every pass accepting by rejection sampling inside its CUDA graph; greedy plain decoding
+    (the device loop) beside them."""
+    model = build("fla", torch.bfloat16, args.layers)
+    prompts = prompts_for(model, 1, args.prompts)
+    gen = make_generator(model)
+    gen.decode(prompts[0], 2)
+    greedy = run_route(gen, prompts, args.new_tokens, plain=True)
+    truths = truth_of(greedy, prompts)
+    plain = run_route(gen, prompts, args.new_tokens, plain=True, sample=SAMPLING)
+    section = results.setdefault("fla_sampling", {"sampling": SAMPLING})
+    section["greedy_plain_ms_per_token"], section["plain_ms_per_token"] = greedy["ms_per_token"], plain["ms_per_token"]
+    section["plain_ms_per_pass"] = plain["ms_per_pass"]
+    print(f"plain sampling {plain['ms_per_token']:.3f} ms/token (greedy {greedy['ms_per_token']:.3f})", flush=True)
+    for p in (1.0, 0.8):
+        r = run_route(gen, prompts, args.new_tokens, OracleDrafter(None, p, 8), chain_config(8), truths=truths, sample=SAMPLING)
+        section[f"p{p}_L8"] = {"ms_per_token": r["ms_per_token"], "tokens_per_pass": r["tokens_per_pass"],
+                               "ms_per_pass": r["ms_per_pass"], "speedup": plain["decode_s"] / r["decode_s"]}
+        print(f"sampled p={p} L=8: {section[f'p{p}_L8']['speedup']:.2f}x, {r['tokens_per_pass']:.2f} tokens a pass", flush=True)
+
+
+def fla_sampling_markdown(section: dict) -> list[str]:
+    """``fla_sampling``'s table: sampled chains over plain sampling through the same engine."""
+    if "plain_ms_per_token" not in section:
+        return []
+    lines = ["", f"Sampling ({section['sampling']}), B=1: plain sampling {section['plain_ms_per_token']:.3f} ms/token "
+             f"(greedy plain decoding {section['greedy_plain_ms_per_token']:.3f}):", "",
+             "| route | ms/token | tokens per pass | speedup over plain sampling |", "| --- | --- | --- | --- |"]
+    for p in (1.0, 0.8):
+        r = section.get(f"p{p}_L8")
+        if r:
+            lines.append(f"| oracle chain L=8, p={p} | {r['ms_per_token']:.3f} | {r['tokens_per_pass']:.2f} | {r['speedup']:.2f}x |")
+    return lines
+
+
 def exact_fp32(args, results: dict) -> None:
     """fp32 greedy output of chains and trees against graphed plain decoding (reduced depth)."""
     section = results.setdefault("exact_fp32", {})
@@ -942,6 +994,7 @@ def write_report(results: dict, out_dir: str) -> None:
     lines += op_profile_markdown(results.get("fla_profile", {}))
     lines += layer_markdown(results)
     lines += fold_ab_markdown(results.get("fold_ab", {}))
+    lines += fla_sampling_markdown(results.get("fla_sampling", {}))
     lines += ["", b1["profile_note"]] if b1.get("profile_note") else []
     if b1.get("chain"):
         lines += ["", "Chain speedup over graphed plain decoding (B=1, 128 new tokens, decode phase):", "",
@@ -1088,9 +1141,9 @@ def set_inductor_config(pairs: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--sections", nargs="+", default=[s for s in SECTIONS if s not in ("fla_passes", "fold_ab")],
-                        choices=SECTIONS, help="default: all but fla_passes (the passes alone, which fla_b1 times too) "
-                        "and fold_ab (fla_passes under each fold not yet timed)")
+    parser.add_argument("--sections", nargs="+", default=[s for s in SECTIONS if s not in ("fla_passes", "fold_ab", "fla_sampling")],
+                        choices=SECTIONS, help="default: all but fla_passes (the passes alone, which fla_b1 times too), "
+                        "fold_ab (fla_passes under each fold not yet timed) and fla_sampling (sampled chains)")
     parser.add_argument("--layers", type=int, default=None, help="fla model depth (default: 24, the 1.3B shape)")
     parser.add_argument("--qwen-layers", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=4)

@@ -102,6 +102,18 @@ def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios
     assert "| fold_convs | failed: see the JSON |" in table and table.rstrip().endswith("| 258.0 | no |")  # (all three)
 
 
+def test_sampling_section_reaches_the_report(tmp_path):
+    """``fla_sampling``'s sampled chains are tabled against plain sampling; a section cut before its first chain
+    leaves its plain figures, and one that timed nothing adds no table."""
+    section = {"sampling": e2e_gpu.SAMPLING, "greedy_plain_ms_per_token": 1.46, "plain_ms_per_token": 1.62,
+               "p1.0_L8": {"ms_per_token": 0.25, "tokens_per_pass": 8.6, "speedup": 6.48}}
+    e2e_gpu.write_report({"fla_sampling": section}, str(tmp_path))
+    table = (tmp_path / "e2e_gpu.md").read_text()
+    assert "plain sampling 1.620 ms/token (greedy plain decoding 1.460)" in table
+    assert "| oracle chain L=8, p=1.0 | 0.250 | 8.60 | 6.48x |" in table and "oracle chain L=8, p=0.8" not in table
+    assert e2e_gpu.fla_sampling_markdown({"sampling": e2e_gpu.SAMPLING}) == []
+
+
 def test_plain_target_is_the_b1_run_else_the_profile_run_and_operators_reach_the_report(tmp_path):
     """The headline plain figure is ``fla_b1``'s (warmed up in its own process), ``fla_profile``'s when
     there is none; ``fla_profile``'s operator table (``aten::`` and ``specla::`` rows only) is written
