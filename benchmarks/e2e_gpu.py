@@ -728,7 +728,7 @@ SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 50, "top_p": 0.9}
 
 def fla_sampling(args, results: dict) -> None:
     """Sampling (``SAMPLING``) through the engine at the GDN-1.3B shape, in about three minutes: plain sampling
-    (1-node passes, each accepted on the device and read by the host) against chains of L=8 from the oracle at
+    (the device loop of 1-node passes, as greedy plain decoding runs) against chains of L=8 from the oracle at
     p = 1.0 and 0.8 (the peaked logits sample their argmax nearly always, so the greedy continuation stays the
     likeliest draft), every pass accepting by rejection sampling inside its CUDA graph; greedy plain decoding
     (the device loop) beside them."""

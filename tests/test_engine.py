@@ -90,6 +90,24 @@ def test_sampling_through_the_engine_gives_the_dynamic_paths_tokens(family, mode
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_plain_sampling_loops_on_the_device_and_gives_the_dynamic_paths_tokens(family):
+    """Plain sampling through the engine runs the device loop (a sampled 1-node bucket, the uniforms of each
+    block written into its ring before the block): on the same generator it emits the dynamic path's tokens,
+    which draws them pass by pass, and stops a row at EOS."""
+    model = tiny_model(family)
+    prompts, input_ids, mask = left_padded_batch((5, 3), seed=23)
+    eos = plain(model, prompts[1], 8)[0][0, prompts[1].numel() + 3].item()
+    runs, gens = {}, {}
+    for engine in ("static", "dynamic"):
+        gen = gens[engine] = SpeculativeGenerator(model, OracleDrafter([[0] * 40]), SpecConfig(engine=engine), compile_options=COMPILE)
+        runs[engine] = gen.decode(input_ids, max_new_tokens=21, attention_mask=mask, do_sample=True, temperature=0.7,
+                                  top_p=0.9, eos_token_id=eos, pad_token_id=VOCAB + 1, generator=torch.Generator().manual_seed(4))
+    assert runs["static"].sequences.tolist() == runs["dynamic"].sequences.tolist()
+    assert list(gens["static"].engine(input_ids.device, features=False).buckets)[-1] == (1, True, "loop", (0.7, None, 0.9, False))
+    assert runs["static"].stats.iterations == runs["dynamic"].stats.iterations
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_plain_decoding_through_the_engine_equals_eager_decoding(family, caplog):
     model = tiny_model(family)
     prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(12))

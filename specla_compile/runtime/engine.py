@@ -108,8 +108,9 @@ ACCEPT_PROGRAMS = 64
 @dataclass
 class Sampling:
     """What a sampled pass accepts with: transformers' warpers ``warp`` (temperature, top-k, top-p:
-    :func:`~.acceptance.warp_probs`), the pass's ``uniforms [B, N]`` (:func:`~.acceptance.draw_uniforms`) and the
-    distributions its children were drawn from, ``draft_probs [B, N, V]`` (None: chosen deterministically)."""
+    :func:`~.acceptance.warp_probs`), the pass's ``uniforms [B, N]`` (:func:`~.acceptance.draw_uniforms`; plain
+    decoding's loop: a ring ``[LOG_SLOTS, B, 1]``, a slot per pass, as its token log) and the distributions its
+    children were drawn from, ``draft_probs [B, N, V]`` (None: chosen deterministically)."""
 
     warp: tuple
     uniforms: torch.Tensor
@@ -138,8 +139,9 @@ def accept_pass_(draft: torch.Tensor, logits: torch.Tensor, ancestors: torch.Ten
     token to the next pass. Returns ``(path [B, N], counts [B])`` for the commit of the records."""
     tokens, parents = draft[0], draft[1]
     if sampling is not None:
+        uniforms = sampling.uniforms if loop is None else sampling.uniforms.index_select(0, loop[1])[0]  # (this pass's slot)
         probs = warp_probs(logits, *sampling.warp)
-        acceptance = sample_accept_device(tokens, parents, probs, sampling.draft_probs, sampling.uniforms)
+        acceptance = sample_accept_device(tokens, parents, probs, sampling.draft_probs, uniforms)
     else:
         if ancestors is None:
             ancestors = ancestor_mask_device(parents, height=parents.shape[1])
@@ -425,12 +427,13 @@ class StaticEngine:
         self.remaining.copy_(torch.tensor(budgets))
         self.active.copy_(~torch.tensor(finished))
 
-    def begin_decoding(self, pending: torch.Tensor) -> None:
-        """Start plain greedy decoding on the device from the tokens ``pending [B]``: each pass that
-        :meth:`queue_steps` queues verifies the token the pass before it emitted, and a row stops where
-        :meth:`begin_generation` said."""
+    def begin_decoding(self, pending: torch.Tensor, warp: tuple | None = None) -> None:
+        """Start plain decoding on the device from the tokens ``pending [B]``, greedy or, with ``warp`` (the
+        warpers of :class:`Sampling`), sampled: each pass that :meth:`queue_steps` queues verifies the token the
+        pass before it emitted, and a row stops where :meth:`begin_generation` said."""
         batch = self.committed.shape[0]
-        bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop", True, None)
+        sampling = None if warp is None else Sampling(warp, torch.zeros(LOG_SLOTS, batch, 1, dtype=torch.float64))
+        bucket = self._switch_to(1, torch.full((batch, 1), -1), "loop", True, sampling)
         if not bucket.prepared:
             self._prepare(bucket)  # (before the inputs are set: its capture runs feed tokens back)
         bucket.draft[0, :, 0].copy_(pending, non_blocking=True)
@@ -439,19 +442,26 @@ class StaticEngine:
         bucket.queued.clear()
         bucket.slot = 0
 
-    def queue_steps(self, steps: int) -> None:
+    def queue_steps(self, steps: int, uniforms: torch.Tensor | None = None) -> None:
         """Queue ``steps`` (<= ``PLAIN_STEPS``) passes of plain decoding after :meth:`begin_decoding`, and a copy
-        of their tokens to the host behind them; returns without waiting for any of it."""
+        of their tokens to the host behind them; returns without waiting for any of it. Sampled decoding takes
+        each pass's ``uniforms``, ``[steps, B, 1]`` (written into the ring slots of these passes)."""
         bucket = self.last
         if bucket is None or not bucket.loop:
             raise RuntimeError("StaticEngine.queue_steps() needs begin_decoding() first")
         if not 1 <= steps <= PLAIN_STEPS:
             raise ValueError(f"steps must be in [1, {PLAIN_STEPS}], got {steps}")
+        if (bucket.sampling is None) != (uniforms is None):
+            raise ValueError("queue_steps() takes uniforms exactly when begin_decoding() was given warpers (sampling)")
         unread = sum(block.steps for block in bucket.queued)
         if unread + steps > LOG_SLOTS:  # (the ring would overwrite tokens not read yet)
             raise RuntimeError(f"{unread} passes queued and not read: read_steps() first")
         if self.kv_valid is not None and self.columns + unread + steps > self.capacity:
             raise ValueError(f"the attention cache of {self.capacity} columns is full; raise its capacity")
+        if uniforms is not None:
+            ring = bucket.sampling.uniforms
+            slots = (torch.arange(steps, device=ring.device) + bucket.slot) % LOG_SLOTS
+            ring.index_copy_(0, slots, uniforms.to(ring.device, ring.dtype))
         for _ in range(steps):
             self._run(bucket)
         on_cuda = bucket.staged is not None

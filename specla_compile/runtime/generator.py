@@ -274,7 +274,7 @@ class SpeculativeGenerator:
                             "decoding without the static engine", len(set(args.eos_token_ids)), EOS_SLOTS)
                 engine = None
             run_type = _Run if engine is None else _StaticRun
-            if engine is not None and _plain and not args.do_sample:
+            if engine is not None and _plain:
                 run_type = _PlainDeviceRun
             run = run_type(self, drafter, rows, args, streamer, generator, engine)
             return run.run(input_ids, past_key_values)
@@ -758,7 +758,7 @@ class _StaticRun(_Run):
 
 
 class _PlainDeviceRun(_StaticRun):
-    """Plain greedy decoding through the engine with the loop on the device: the host reads ``PLAIN_STEPS``
+    """Plain decoding (greedy or sampled) through the engine with the loop on the device: the host reads ``PLAIN_STEPS``
     passes per synchronisation while the device runs the ``PLAIN_LOOKAHEAD`` passes queued behind them
     (:meth:`~.engine.StaticEngine.queue_steps`, :meth:`~.engine.StaticEngine.read_steps`), never past the
     token budget; a row stops at EOS on the device. The strongest plain baseline the engine offers."""
@@ -771,7 +771,7 @@ class _PlainDeviceRun(_StaticRun):
         """Queue passes up to a block of ``PLAIN_STEPS`` and ``PLAIN_LOOKAHEAD`` more behind it, then read the
         block: the device runs the lookahead while the host reads."""
         if self.unread is None:
-            self.engine.begin_decoding(self.pending)
+            self.engine.begin_decoding(self.pending, self.warp if self.do_sample else None)
             self.unread = 0
         emitted_so_far = max(len(t) for t, done in zip(self.new_tokens, self.finished) if not done)
         left = self.max_new_tokens - emitted_so_far - self.unread  # passes not queued yet
@@ -780,7 +780,7 @@ class _PlainDeviceRun(_StaticRun):
         with self._timed("verify_seconds"):
             for steps in (block - self.unread, ahead):
                 if steps:
-                    self.engine.queue_steps(steps)
+                    self.engine.queue_steps(steps, self._uniforms(steps))
             tokens, _ = self.engine.read_steps(block)  # (the commit counts: the engine advances its columns by them)
         self.unread = ahead
         with self._timed("commit_seconds"):
@@ -792,6 +792,13 @@ class _PlainDeviceRun(_StaticRun):
                     self.stats.tree_sizes += [1] * len(row)
             self._record(emitted)
         self.stats.iterations += block
+
+    def _uniforms(self, steps: int) -> torch.Tensor | None:
+        """``steps`` sampled passes' uniforms ``[steps, B, 1]``, drawn as the dynamic path draws them pass by pass
+        (None: greedy)."""
+        if not self.do_sample:
+            return None
+        return draw_uniforms(steps * self.batch, 1, self.generator, self.target_device).view(steps, self.batch, 1)
 
 
 class _PlainDrafter(Drafter):
