@@ -51,18 +51,23 @@ def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode):
 def test_graphed_sampling_equals_uncaptured_sampling_and_the_dynamic_path(family):
     """Sampled passes accept inside the captured step (rejection sampling on the uniforms drawn before each pass):
     on the same CUDA generator, the tokens of the same engine run uncaptured and of the dynamic path, whose host
-    walks the acceptance level by level; the drafts are the target's own (a copy of it drafts)."""
+    walks the acceptance level by level; the drafts are the target's own (a copy of it drafts). Plain sampling's
+    device loop, graphed, gives its uncaptured tokens (the dynamic path draws a block's uniforms in other calls,
+    which on CUDA give other numbers)."""
     model = tiny_model(family).cuda()
     prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(22)).cuda()
     base = SpecConfig(mode="tree", depth=4, tree_top_k=2, budget=7, bucket=8)
-    outs = {}
+    outs, plains = {}, {}
     for name, change in {"graphed": {}, "uncaptured": {"cuda_graphs": False}, "dynamic": {"engine": "dynamic"}}.items():
         gen = SpeculativeGenerator(model, ModelDrafter(tiny_model(family).cuda()), SpecConfig(**{**base.__dict__, **change}))
         outs[name] = gen.generate(prompts, max_new_tokens=20, do_sample=True, temperature=0.5, top_k=3,
                                   generator=torch.Generator("cuda").manual_seed(3))
+        plains[name] = gen.decode(prompts, max_new_tokens=20, do_sample=True, temperature=0.5, top_k=3,
+                                  generator=torch.Generator("cuda").manual_seed(4))  # (the device loop, sampled)
         if name == "graphed":
             assert all(bucket.graph is not None for bucket in gen.engine(prompts.device, False).buckets.values())
     assert outs["graphed"].sequences.tolist() == outs["uncaptured"].sequences.tolist() == outs["dynamic"].sequences.tolist()
+    assert plains["graphed"].sequences.tolist() == plains["uncaptured"].sequences.tolist()
     assert outs["graphed"].stats.mean_accepted > 0.2
 
 
