@@ -370,6 +370,33 @@ def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits(monkeypatch):
             assert early == late == 0 and events.count("launch") == out.stats.iterations, events
 
 
+def test_pipelined_eagle_sampling_emits_what_the_host_loop_emits():
+    """Sampled passes accept on the device too, so an EAGLE drafter drafts from their device outputs as in greedy
+    runs: on the same generator, the pipelined run (no commit calls) emits the host loop's tokens, EOS included.
+    (A random head's drafts are rarely accepted; every token sampled from a residual still depends on the drafts
+    rejected before it, so equal tokens need equal drafts and equal uniforms. The greedy test above covers the
+    drafter's bookkeeping of accepted paths.)"""
+    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+
+    model = tiny_model("fla")
+    torch.manual_seed(9)
+    head = EagleHead(EagleConfig.for_target(model))
+    prompts, input_ids, mask = left_padded_batch((4, 7), seed=6)
+    eos = plain(model, prompts[0], 12)[0][0, prompts[0].numel() + 5].item()
+    outs, commits = {}, {}
+    for pipelined in (None, False):
+        drafter = EagleDrafter(head, model, static_shapes=True, compiled=False)
+        commits[pipelined] = []
+        real_commit = drafter.commit
+        drafter.commit = lambda *args, real=real_commit, seen=commits[pipelined]: seen.append(1) or real(*args)
+        config = dataclasses.replace(SETTINGS[2], pipelined=pipelined)
+        outs[pipelined] = SpeculativeGenerator(model, drafter, config, compile_options=COMPILE).generate(
+            input_ids, max_new_tokens=12, eos_token_id=eos, attention_mask=mask, pad_token_id=VOCAB + 1, do_sample=True,
+            temperature=0.6, generator=torch.Generator().manual_seed(2))
+    assert outs[None].sequences.tolist() == outs[False].sequences.tolist()
+    assert not commits[None] and len(commits[False]) == outs[False].stats.iterations
+
+
 def test_drafts_over_64_nodes_on_fla():
     """Above 64 tokens fla's layer calls chunk_gated_delta_rule (wrapped in torch.compiler.disable)
     instead of the fused recurrent kernel: the capture must still see it, in the prefill of a long

@@ -30,12 +30,12 @@ class SpecConfig:
     attention layers through the static engine: the model's own forward over chunks of 32-256 tokens, then
     16-token chain passes (with CUDA graphs a few replays instead of an eager forward's hundreds of launches);
     ``"eager"`` prefills with the eager model (fla's chunk kernels), as hybrids and calls that continue a cache
-    always do; None (default): the engine where it replays CUDA graphs. ``pipelined``: in greedy
-    static runs, a drafter that can (:meth:`~.drafting.Drafter.propose_after`: ``EagleDrafter``) drafts the
+    always do; None (default): the engine where it replays CUDA graphs. ``pipelined``: in static runs
+    (greedy or sampled), a drafter that can (:meth:`~.drafting.Drafter.propose_after`: ``EagleDrafter``) drafts the
     next iteration from the verify pass's device outputs, queued behind the pass, and the next pass is
     queued behind that draft before the host reads the pass's result (the device stops rows at EOS and at
     their budgets itself); None (default) or True: wherever the drafter can; False: never (the drafter waits
-    for the host's commit, as in sampling and tensor-parallel runs).
+    for the host's commit, as in tensor-parallel runs).
     """
 
     mode: Literal["chain", "tree"] = "chain"

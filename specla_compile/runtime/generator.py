@@ -690,7 +690,7 @@ class _StaticRun(_Run):
         self.pending = self.pending.cpu()
         self.next_draft: Draft | None = None  # drafted on the device behind the pass in flight
         self.in_flight: deque[tuple[PassOutputs, bool | None, int]] = deque()  # passes launched, not collected: outputs, chain, nodes
-        self.pipelined = not self.do_sample and self.owner.tp_mesh is None and self.config.pipelined is not False
+        self.pipelined = self.owner.tp_mesh is None and self.config.pipelined is not False
 
     def _iteration(self) -> None:
         """The pass is queued and, greedy, where the drafter can, the next draft behind it (pipelined:
