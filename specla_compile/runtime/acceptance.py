@@ -141,7 +141,8 @@ def draw_uniforms(batch: int, nodes: int, generator: torch.Generator | None = No
 
 def _sample_token(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``p [B, V]`` by inverse CDF at ``u [B]`` (a token of zero probability never: where
-    rounding puts ``u`` past the last step, the last token of positive probability)."""
+    rounding puts ``u`` past the last step, the last token of positive probability; a row with no mass at all,
+    which only NaN logits make, gets token V - 1)."""
     cdf = p.cumsum(-1)
     token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     last_positive = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.uint8).argmax(-1)

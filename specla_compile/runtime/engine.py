@@ -11,7 +11,7 @@ The host synchronises once per pass, to read the accepted path, and waits for th
 (:meth:`StaticEngine.launch`, :meth:`StaticEngine.collect`): a drafter can queue the next draft behind it
 first, from the pass's device outputs, and the next pass can be queued behind that draft before the host reads
 (every accepting pass stops rows at EOS and at their budgets itself), so the device runs pass after pass while
-the host reads. Plain greedy decoding runs the loop on
+the host reads. Plain decoding (greedy or sampled) runs the loop on
 the device (:meth:`StaticEngine.queue_steps`, :meth:`StaticEngine.read_steps`): each replay of the 1-node
 graph feeds its token to the next and stops a row at EOS, and the host reads ``PLAIN_STEPS`` tokens per
 synchronisation while the device runs the ``PLAIN_LOOKAHEAD`` passes queued behind them. Where graphs are
@@ -60,7 +60,7 @@ log = logging.getLogger("specla_compile")
 # pass, then again at the second size, where it makes the node dimension dynamic.
 ONE_GRAPH = True
 
-# Plain greedy decoding: passes read per host synchronisation (gpt-fast reads its tokens once per call;
+# Plain decoding: passes read per host synchronisation (gpt-fast reads its tokens once per call;
 # this keeps streaming and EOS within a few tokens), and EOS ids the device checks. While the host reads a
 # block, the device runs PLAIN_LOOKAHEAD passes queued behind it: the host's time between two blocks (on the
 # H200 0.1-0.2 ms per token at the 1.3B shape without them) hides behind them, and a call whose rows all end
@@ -179,8 +179,8 @@ class StepResult:
 
 
 class _Bucket:
-    """Static inputs and outputs of the passes of one key (node count, chain or tree, ``mode``: see
-    :meth:`StaticEngine._switch_to`), and their captured graph."""
+    """Static inputs and outputs of the passes of one key (node count, chain or tree, ``mode``, sampling
+    warpers: see :meth:`StaticEngine._switch_to`), and their captured graph."""
 
     def __init__(self, batch: int, nodes: int, chain: bool, device: torch.device, mode: str):
         self.nodes = nodes

@@ -640,8 +640,8 @@ class _Run:
 class _StaticRun(_Run):
     """A ``generate`` call through the :class:`~.engine.StaticEngine`: the prompts run through its passes
     from an empty cache (``SpecConfig.prefill``), or an eager prefill's cache is copied into its static
-    buffers; every pass is a replay, greedy acceptance and the commit run on the device inside it, and
-    the host reads the accepted path once per pass."""
+    buffers; every pass is a replay, its acceptance (greedy or sampled) and the commit run on the device inside
+    it, and the host reads the accepted path once per pass."""
 
     def _prefill(self, past_key_values):
         self.engine_started = False
@@ -693,7 +693,7 @@ class _StaticRun(_Run):
         self.pipelined = self.owner.tp_mesh is None and self.config.pipelined is not False
 
     def _iteration(self) -> None:
-        """The pass is queued and, greedy, where the drafter can, the next draft behind it (pipelined:
+        """The pass is queued and, where the drafter can, the next draft behind it (pipelined:
         ``SpecConfig.pipelined``), then the next pass behind that draft, before the host reads the first: every
         pass accepts and stops rows at EOS and at their budgets on the device, so the device runs pass after pass
         while the host does its bookkeeping. The next pass is queued that early only where the pass before it
@@ -794,8 +794,9 @@ class _PlainDeviceRun(_StaticRun):
         self.stats.iterations += block
 
     def _uniforms(self, steps: int) -> torch.Tensor | None:
-        """``steps`` sampled passes' uniforms ``[steps, B, 1]``, drawn as the dynamic path draws them pass by pass
-        (None: greedy)."""
+        """``steps`` sampled passes' uniforms ``[steps, B, 1]``, in one draw (None: greedy). A CPU generator gives the
+        numbers the dynamic path draws pass by pass; a CUDA one, others (its draws of one size are not those of
+        several smaller ones)."""
         if not self.do_sample:
             return None
         return draw_uniforms(steps * self.batch, 1, self.generator, self.target_device).view(steps, self.batch, 1)
