@@ -89,6 +89,28 @@ def test_sampling_through_the_engine_gives_the_dynamic_paths_tokens(family, mode
     assert [key[3] for key in keys if key[2] == "accept"] == [(0.5, 3, 0.95, with_probs)]  # one sampling bucket
 
 
+def test_sampling_settings_keep_at_most_sampling_buckets_and_stay_exact(monkeypatch):
+    """Each temperature captures its own sampled graphs; past ``SAMPLING_BUCKETS`` the least recently used bucket
+    goes, and a setting used again gets a fresh bucket that samples what the dynamic path samples."""
+    from specla_compile.runtime import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SAMPLING_BUCKETS", 2)
+    model = tiny_model("fla")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(24))
+    static = SpeculativeGenerator(model, OracleDrafter([[0] * 40]), CONFIGS["chain"], compile_options=COMPILE)
+    dynamic = SpeculativeGenerator(model, OracleDrafter([[0] * 40]), SpecConfig(**{**CONFIGS["chain"].__dict__, "engine": "dynamic"}),
+                                   compile_options=COMPILE)
+    engine = static.engine(prompt.device, features=False)
+    for temperature in (0.5, 0.6, 0.7, 0.5):
+        sample = {"do_sample": True, "temperature": temperature, "max_new_tokens": 6}
+        ours = static.generate(prompt, generator=torch.Generator().manual_seed(1), **sample)
+        theirs = dynamic.generate(prompt, generator=torch.Generator().manual_seed(1), **sample)
+        assert ours.sequences.tolist() == theirs.sequences.tolist(), temperature
+        sampled = [key[3][0] for key in engine.buckets if key[3] is not None]
+        assert len(sampled) <= 2 and temperature in sampled, (temperature, sampled)
+    assert sorted(sampled) == [0.5, 0.7]  # (0.5 came back; 0.6 was the least recently used)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plain_sampling_loops_on_the_device_and_gives_the_dynamic_paths_tokens(family):
     """Plain sampling through the engine runs the device loop (a sampled 1-node bucket, the uniforms of each

@@ -100,6 +100,10 @@ def prefill_chunks(shortest: int) -> list[int]:
     return chunks
 
 
+# Sampling buckets an engine keeps: the warpers are constants in a sampled pass's graph, so each setting captures its
+# own graphs (and their memory); past this many, the least recently used one is dropped before a new one is made.
+SAMPLING_BUCKETS = 8
+
 # Programs of the compiled acceptance (:func:`accept_pass_`), one per bucket shape (batch, node count, loop or
 # not, sampling warpers) in a process: past Dynamo's default of 8, a new bucket would run it eagerly.
 ACCEPT_PROGRAMS = 64
@@ -214,6 +218,7 @@ class _Bucket:
         self.ancestors: torch.Tensor | None = None  # the pass's ancestor mask where attention needs it before the model
         self.hint: TopologyHint | None = None
         self.prepared = False
+        self.last_use = 0
 
 
 @dataclass
@@ -271,6 +276,7 @@ class StaticEngine:
         self.launched: deque[_Launched] = deque()  # passes launched and not collected, oldest first
         self.active_rows: list[bool] = []  # per row, still active after the last collected pass
         self.buckets: dict[tuple[int, bool, str, tuple | None], _Bucket] = {}
+        self.switches = 0  # buckets switched to so far (each bucket's last_use: which sampling bucket to drop)
         self.chunks: dict[int, _Chunk] = {}  # prefill chunks by length, over the current static cache
         self.chunk_error = ""  # why a chunk's capture failed: prefills then run passes only
         self.prefill_passes = 0  # chunks and passes of the last prefill
@@ -585,6 +591,8 @@ class StaticEngine:
             chain = all(p in (j - 1, PAD) for row in parents.tolist() for j, p in enumerate(row))  # (lists: 5x faster than ops here)
         key = (nodes, chain, mode, None if sampling is None else sampling.key)
         if key not in self.buckets:
+            if sampling is not None:
+                self._drop_old_sampling_buckets()
             self.buckets[key] = _Bucket(self.committed.shape[0], nodes, chain, self.committed.device, mode)
             if sampling is not None:  # (static copies of its inputs, which every pass of the bucket loads)
                 probs = None if sampling.draft_probs is None else torch.zeros(
@@ -596,7 +604,17 @@ class StaticEngine:
         if self.last is not None and self.last is not bucket:
             self._flush(self.last)  # another bucket's graph commits only its own pending records
         self.last = bucket
+        self.switches += 1
+        bucket.last_use = self.switches
         return bucket
+
+    def _drop_old_sampling_buckets(self) -> None:
+        """Make room for one more sampling bucket within ``SAMPLING_BUCKETS``: drop the least recently used ones
+        (never the last used, whose records may be pending; the others' were flushed when it was switched to)."""
+        sampled = [key for key in self.buckets if key[3] is not None]
+        idle = sorted((key for key in sampled if self.buckets[key] is not self.last), key=lambda k: self.buckets[k].last_use)
+        for key in idle[: max(0, len(sampled) + 1 - SAMPLING_BUCKETS)]:
+            del self.buckets[key]
 
     def _run(self, bucket: _Bucket) -> None:
         """One pass of a prepared ``bucket`` over its static draft: a replay where it was captured."""
