@@ -170,15 +170,22 @@ def test_sampling_is_lossless(tree, use_draft_probs, device):
 
 
 @pytest.mark.parametrize("device", [False, True], ids=["walk", "device"])
-def test_accept_always_rule_is_detected(monkeypatch, device):
-    monkeypatch.setattr(acceptance, "_accept_probability", lambda p, q, x: torch.ones_like(x, dtype=p.dtype))
-    assert min(_p_values("tree", use_draft_probs=True, device=device)) < 0.01
-
-
 @pytest.mark.parametrize("use_draft_probs", [True, False])
-def test_missing_residual_is_detected(monkeypatch, use_draft_probs):
-    monkeypatch.setattr(acceptance, "_after_rejection", lambda p, q, x: (p, q))
-    assert min(_p_values("tree", use_draft_probs)) < 0.01
+def test_accept_always_rule_is_detected(monkeypatch, use_draft_probs, device):
+    monkeypatch.setattr(acceptance, "_accept_probability", lambda px, qx: torch.ones_like(px))
+    assert min(_p_values("tree", use_draft_probs, device=device)) < 0.01
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["walk", "device"])
+@pytest.mark.parametrize("use_draft_probs", [True, False])
+def test_missing_residual_is_detected(monkeypatch, use_draft_probs, device):
+    """A residual that keeps rejected siblings (sampled: p - q not taken; deterministic: their mass and tokens not
+    removed) changes what is emitted."""
+    if use_draft_probs:
+        monkeypatch.setattr(acceptance, "_after_rejection", lambda p, q, x: (p, q))
+    else:
+        monkeypatch.setattr(acceptance, "_removable", lambda px, left: torch.zeros_like(px, dtype=torch.bool))
+    assert min(_p_values("tree", use_draft_probs, device=device)) < 0.01
 
 
 def test_sampling_respects_padding_and_generator():

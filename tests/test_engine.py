@@ -585,7 +585,8 @@ def test_engine_prefill_leaves_hybrids_and_continued_caches_to_the_eager_model(m
     assert torch.cat([first.sequences, more.sequences[:, 1:]], 1).tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("shape", ["loop", "chain", "tree", "tree_with_ancestors", "tree_sampled", "chain_sampled"])
+@pytest.mark.parametrize("shape", ["loop", "chain", "tree", "tree_with_ancestors", "tree_sampled", "chain_sampled",
+                                   "tree_sampled_deterministic"])
 def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
     """Graphed engines run a pass's acceptance and bookkeeping as one inductor program: on random drafts that
     match the target in part, with a row not active, an EOS, a budget and the log's ring wrapping, it returns
@@ -610,9 +611,10 @@ def test_the_compiled_acceptance_writes_what_the_eager_one_writes(shape):
     tokens = torch.where(take & (parents >= 0), best.gather(1, parents.clamp(min=0)), tokens)
     draft = torch.stack([tokens, parents])
     sampling = None
-    if shape.endswith("sampled"):  # (draft distributions that put most mass on the drafted tokens)
+    if "sampled" in shape:  # (draft distributions that put most mass on the drafted tokens, or none: deterministic)
         draft_probs = (torch.randn(batch, n, vocab, generator=gen) + 4 * torch.nn.functional.one_hot(tokens.roll(-1, 1), vocab)).softmax(-1)
-        sampling = Sampling((0.7, 5, 0.95), draw_uniforms(batch, n, gen), draft_probs)
+        deterministic = shape.endswith("deterministic")  # (then a peaked target, so that some drafts are accepted)
+        sampling = Sampling((0.25 if deterministic else 0.7, 5, 0.95), draw_uniforms(batch, n, gen), None if deterministic else draft_probs)
     # what each row emits, by the host's rules: the accepted drafts, then the target's token
     if sampling is None:
         host = greedy_accept(tokens, parents, logits)

@@ -112,24 +112,50 @@ def _normalize(dist: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > _EMPTY_MASS, dist / mass.clamp(min=_EMPTY_MASS), fallback)
 
 
-def _accept_probability(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """Probability of accepting candidate ``x [B]`` under residual target ``p`` and draft ``q`` ([B, V])."""
-    px = p.gather(-1, x[:, None])[:, 0]
-    if q is None:  # a deterministic candidate is accepted with its target probability
+def _accept_probability(px: torch.Tensor, qx: torch.Tensor | None) -> torch.Tensor:
+    """Probability of accepting a candidate of residual target probability ``px [B]``: ``px`` itself for a
+    deterministic candidate (``qx`` None), ``min(1, px / qx)`` for one drawn from the draft's ``qx [B]``."""
+    if qx is None:
         return px
-    qx = q.gather(-1, x[:, None])[:, 0]
     return (px / qx.clamp(min=_EMPTY_MASS)).clamp(max=1.0)
 
 
-def _after_rejection(
-    p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Residual target and draft after rejecting ``x``: p <- norm(max(p - q, 0)) and q <- q without x
-    (sampled siblings), or p <- p without x (deterministic siblings)."""
+def _after_rejection(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual target and draft ``[B, V]`` after rejecting a sampled sibling ``x [B]``: p <- norm(max(p - q, 0))
+    and q <- q without x."""
     drop = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, x[:, None], True)
-    if q is None:
-        return _normalize(p.masked_fill(drop, 0.0), p), None
     return _normalize((p - q).clamp(min=0.0), p), _normalize(q.masked_fill(drop, 0.0), q)
+
+
+def _removable(px: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+    """Whether rejecting a deterministic sibling of target mass ``px`` takes its mass from its node's residual, of
+    mass ``left``: p <- p without x, unless that leaves no mass (a rounding-only case: the mass stays)."""
+    return left - px > _EMPTY_MASS
+
+
+def _sibling_masses(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For deterministic drafts, what each node ``j`` weighs when tried: its token's target probability at its
+    parent (0 where an earlier sibling holds the same token: when ``j`` is tried that sibling was rejected, and its
+    token left the residual) and the parent distribution's own sum, ``[B, N]`` each (0 for roots and padding)."""
+    batch, n = parents.shape
+    parent = parents.clamp(min=0)
+    px = target_probs[torch.arange(batch, device=parents.device)[:, None], parent, tokens].double()
+    mass = target_probs.sum(-1, dtype=torch.float64).gather(1, parent)
+    earlier = torch.arange(n, device=parents.device)[None, :] < torch.arange(n, device=parents.device)[:, None]  # [j, k]: k < j
+    duplicate = ((parents[:, :, None] == parents[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :]) & earlier).any(-1)
+    real = parents >= 0
+    return torch.where(real & ~duplicate, px, 0.0), torch.where(real, mass, 0.0)
+
+
+def _residual(target_probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+    """The distribution ``[B, V]`` after the walk stopped at ``cur [B]`` (every child of it tried and rejected, or
+    none): the target's there without its children's tokens (where that leaves no mass, a rounding-only case, the
+    target's there whole)."""
+    rows = torch.arange(parents.shape[0], device=parents.device)
+    p = target_probs[rows, cur].double()
+    children = torch.zeros_like(p, dtype=torch.long).scatter_add_(1, tokens, (parents == cur[:, None]).long())
+    left = p.masked_fill(children > 0, 0.0)
+    return torch.where(left.sum(-1, keepdim=True) > 0, left, p)
 
 
 def draw_uniforms(batch: int, nodes: int, generator: torch.Generator | None = None,
@@ -140,9 +166,9 @@ def draw_uniforms(batch: int, nodes: int, generator: torch.Generator | None = No
 
 
 def _sample_token(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``p [B, V]`` by inverse CDF at ``u [B]`` (a token of zero probability never: where
-    rounding puts ``u`` past the last step, the last token of positive probability; a row with no mass at all,
-    which only NaN logits make, gets token V - 1)."""
+    """One token per row of ``p [B, V]`` (any positive scale) by inverse CDF at ``u [B]`` (a token of zero
+    probability never: where rounding puts ``u`` past the last step, the last token of positive probability; a row
+    with no mass at all, which only NaN logits make, gets token V - 1)."""
     cdf = p.cumsum(-1)
     token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     last_positive = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.uint8).argmax(-1)
@@ -163,9 +189,10 @@ def sample_accept(
     ``target_probs [B, N, V]`` is the target's sampling distribution at every node (see
     :func:`warp_probs`). ``draft_probs [B, N, V]`` is the distribution each node's children were drawn
     from without replacement, in index order; ``None`` means the children were chosen
-    deterministically. The emitted tokens (accepted path after node 0, then ``next_token``) are
-    distributed exactly as sampling from the target token by token. ``uniforms [B, N]``: what the pass
-    consumes (:func:`draw_uniforms`; default: drawn here with ``generator``).
+    deterministically: a node's residual is then its distribution without the siblings rejected so far, kept as
+    the mass they removed (no pass over the vocabulary per sibling). The emitted tokens (accepted path after node
+    0, then ``next_token``) are distributed exactly as sampling from the target token by token. ``uniforms [B,
+    N]``: what the pass consumes (:func:`draw_uniforms`; default: drawn here with ``generator``).
     """
     parents = _check_draft(tokens, parents, target_probs, "target_probs")
     if draft_probs is not None and draft_probs.shape != target_probs.shape:
@@ -176,6 +203,8 @@ def sample_accept(
         uniforms = draw_uniforms(batch, n, generator, device)
     rows = torch.arange(batch, device=device)
     kids = _children_table(parents)
+    if draft_probs is None:
+        px_of, mass_of = _sibling_masses(tokens, parents, target_probs)
     path = torch.full((batch, n), -1, dtype=torch.long, device=device)
     path[:, 0] = 0
     cur = torch.zeros(batch, dtype=torch.long, device=device)
@@ -183,28 +212,34 @@ def sample_accept(
     next_token = torch.zeros(batch, dtype=torch.long, device=device)
     walking = torch.ones(batch, dtype=torch.bool, device=device)
     while walking.any():
-        p = target_probs[rows, cur].double()
-        q = None if draft_probs is None else draft_probs[rows, cur].double()
+        if draft_probs is not None:
+            p, q = target_probs[rows, cur].double(), draft_probs[rows, cur].double()
+        removed = torch.zeros(batch, dtype=torch.float64, device=device)  # (the mass deterministic siblings took)
         moved = torch.zeros(batch, dtype=torch.bool, device=device)
         for rank in range(kids.shape[-1]):
             child = kids[rows, cur, rank]
             trying = walking & ~moved & (child >= 0)
             if not trying.any():
                 break
-            x = tokens[rows, child.clamp(min=0)]
-            accept = trying & (uniforms[rows, child.clamp(min=0)] < _accept_probability(p, q, x))
-            reject = trying & ~accept
-            p_next, q_next = _after_rejection(p, q, x)
-            p = torch.where(reject[:, None], p_next, p)
-            if q is not None:
-                q = torch.where(reject[:, None], q_next, q)
+            node = child.clamp(min=0)
+            x, u = tokens[rows, node], uniforms[rows, node]
+            if draft_probs is None:
+                px, left = px_of[rows, node], mass_of[rows, node] - removed
+                accept = trying & (u < _accept_probability(px / left, None))
+                removed = torch.where(trying & ~accept & _removable(px, left), removed + px, removed)
+            else:
+                accept = trying & (u < _accept_probability(p.gather(-1, x[:, None])[:, 0], q.gather(-1, x[:, None])[:, 0]))
+                p_next, q_next = _after_rejection(p, q, x)
+                reject = trying & ~accept
+                p, q = torch.where(reject[:, None], p_next, p), torch.where(reject[:, None], q_next, q)
             moved |= accept
             cur = torch.where(accept, child, cur)
         path[rows[moved], count[moved]] = cur[moved]
         count += moved.long()
         done = walking & ~moved  # every child rejected (or none): emit from the residual
         if done.any():
-            next_token[done] = _sample_token(p[done], uniforms[done, 0])
+            residual = _residual(target_probs, tokens, parents, cur) if draft_probs is None else p
+            next_token[done] = _sample_token(residual[done], uniforms[done, 0])
         walking = moved
     return Acceptance(path, count, next_token)
 
@@ -214,27 +249,38 @@ def sample_accept_device(tokens: torch.Tensor, parents: torch.Tensor, target_pro
     """:func:`sample_accept` without host synchronisation or data-dependent loops (it runs inside the engine's
     CUDA graph), on the same ``uniforms``: the same path, count and next token. One pass over the nodes in index
     order suffices, since a walk only moves down a topologically ordered tree and tries each node's children in
-    index order: node ``j`` is tried exactly when its parent is the walk's current node. ``parents`` must already
-    be valid (no checks here: they would synchronise)."""
+    index order: node ``j`` is tried exactly when its parent is the walk's current node. Deterministic drafts
+    touch the vocabulary once, for the token after the path (per node, a few ``[B, N]`` ops that inductor fuses);
+    sampled ones, at every node (their residuals are whole distributions). ``parents`` must already be valid (no
+    checks here: they would synchronise)."""
     batch, n = parents.shape
     cur = torch.zeros(batch, dtype=torch.long, device=tokens.device)
     count = torch.ones_like(cur)
     slot = torch.full((batch, n), n, dtype=torch.long, device=tokens.device)  # each node's place on the path (n: off it)
     slot[:, 0] = 0
-    p = target_probs[:, 0].double()
-    q = None if draft_probs is None else draft_probs[:, 0].double()
+    if draft_probs is None:  # (every node's weights up front: the walk below is then [B]-sized ops only)
+        px_of, mass_of = _sibling_masses(tokens, parents, target_probs)
+        removed = torch.zeros(batch, dtype=torch.float64, device=tokens.device)
+    else:
+        p, q = target_probs[:, 0].double(), draft_probs[:, 0].double()
     for j in range(1, n):
         trying = parents[:, j] == cur
         x = tokens[:, j]
-        accept = trying & (uniforms[:, j] < _accept_probability(p, q, x))
-        reject = trying & ~accept
-        p_next, q_next = _after_rejection(p, q, x)
-        p = torch.where(accept[:, None], target_probs[:, j].double(), torch.where(reject[:, None], p_next, p))
-        if q is not None:
+        if draft_probs is None:
+            px, left = px_of[:, j], mass_of[:, j] - removed
+            accept = trying & (uniforms[:, j] < _accept_probability(px / left, None))
+            removed = torch.where(accept, 0.0, torch.where(trying & ~accept & _removable(px, left), removed + px, removed))
+        else:
+            accept = trying & (uniforms[:, j] < _accept_probability(p.gather(-1, x[:, None])[:, 0], q.gather(-1, x[:, None])[:, 0]))
+            reject = trying & ~accept
+            p_next, q_next = _after_rejection(p, q, x)
+            p = torch.where(accept[:, None], target_probs[:, j].double(), torch.where(reject[:, None], p_next, p))
             q = torch.where(accept[:, None], draft_probs[:, j].double(), torch.where(reject[:, None], q_next, q))
         slot[:, j] = torch.where(accept, count, n)
         count = count + accept.long()
         cur = torch.where(accept, j, cur)
+    if draft_probs is None:
+        p = _residual(target_probs, tokens, parents, cur)
     node = torch.arange(n, device=tokens.device)
     path = torch.full((batch, n + 1), -1, dtype=torch.long, device=tokens.device)
     path.scatter_(1, slot, node.expand(batch, n).clone())
