@@ -250,9 +250,9 @@ def sample_accept_device(tokens: torch.Tensor, parents: torch.Tensor, target_pro
     CUDA graph), on the same ``uniforms``: the same path, count and next token. One pass over the nodes in index
     order suffices, since a walk only moves down a topologically ordered tree and tries each node's children in
     index order: node ``j`` is tried exactly when its parent is the walk's current node. Deterministic drafts
-    touch the vocabulary once, for the token after the path (per node, a few ``[B, N]`` ops that inductor fuses);
-    sampled ones, at every node (their residuals are whole distributions). ``parents`` must already be valid (no
-    checks here: they would synchronise)."""
+    read each node's distribution once, for its sum, and the last node's again, for the token after the path (the
+    walk itself is a few ``[B]`` ops a node, which inductor fuses); sampled ones update whole distributions at every
+    node. ``parents`` must already be valid (no checks here: they would synchronise)."""
     batch, n = parents.shape
     cur = torch.zeros(batch, dtype=torch.long, device=tokens.device)
     count = torch.ones_like(cur)
