@@ -327,7 +327,7 @@ def op_profile(engine, bucket, top: int = 20) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True) as prof:
-        engine._step(bucket, accept=True)
+        engine._step(bucket)
         torch.cuda.synchronize()
     rows = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_device_time_total)[:top]
     return [{"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count, "device_ms": round(e.self_device_time_total / 1000, 4)}

@@ -159,7 +159,7 @@ def test_plain_decoding_loops_on_the_device_and_stops_rows_at_eos(family, monkey
     blocks, queued = [], []
     read, queue = StaticEngine.read_steps, StaticEngine.queue_steps
     monkeypatch.setattr(StaticEngine, "read_steps", lambda self, steps: blocks.append(steps) or read(self, steps))
-    monkeypatch.setattr(StaticEngine, "queue_steps", lambda self, steps: queued.append(steps) or queue(self, steps))
+    monkeypatch.setattr(StaticEngine, "queue_steps", lambda self, steps, uniforms=None: queued.append(steps) or queue(self, steps, uniforms))
     runs = {}
     for engine in ("static", "dynamic"):
         gen = SpeculativeGenerator(model, OracleDrafter([[0] * 40]), SpecConfig(engine=engine), compile_options=COMPILE)
