@@ -3,9 +3,9 @@
 Each op's body is its PyTorch reference (:mod:`.reference`), which CPUs run; on CUDA, :mod:`.cuda` registers
 Triton kernels over the same ops (``register_kernel("cuda")``), so a compiled graph calls one op either way.
 The verification twins call :func:`gdn_commit_verify_` (the rewrite puts it in place of each recurrence,
-``lowering/rewrite.py``); :func:`gdn_tree_verify` is the same verify without pending records. Records (see :class:`~specla_compile.kernels.reference.FactorRecords`) travel as
-four tensors ``(k, v, g, beta)``; the verify ops emit the normalized keys ``k_hat`` and the graph
-supplies ``v, g, beta`` itself. Commits mutate the durable state in place.
+``lowering/rewrite.py``); :func:`gdn_tree_verify` is the same verify without pending records. Records (see
+:class:`~specla_compile.kernels.reference.FactorRecords`) travel as four tensors ``(k, v, g, beta)``; the verify ops
+emit the normalized keys ``k_hat`` and the graph supplies ``v, g, beta`` itself. Commits mutate the durable state in place.
 """
 
 from __future__ import annotations
