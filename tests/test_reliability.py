@@ -1,10 +1,13 @@
 """Reliability, measured on CPU: greedy speculative decoding over many random cases equals plain
-decoding; long runs do not drift from plain decoding's states; faults in the middle of a call leave
+decoding, and sampled decoding through the static engine (acceptance on the device) emits what the dynamic
+path's host walk emits; long runs do not drift from plain decoding's states; faults in the middle of a call leave
 the caller's cache as it was (and the generator usable)."""
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -60,9 +63,36 @@ class RandomTreeDrafter(Drafter):
         chain = config.mode == "chain"
         rows = []
         for b, seq in zip(request.rows, request.sequences):
-            truth = self.continuations[b][seq.numel() - self.prompt_lengths[b] :]
-            rows.append(self._tree(truth, self.rng.randint(0, config.max_nodes - 1), chain))
+            rows.append(self._tree(self._truth(b, seq), self.rng.randint(0, config.max_nodes - 1), chain))
         return draft_from_paths(torch.stack([s[-1] for s in request.sequences]), rows)
+
+    def _truth(self, row: int, sequence: torch.Tensor) -> list[int]:
+        """The tokens the drafts follow after ``sequence`` (the pending token last)."""
+        return self.continuations[row][sequence.numel() - self.prompt_lengths[row] :]
+
+
+class RandomSamplingDrafter(RandomTreeDrafter):
+    """:class:`RandomTreeDrafter`'s shapes following the greedy continuation of each row as it stands (a sampled
+    row leaves the one of its prompt), with, where ``with_probs``, a random draft distribution at every node that
+    puts most of its mass on its children's tokens (as a sampling drafter hands them over)."""
+
+    def __init__(self, model: torch.nn.Module, p: float, seed: int, with_probs: bool, ahead: int):
+        super().__init__([], p, seed)
+        self.model, self.with_probs, self.ahead = model, with_probs, ahead
+
+    def _truth(self, row: int, sequence: torch.Tensor) -> list[int]:
+        return autoregressive_generate(self.model, sequence[None], self.ahead)[0][0, sequence.numel() :].tolist()
+
+    def propose(self, request: DraftRequest, config: SpecConfig) -> Draft:
+        draft = super().propose(request, config)
+        if not self.with_probs:
+            return draft
+        logits = torch.randn(*draft.tokens.shape, VOCAB, generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
+        parents = draft.parents.clamp(min=0)  # (a node's token is drawn from its parent's distribution)
+        weight = torch.where(draft.parents >= 0, 3.0, 0.0)
+        for b in range(draft.tokens.shape[0]):
+            logits[b].index_put_((parents[b], draft.tokens[b]), weight[b], accumulate=True)
+        return Draft(draft.tokens, draft.parents, logits.softmax(-1), draft.chain)
 
 
 def _continuations(model, prompts: list[torch.Tensor], new: int) -> list[list[int]]:
@@ -107,6 +137,64 @@ def test_random_greedy_cases_equal_plain_decoding(family):
             assert got[: len(expected)] == expected and set(got[len(expected) :]) <= {VOCAB}, (family, call, b)
             cases += 1
     assert cases == CALLS * ROWS
+
+
+def _sampled(spec: SpeculativeGenerator, input_ids: torch.Tensor, mask: torch.Tensor, new: int, eos: int | None,
+             drafter: Callable[[], Drafter], seed: int, **warp):
+    """A sampled call of ``spec`` with a fresh drafter and generator."""
+    spec.drafter = drafter()
+    return spec.generate(input_ids, max_new_tokens=new, attention_mask=mask, do_sample=True, eos_token_id=eos,
+                         pad_token_id=VOCAB, generator=torch.Generator().manual_seed(seed), **warp)
+
+
+SAMPLING = [  # (temperature, top_k, top_p): near-greedy (long accepted paths on the greedy drafts) to flat
+    (0.2, None, None), (0.5, 3, None), (0.8, None, 0.8), (1.3, 8, 0.95),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_sampled_cases_through_the_engine_emit_the_dynamic_paths_tokens(family):
+    """Sampled passes accept on the device (rejection sampling over uniforms drawn before the pass, the cut at
+    EOS and at the budget inside the step); the dynamic path walks the same uniforms level by level on the host.
+    Over random draft shapes (chains, trees up to the 128-node bucket), ragged rows, EOS inside drafts, draft
+    distributions or none and sampling settings from near-greedy to flat, both emit the same tokens in the same
+    passes and leave the same states."""
+    model = tiny_model(family, layers=2)
+    rng = random.Random(10 + FAMILIES.index(family))
+    gen = torch.Generator().manual_seed(10 + FAMILIES.index(family))
+    calls, rows, new = 4, 6, 10
+    prompts = [torch.randint(0, VOCAB, (rng.choice([1, 2, 3, 5, 8]),), generator=gen) for _ in range(calls * rows)]
+    generators = {engine: [SpeculativeGenerator(model, RandomTreeDrafter([], 0, 0), SpecConfig(**{**c.__dict__, "engine": engine}),
+                                                compile_options=FAST) for c in CONFIGS] for engine in ("static", "dynamic")}
+    longest, stopped = 0, 0
+    for call in range(calls):
+        index = range(call * rows, (call + 1) * rows)
+        width = max(prompts[i].numel() for i in index)
+        input_ids, mask = torch.zeros(rows, width, dtype=torch.long), torch.zeros(rows, width, dtype=torch.long)
+        for b, i in enumerate(index):
+            input_ids[b, width - prompts[i].numel() :], mask[b, width - prompts[i].numel() :] = prompts[i], 1
+        # every (chain or tree, draft distributions or none) in turn, each family its own order of sampling settings
+        config, with_probs = CONFIGS[call // 2 % len(CONFIGS)], call % 2 == 1
+        temperature, top_k, top_p = SAMPLING[(call + FAMILIES.index(family)) % len(SAMPLING)]
+        sample = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": rng.randrange(2**31),
+                  "drafter": functools.partial(RandomSamplingDrafter, model, rng.choice([0.5, 0.9]), call, with_probs, new + 1)}
+        specs = {engine: generators[engine][CONFIGS.index(config)] for engine in generators}
+        eos = None
+        if call:  # EOS inside drafts: the token row 0 samples mid-way without one
+            eos = _sampled(specs["dynamic"], input_ids, mask, new, None, **sample).sequences[0, width + new // 2].item()
+        static, dynamic = (_sampled(specs[engine], input_ids, mask, new, eos, **sample) for engine in ("static", "dynamic"))
+        case = (family, call, temperature, top_k, top_p, with_probs)
+        assert static.sequences.tolist() == dynamic.sequences.tolist(), case
+        assert static.stats.accepted_drafts == dynamic.stats.accepted_drafts, case
+        assert _relative_state_error(static.past_key_values, dynamic.past_key_values) <= 1e-5, case
+        for row in static.sequences[:, width:].tolist():  # a row that emitted EOS emits nothing after it
+            if eos in row:
+                assert set(row[row.index(eos) + 1 :]) <= {VOCAB}, case
+                stopped += row.index(eos) < new - 1
+        longest = max(longest, *static.stats.accepted_drafts)
+    # (multi-token paths were accepted, and rows stopped at EOS before their budget: row 0 mostly, where the drafts
+    # and the uniforms' shapes, which other rows' stops change, leave it on its course)
+    assert longest >= 2 and stopped, (longest, stopped)
 
 
 def _relative_state_error(ours, theirs) -> float:
