@@ -248,11 +248,12 @@ def _raise_on_second_call(function, error: BaseException):
     return wrapper
 
 
-@pytest.mark.parametrize("engine", ["static", "dynamic"])
-def test_a_fault_leaves_the_cache_as_before_the_call(engine, monkeypatch):
+@pytest.mark.parametrize(("engine", "do_sample"), [("static", False), ("dynamic", False), ("static", True)])
+def test_a_fault_leaves_the_cache_as_before_the_call(engine, do_sample, monkeypatch):
     """A drafter that raises, a KeyboardInterrupt between passes, an out-of-memory error inside the
     verify pass (after it committed the previous pass's records): each leaves the hybrid cache (GDN
-    states and attention K/V) of a continued call as it was, and the generator still decodes exactly."""
+    states and attention K/V) of a continued call, greedy or sampled, as it was, and the generator still decodes
+    exactly."""
     model = tiny_model("qwen3_5", layers=2)
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(31))
     expected, _ = autoregressive_generate(model, prompt, 24)
@@ -265,13 +266,15 @@ def test_a_fault_leaves_the_cache_as_before_the_call(engine, monkeypatch):
     oom = torch.OutOfMemoryError("CUDA out of memory (injected)")
     for fault in ("drafter raises", "KeyboardInterrupt between passes", "out of memory in the verify pass"):
         if fault == "out of memory in the verify pass":  # raised by the acceptance inside the pass (either engine)
-            monkeypatch.setattr(engine_module, "greedy_accept_device", _raise_on_second_call(engine_module.greedy_accept_device, oom))
-            monkeypatch.setattr(generator_module, "greedy_accept", _raise_on_second_call(generator_module.greedy_accept, oom))
+            for module, name in ((engine_module, "greedy_accept_device"), (generator_module, "greedy_accept"),
+                                 (engine_module, "sample_accept_device"), (generator_module, "sample_accept")):
+                monkeypatch.setattr(module, name, _raise_on_second_call(getattr(module, name), oom))
             spec.drafter = OracleDrafter(rest, error_rate=0.2, seed=4)
         else:
             spec.drafter = FailingDrafter(rest, _Fault("drafter failed") if fault == "drafter raises" else KeyboardInterrupt())
         with pytest.raises((_Fault, KeyboardInterrupt, torch.OutOfMemoryError)):
-            spec.generate(first.sequences[:, -1:], max_new_tokens=12, past_key_values=first.past_key_values)
+            spec.generate(first.sequences[:, -1:], max_new_tokens=12, past_key_values=first.past_key_values,
+                          do_sample=do_sample, temperature=0.3)
         after = cache_tensors(first.past_key_values)
         assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(before, after)), fault
         monkeypatch.undo()
