@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -370,31 +371,57 @@ def test_pipelined_eagle_drafting_emits_what_the_host_loop_emits(monkeypatch):
             assert early == late == 0 and events.count("launch") == out.stats.iterations, events
 
 
-def test_pipelined_eagle_sampling_emits_what_the_host_loop_emits():
+def _drafting_the_targets_rule(model: torch.nn.Module):
+    """A target whose next token is mostly a fixed permutation of its current one (``e2e_gpu.peaked_logits``), and
+    an EAGLE head whose drafts follow that rule: its fuse passes the next token's embedding through and its layer
+    adds little, so the target's LM head maps its output to the permuted token."""
+    from e2e_gpu import peaked_logits
+
+    from specla_compile.runtime.drafters import EagleConfig, EagleHead
+
+    peaked_logits(model)
+    head = EagleHead(EagleConfig.for_target(model))
+    width = head.config.hidden_size
+    with torch.no_grad():
+        head.fuse.weight.zero_()
+        head.fuse.weight[:, :width] = torch.eye(width)  # (the fuse reads the token's embedding first)
+        head.fuse.bias.zero_()
+        head.o_proj.weight.mul_(0.01)
+        head.down_proj.weight.mul_(0.01)
+    return head
+
+
+def test_pipelined_eagle_sampling_emits_what_the_host_loop_emits(monkeypatch):
     """Sampled passes accept on the device too, so an EAGLE drafter drafts from their device outputs as in greedy
     runs: on the same generator, the pipelined run (no commit calls) emits the host loop's tokens, EOS included.
-    (A random head's drafts are rarely accepted; every token sampled from a residual still depends on the drafts
-    rejected before it, so equal tokens need equal drafts and equal uniforms. The greedy test above covers the
-    drafter's bookkeeping of accepted paths.)"""
-    from specla_compile.runtime.drafters import EagleConfig, EagleDrafter, EagleHead
+    The head drafts the target's own rule and the temperature is high enough that sampled tokens often leave it:
+    passes accept whole drafts, parts of them and none, so the drafter's bookkeeping of sampled paths counts."""
+    from specla_compile.runtime.drafters import EagleDrafter
 
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     model = tiny_model("fla")
-    torch.manual_seed(9)
-    head = EagleHead(EagleConfig.for_target(model))
-    prompts, input_ids, mask = left_padded_batch((4, 7), seed=6)
-    eos = plain(model, prompts[0], 12)[0][0, prompts[0].numel() + 5].item()
-    outs, commits = {}, {}
-    for pipelined in (None, False):
+    head = _drafting_the_targets_rule(model)
+    _, input_ids, mask = left_padded_batch((4, 7), seed=6)
+    sample = {"max_new_tokens": 12, "attention_mask": mask, "pad_token_id": VOCAB + 1, "do_sample": True, "temperature": 30.0}
+
+    def run(pipelined: bool | None, eos: int | None, commits: list):
         drafter = EagleDrafter(head, model, static_shapes=True, compiled=False)
-        commits[pipelined] = []
         real_commit = drafter.commit
-        drafter.commit = lambda *args, real=real_commit, seen=commits[pipelined]: seen.append(1) or real(*args)
+        drafter.commit = lambda *args: commits.append(1) or real_commit(*args)
         config = dataclasses.replace(SETTINGS[2], pipelined=pipelined)
-        outs[pipelined] = SpeculativeGenerator(model, drafter, config, compile_options=COMPILE).generate(
-            input_ids, max_new_tokens=12, eos_token_id=eos, attention_mask=mask, pad_token_id=VOCAB + 1, do_sample=True,
-            temperature=0.6, generator=torch.Generator().manual_seed(2))
+        return SpeculativeGenerator(model, drafter, config, compile_options=COMPILE).generate(
+            input_ids, eos_token_id=eos, generator=torch.Generator().manual_seed(2), **sample)
+
+    width = input_ids.shape[1]
+    eos = run(False, None, []).sequences[0, width + 5].item()  # (row 0's sixth token without EOS)
+    commits = {None: [], False: []}
+    outs = {pipelined: run(pipelined, eos, commits[pipelined]) for pipelined in (None, False)}
     assert outs[None].sequences.tolist() == outs[False].sequences.tolist()
+    assert outs[None].stats.accepted_drafts == outs[False].stats.accepted_drafts
     assert not commits[None] and len(commits[False]) == outs[False].stats.iterations
+    accepted = outs[None].stats.accepted_drafts
+    assert max(accepted) == SETTINGS[2].depth and 0 in accepted and any(0 < a < SETTINGS[2].depth for a in accepted)
+    assert eos in outs[None].sequences[0, width:].tolist()[:-1]  # (row 0 stopped at EOS before its budget)
 
 
 def test_drafts_over_64_nodes_on_fla():
