@@ -439,3 +439,43 @@ def test_drafts_over_64_nodes_on_fla():
         out = spec.generate(prompt[None], max_new_tokens=80)
         assert out.sequences.tolist() == expected.tolist()
         assert out.stats.target_passes < 40  # long drafts were accepted, so verify passes saw > 64 nodes
+
+
+class _RecordingStreamer:
+    """transformers' streamer interface (``put`` and ``end``), recording what it is given."""
+
+    def __init__(self):
+        self.puts: list[list[int]] = []
+        self.ended = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        assert not self.ended and value.dim() == 1 and value.device.type == "cpu"
+        self.puts.append(value.tolist())
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+@pytest.mark.parametrize("engine", ["static", "dynamic"])
+@pytest.mark.parametrize("call", ["generate", "decode"])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_streamer_gets_the_prompt_then_each_token_once_as_it_is_emitted(engine, call, do_sample):
+    """As transformers streams: the prompt first, then the emitted tokens as the passes commit them (speculative
+    passes one put each, the plain device loop a block at a time), nothing past EOS or the budget, then ``end``
+    once; what it was given is the output row. A batch of more than one row is refused before any work."""
+    model = tiny_model("fla")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(40))
+    truth = plain(model, prompt[0], 24)[0][0, 5:].tolist()
+    eos = truth[17] if not do_sample else None  # (greedy: a stop inside the budget)
+    gen = SpeculativeGenerator(model, OracleDrafter([truth + [0] * 16], error_rate=0.3, seed=6),
+                               SpecConfig(mode="chain", depth=3, bucket=4, engine=engine), compile_options=COMPILE)
+    streamer = _RecordingStreamer()
+    sample = {"do_sample": True, "temperature": 0.2, "generator": torch.Generator().manual_seed(5)} if do_sample else {}
+    out = getattr(gen, call)(prompt, max_new_tokens=20, eos_token_id=eos, streamer=streamer, **sample)
+    assert streamer.ended == 1 and streamer.puts[0] == prompt[0].tolist()
+    assert sum(streamer.puts, []) == out.sequences[0].tolist()
+    new = out.sequences[0, 5:].tolist()
+    assert len(new) == (truth.index(eos) + 1 if eos in truth[:20] else 20)
+    assert len(streamer.puts) >= (3 if call == "generate" else 2)  # (tokens came pass by pass, or block by block)
+    with pytest.raises(ValueError, match="batch size 1"):
+        getattr(gen, call)(prompt.repeat(2, 1), max_new_tokens=4, streamer=_RecordingStreamer())
