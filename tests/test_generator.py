@@ -473,7 +473,7 @@ def test_a_streamer_gets_the_prompt_then_each_token_once_as_it_is_emitted(engine
     sample = {"do_sample": True, "temperature": 0.2, "generator": torch.Generator().manual_seed(5)} if do_sample else {}
     out = getattr(gen, call)(prompt, max_new_tokens=20, eos_token_id=eos, streamer=streamer, **sample)
     assert streamer.ended == 1 and streamer.puts[0] == prompt[0].tolist()
-    assert sum(streamer.puts, []) == out.sequences[0].tolist()
+    assert [token for put in streamer.puts for token in put] == out.sequences[0].tolist()
     new = out.sequences[0, 5:].tolist()
     assert len(new) == (truth.index(eos) + 1 if eos in truth[:20] else 20)
     assert len(streamer.puts) >= (3 if call == "generate" else 2)  # (tokens came pass by pass, or block by block)
