@@ -5,9 +5,12 @@ the caller's cache as it was (and the generator usable)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,3 +285,48 @@ def test_a_fault_leaves_the_cache_as_before_the_call(engine, do_sample, monkeypa
     spec.drafter = OracleDrafter(rest, error_rate=0.2, seed=5)
     second = spec.generate(first.sequences[:, -1:], max_new_tokens=12, past_key_values=first.past_key_values)
     assert torch.cat([first.sequences, second.sequences[:, 1:]], 1).tolist() == expected[:, :23].tolist()
+
+
+def test_an_interrupted_pipelined_eagle_call_leaves_the_cache_and_the_next_call_exact():
+    """An EAGLE drafter drafts each next pass from the device outputs of the one in flight (pipelined), so a call
+    that stops between passes (KeyboardInterrupt in the drafter, with a pass queued) has work ahead of what it
+    committed: the continued cache stays as it was, and the same call again, greedy or sampled, emits what an
+    uninterrupted drafter emits."""
+    from test_generator import _drafting_the_targets_rule
+
+    from specla_compile.runtime.drafters import EagleDrafter
+
+    model = tiny_model("fla", layers=2)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # (the peaked target's helper)
+    head = _drafting_the_targets_rule(model)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(33))
+    config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=7, bucket=8)
+
+    def generator() -> SpeculativeGenerator:
+        return SpeculativeGenerator(model, EagleDrafter(head, model, static_shapes=True, compiled=False), config,
+                                    compile_options=FAST)
+
+    spec = generator()
+    first = spec.generate(prompt, max_new_tokens=5)
+    before = [t.clone() for t in cache_tensors(first.past_key_values)]
+    real, calls = spec.drafter.propose_after, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    spec.drafter.propose_after = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        spec.generate(first.sequences[:, -1:], past_key_values=first.past_key_values, max_new_tokens=16)
+    assert len(calls) == 3  # (it was drafting from the pass in flight)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache_tensors(first.past_key_values)))
+    spec.drafter.propose_after = real
+    for sample in ({}, {"do_sample": True, "temperature": 30.0}):
+        ours, theirs = (gen.generate(first.sequences[:, -1:], past_key_values=copy.deepcopy(first.past_key_values),
+                                     max_new_tokens=16, generator=torch.Generator().manual_seed(7), **sample)
+                        for gen in (spec, generator()))
+        assert ours.sequences.tolist() == theirs.sequences.tolist(), sample
+        assert ours.stats.accepted_drafts == theirs.stats.accepted_drafts and max(ours.stats.accepted_drafts) >= 2
+        assert _relative_state_error(ours.past_key_values, theirs.past_key_values) <= 1e-5, sample
