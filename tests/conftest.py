@@ -5,6 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import their shared helpers modules
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))  # and the benchmarks they check
 
 # One intra-op thread: the tests' tensors are tiny, and on a small shared CPU machine torch's thread pool
 # waits on busy cores (measured on the 2-core CI machine: a tiny depthwise conv1d took 46 ms with 2

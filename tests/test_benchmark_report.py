@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+import e2e_gpu
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import e2e_gpu  # noqa: E402
 
 
 def _route(speedup: float) -> dict:

@@ -8,18 +8,16 @@ import json
 import os
 import random
 import re
-import sys
 from pathlib import Path
 
+import e2e_trained as E
 import numpy as np
 import pytest
+import trained_pipeline as P
+
+from specla_compile.training.corpus import format_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import e2e_trained as E  # noqa: E402
-import trained_pipeline as P  # noqa: E402
-
-from specla_compile.training.corpus import format_prompt  # noqa: E402
 
 WORDS = "the cat sat on a mat and then def return x print what is two plus three".split()
 

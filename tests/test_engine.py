@@ -252,16 +252,12 @@ def test_a_bucket_captured_while_a_pass_is_in_flight_keeps_that_pass_s_attention
     then, its attention columns not yet counted by the host: the capture must leave them be. (CPU: a capture that
     runs the step, as graphs do at warm-up; the device drafts are flagged as trees, so the second pass opens a new
     bucket; hybrid model.)"""
-    import sys
-    from pathlib import Path
+    import e2e_gpu
 
     from specla_compile.runtime import engine as engine_module
     from specla_compile.runtime.baseline import autoregressive_generate
     from specla_compile.runtime.drafting import Draft
     from specla_compile.runtime.engine import StaticEngine, accept_pass_
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    import e2e_gpu
 
     class Replayed:
         def __init__(self, step):

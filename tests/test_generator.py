@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -398,7 +397,6 @@ def test_pipelined_eagle_sampling_emits_what_the_host_loop_emits(monkeypatch):
     passes accept whole drafts, parts of them and none, so the drafter's bookkeeping of sampled paths counts."""
     from specla_compile.runtime.drafters import EagleDrafter
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     model = tiny_model("fla")
     head = _drafting_the_targets_rule(model)
     _, input_ids, mask = left_padded_batch((4, 7), seed=6)

@@ -8,9 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import random
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -297,7 +295,6 @@ def test_an_interrupted_pipelined_eagle_call_leaves_the_cache_and_the_next_call_
     from specla_compile.runtime.drafters import EagleDrafter
 
     model = tiny_model("fla", layers=2)
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # (the peaked target's helper)
     head = _drafting_the_targets_rule(model)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(33))
     config = SpecConfig(mode="tree", depth=3, tree_top_k=2, budget=7, bucket=8)

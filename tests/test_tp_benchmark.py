@@ -4,12 +4,9 @@ report from partial results (the measurements need 2 GPUs and torchrun)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import tp_gpu
 
 

@@ -342,7 +342,6 @@ def test_conv_state_commit(state_len, accepted):
 def test_benchmark_gemv_matches_linear(rows, split):
     """The GEMV that benchmarks/gemv_gpu.py times against cuBLAS: x @ W^T for up to 32 rows, N and K not
     multiples of the tiles, split-K adding into a zeroed output."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from gemv_gpu import gemv
 
     gen = torch.Generator().manual_seed(rows)
@@ -359,7 +358,6 @@ def test_benchmark_gemv_matches_linear(rows, split):
 def test_benchmark_tma_gemv_matches_linear(rows):
     """The GEMV with TMA loads that benchmarks/gemv_gpu.py --kernel tma times against cuBLAS: N and K not multiples
     of the descriptor's block (the copies read zeros past the weight's edges)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from gemv_gpu import tma_gemv
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -381,7 +379,6 @@ def test_benchmark_layer_stack_matches_reference(programs, block_n, defer_norm, 
     fused projection's last tile partial; the norms' scales computed before each GEMV or from the squares its walk
     sums. The persistent launch (grid barriers, each GEMV's first tiles loaded before the barrier in front of it)
     runs here with one program: the interpreter runs programs one after another, so more would wait forever."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from persistent_gpu import PHASES, LayerStack, random_stack, reference_stack
 
     stack = random_stack(layers=3, hidden=64, heads=2, head_dim=32, intermediate=96, seed=programs)
