@@ -380,3 +380,41 @@ def test_eagle_train_speed_times_each_head_precision_at_a_small_shape(tmp_path):
         eagle_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--steps", "0"])
     with pytest.raises(SystemExit):
         eagle_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--known-rows", "17"])
+
+
+def test_cuda_gemv_report_from_partial_results(tmp_path):
+    """The CUDA GEMV benchmark's markdown from a run cut after two shapes (one with a wrong configuration) and
+    from a whole one with its layer table."""
+    import gemv_cuda_gpu as G
+
+    def timing(us: float, config: list | None = None) -> dict:
+        return {"us": us, "TBps": 3.0, **({"config": config} if config else {})}
+
+    results = {"device": "test", "torch": "x", "triton": "y", "command": "python gemv_cuda_gpu.py", "layers": None, "shapes": {
+        "qkvg": {"cublas": timing(11.5), "best_pdl0": timing(9.2, [2, 8, 0, 0]), "best_pdl1": timing(8.8, [2, 8, 1, 1]),
+                 "configs": {}, "wrong_configs": []},
+        "o_proj": {"cublas": timing(6.3), "best_pdl0": timing(4.1, [1, 8, 0, 0]), "configs": {},
+                   "wrong_configs": [[8, 8, 0, 0, 0.7]]}}}
+    G.write_report(results, str(tmp_path))
+    text = (tmp_path / "gemv_cuda_gpu.md").read_text()
+    assert "| qkvg [8208, 2048] | 11.50 | 3.00 | 9.20 | 3.00 | 0.800 | [2, 8, 0] | 8.80 | 3.00 | [2, 8, 1] |" in text
+    assert "| o_proj [2048, 2048] | 6.30 | 3.00 | 4.10 | 3.00 | 0.651 | [1, 8, 0] | - | - | - |" in text
+    assert "- o_proj: configurations whose output differs" in text and "One layer's" not in text
+    results["layers"] = {side: {"ms_per_pass": ms, "us_per_layer": ms * 1000 / 24, "TBps": 3.0}
+                         for side, ms in (("cublas", 1.04), ("cuda_gemv", 0.9), ("cuda_gemv_pdl", 0.8))}
+    G.write_report(results, str(tmp_path))
+    assert "| CUDA GEMV, PDL | 0.800 | 33.3 | 3.00 |" in (tmp_path / "gemv_cuda_gpu.md").read_text()
+    assert json.loads((tmp_path / "gemv_cuda_gpu.json").read_text())["layers"]["cublas"]["ms_per_pass"] == 1.04
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc (not on the CI machine)")
+def test_cuda_gemv_library_builds_and_refuses_shapes_it_has_no_instance_of(tmp_path):
+    """The CUDA GEMV's source builds with nvcc for sm_90 and loads; without a GPU it can still refuse, before any
+    CUDA call, a depth that is not a multiple of 256 and a configuration too heavy in registers (-1)."""
+    import gemv_cuda_gpu as G
+
+    lib = G.build(str(tmp_path))
+    assert lib.specla_gemv(0, 0, 0, 64, 200, 1, 8, 0, 0, None) == -1  # (K % 256)
+    assert lib.specla_gemv(0, 0, 0, 64, 2048, 8, 8, 0, 0, None) == -1  # (8 rows x 8 chunks: 64 > 32)
+    assert lib.specla_gemv(0, 0, 0, 64, 1024, 1, 9, 0, 0, None) == -1  # (warps)
+    assert len(list(tmp_path.glob("cuda_gemv_*.so"))) == 1 and G.build(str(tmp_path)) is not None  # (built once)

@@ -556,3 +556,32 @@ def test_kernels_launch_with_pdl_on_hopper_and_keep_stream_order_in_a_graph():
         expected = chain()
         graph.replay()
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc to build the CUDA GEMV")
+@pytest.mark.parametrize("n, k", [(40, 1024), (301, 2048), (2048, 5632)])
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_cuda_gemv_benchmark_matches_linear(n, k, pdl):
+    """``benchmarks/gemv_cuda_gpu.py``'s CUDA C GEMV, every configuration it has an instance of (rows past N in the
+    last warp included), against an fp32 product of the same bf16 operands; a depth that is not a multiple of 256
+    is refused."""
+    from gemv_cuda_gpu import CONFIGS, build, gemv
+
+    lib = build()
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50
+    x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    expected = w.float() @ x.float()
+    ran = 0
+    for rows, warps, streaming, _ in CONFIGS:
+        y = torch.full((n,), float("nan"), device="cuda", dtype=torch.bfloat16)
+        try:
+            gemv(lib, w, x, y, rows, warps, streaming, pdl)
+        except ValueError:
+            assert rows * k // 256 > 32, (rows, k)  # (only the register-heavy combinations have no instance)
+            continue
+        torch.cuda.synchronize()
+        assert (y.float() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item(), (rows, warps, streaming)
+        ran += 1
+    assert ran >= 4
+    with pytest.raises(ValueError, match="no GEMV instance"):
+        gemv(lib, w[:, :200].contiguous(), x[:200].contiguous(), torch.empty(n, device="cuda", dtype=torch.bfloat16))

@@ -1,0 +1,122 @@
+// A one-row GEMV in CUDA C for benchmarks/gemv_cuda_gpu.py: y[n] = W[n, :] . x, bf16 in and out, fp32 sums.
+//
+// Each warp owns ROWS rows of W [N, K] (row-major). Every lane first issues all of its weight loads, 16 bytes
+// each (lane l reads 16-byte chunks l, l + 32, ... of each row: CHUNKS = K / 256 of them), into registers: the
+// weights depend on nothing upstream, so with programmatic dependent launch (PDL) they stream in while the kernel
+// before is still finishing. Only then does the warp wait for that kernel (griddepcontrol.wait) and read x, sum
+// its products in fp32, reduce across the warp with shuffles and store one bf16 per row.
+//
+// Built by the benchmark with nvcc (-arch=sm_90) into a shared library and called through ctypes with raw device
+// pointers and the caller's CUDA stream (so a CUDA graph being captured on that stream records the launches).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+// One 16-byte weight load, as volatile inline PTX so that the compiler issues every one of them before the PDL wait
+// below (as plain loads it sank them to their first use, past the wait). STREAMING: not kept in L1 (the weights are
+// read once per pass).
+template <bool STREAMING>
+__device__ __forceinline__ uint4 load_weights(const uint4* p) {
+    uint4 v;
+    if (STREAMING) {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else {
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    }
+    return v;
+}
+
+template <int ROWS, int CHUNKS, bool STREAMING>
+__global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* x,
+                                                   __nv_bfloat16* __restrict__ y, int n, int k, int pdl,
+                                                   unsigned int zero) {
+    const int lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
+    uint4 weights[ROWS][CHUNKS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int row = min(row0 + r, n - 1);  // (rows past N load the last row again; they are never stored)
+        const uint4* src = reinterpret_cast<const uint4*>(w + static_cast<size_t>(row) * k) + lane;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            weights[r][c] = load_weights<STREAMING>(src + 32 * c);
+        }
+    }
+    // The wait for the kernel before (x is its output) after the weights have arrived: a condition on the loaded
+    // words (times ``zero``, a kernel argument that is 0) keeps the assembler from hoisting the wait above the
+    // loads, which it otherwise does (waiting early is always correct, and slower here).
+    unsigned int seen = 0;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) seen |= weights[r][c].x;
+    if (pdl + static_cast<int>(seen & zero)) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // (the next kernel may start its loads)
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+    }
+    float sums[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) sums[r] = 0.0f;
+    const uint4* xs = reinterpret_cast<const uint4*>(x) + lane;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const uint4 chunk = xs[32 * c];  // (a coherent load: x may have been written by the kernel just before)
+        const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&chunk);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&weights[r][c]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 wf = __bfloat1622float2(wp[i]);
+                const float2 xf = __bfloat1622float2(xp[i]);
+                sums[r] = fmaf(wf.x, xf.x, sums[r]);
+                sums[r] = fmaf(wf.y, xf.y, sums[r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        float v = sums[r];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+        if (lane == 0 && row0 + r < n) y[row0 + r] = __float2bfloat16(v);
+    }
+}
+
+template <int ROWS, int CHUNKS, bool STREAMING>
+static int launch(const void* w, const void* x, void* y, int n, int k, int warps, int pdl, cudaStream_t stream) {
+    cudaLaunchConfig_t config = {};
+    const int rows_per_block = ROWS * warps;
+    config.gridDim = dim3((n + rows_per_block - 1) / rows_per_block);
+    config.blockDim = dim3(32 * warps);
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = pdl ? 1 : 0;
+    return static_cast<int>(cudaLaunchKernelEx(&config, gemv_kernel<ROWS, CHUNKS, STREAMING>,
+                                               static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(x),
+                                               static_cast<__nv_bfloat16*>(y), n, k, pdl, 0u));
+}
+
+#define SPECLA_GEMV_CASE(R, C)                                                                        \
+    if (rows == R && chunks == C)                                                                     \
+        return streaming ? launch<R, C, true>(w, x, y, n, k, warps, pdl, static_cast<cudaStream_t>(stream)) \
+                         : launch<R, C, false>(w, x, y, n, k, warps, pdl, static_cast<cudaStream_t>(stream));
+
+// 0 on success, a cudaError_t, or -1 for a shape or configuration without an instance here: K a multiple of 256
+// (K / 256 in {4, 8, 16, 22}: depths 1024, 2048, 4096 and 5632), ROWS * K / 256 <= 32 (128 registers of weights),
+// warps in [1, 8].
+extern "C" int specla_gemv(const void* w, const void* x, void* y, int n, int k, int rows, int warps, int streaming,
+                           int pdl, void* stream) {
+    if (k % 256 != 0 || warps < 1 || warps > 8 || n < 1) return -1;
+    const int chunks = k / 256;
+    SPECLA_GEMV_CASE(1, 4) SPECLA_GEMV_CASE(2, 4) SPECLA_GEMV_CASE(4, 4) SPECLA_GEMV_CASE(8, 4)
+    SPECLA_GEMV_CASE(1, 8) SPECLA_GEMV_CASE(2, 8) SPECLA_GEMV_CASE(4, 8)
+    SPECLA_GEMV_CASE(1, 16) SPECLA_GEMV_CASE(2, 16)
+    SPECLA_GEMV_CASE(1, 22)
+    return -1;
+}

@@ -1,0 +1,186 @@
+"""A one-row GEMV in CUDA C (``benchmarks/cuda_gemv.cu``) against cuBLAS at the GDN-1.3B pass's GEMM shapes.
+
+Plain decoding at the 1.3B shape takes 1.42 ms a pass, of which cuBLAS's 96 GEMMs alone take 0.97 ms (2.74 TB/s
+against a copy rate of 4.2 TB/s; ``docs/speed.md``), and no Triton GEMV tried so far streams faster than about
+3.4 TB/s on the wide weights and half that on o_proj and down (``gemv_gpu.md``, ``gemv_gpu_tma.md``). This asks
+whether a GEMV written in CUDA C does: every lane issues all of its 16-byte weight loads first (all of a row's
+bytes in flight at once), and with programmatic dependent launch (PDL) it issues them before waiting for the
+kernel before, so that a GEMV's weights stream in while the one before finishes.
+
+Each shape is timed as ``gemv_gpu.py`` times it: 24 distinct weights (the LM head: one) back to back in one CUDA
+graph, median replay; then one layer's four GEMMs in order, 24 layers in one graph, each GEMV with its shape's best
+configuration, against cuBLAS: what the pass would gain. Every configuration's output is checked against
+``F.linear`` first. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, a few seconds).
+
+    python benchmarks/gemv_cuda_gpu.py --out benchmarks/results          # H200, about a minute
+    python benchmarks/gemv_cuda_gpu.py --plot benchmarks/results/gemv_cuda_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+from gemv_gpu import LAYERS, PRESETS, graph_ms, save_results, start_run
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_gemv.cu")
+SHAPES = PRESETS["gdn_1.3b"]["shapes"]
+LAYER = ("qkvg", "o_proj", "gate_up", "down")  # a layer's GEMMs in the order the pass runs them
+# (rows per warp, warps per block, streaming loads, PDL); the library refuses rows * K / 256 > 32 (-1)
+CONFIGS = list(itertools.product((1, 2, 4, 8), (4, 8), (0, 1), (0, 1)))
+
+
+def build(directory: str | None = None) -> ctypes.CDLL:
+    """Compile ``cuda_gemv.cu`` into a shared library (once per source: the file's hash names it) and load it."""
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha1(f.read()).hexdigest()[:12]
+    directory = directory or os.path.join(tempfile.gettempdir(), "specla_cuda_gemv")
+    os.makedirs(directory, exist_ok=True)
+    library = os.path.join(directory, f"cuda_gemv_{digest}.so")
+    if not os.path.exists(library):
+        subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", "-o", library + ".tmp", SOURCE],
+                       check=True)
+        os.replace(library + ".tmp", library)
+    lib = ctypes.CDLL(library)
+    lib.specla_gemv.restype = ctypes.c_int
+    lib.specla_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+    return lib
+
+
+def gemv(lib: ctypes.CDLL, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps: int = 8,
+         streaming: int = 0, pdl: int = 0) -> None:
+    """``y = w @ x`` for bf16 ``w [N, K]`` (row-major, K a multiple of 256), ``x [K]`` and ``y [N]``, on the current
+    stream (a CUDA graph being captured there records it). Raises ValueError for a shape or configuration the
+    library has no instance of, RuntimeError for a CUDA error."""
+    n, k = w.shape
+    if not (w.is_contiguous() and x.is_contiguous() and y.is_contiguous() and x.shape == (k,) and y.shape == (n,)
+            and w.dtype == x.dtype == y.dtype == torch.bfloat16):
+        raise ValueError(f"gemv takes contiguous bf16 w [N, K], x [K] and y [N], got {tuple(w.shape)}, "
+                         f"{tuple(x.shape)} and {tuple(y.shape)}")
+    code = lib.specla_gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, rows, warps, streaming, pdl,
+                           torch.cuda.current_stream().cuda_stream)
+    if code == -1:
+        raise ValueError(f"no GEMV instance for K={k}, {rows} rows per warp, {warps} warps")
+    if code:
+        raise RuntimeError(f"GEMV launch failed: CUDA error {code}")
+
+
+def time_shape(lib: ctypes.CDLL, name: str) -> dict:
+    """cuBLAS and every configuration of the CUDA GEMV for 24 distinct weights of shape ``name`` (the LM head: one)
+    at one row."""
+    n, k = SHAPES[name]
+    copies = 1 if name == "lm_head" else LAYERS
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(copies)]
+    x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    reference = torch.nn.functional.linear(x, weights[0]).float()
+    total = n * k * 2 * copies
+    ms = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights])
+    row = {"cublas": {"us": 1000 * ms / copies, "TBps": total / ms / 1e9}, "configs": {}, "wrong_configs": []}
+    for config in CONFIGS:
+        try:
+            gemv(lib, weights[0], x, outs[0], *config)
+        except ValueError:
+            continue
+        torch.cuda.synchronize()
+        error = (outs[0].float() - reference).abs().max().item()
+        if error > 0.02 * reference.abs().max().item() + 1e-2:
+            row["wrong_configs"].append([*config, error])
+            continue
+        ms = graph_ms(lambda config=config: [gemv(lib, w, x, y, *config) for w, y in zip(weights, outs)])
+        row["configs"][str(list(config))] = {"us": 1000 * ms / copies, "TBps": total / ms / 1e9}
+    for pdl in (0, 1):
+        timed = {key: value for key, value in row["configs"].items() if json.loads(key)[3] == pdl}
+        if timed:
+            key = min(timed, key=lambda key: timed[key]["us"])
+            row[f"best_pdl{pdl}"] = {**timed[key], "config": json.loads(key)}
+    return row
+
+
+def time_layers(lib: ctypes.CDLL, best: dict[str, list[int]]) -> dict:
+    """One layer's four GEMMs in order, 24 layers in one graph: cuBLAS, and the CUDA GEMV with each shape's best
+    configuration with and without PDL (``best``: shape -> its best configuration of either)."""
+    layers = [{name: torch.randn(*SHAPES[name], device="cuda", dtype=torch.bfloat16) / 50 for name in LAYER}
+              for _ in range(LAYERS)]
+    xs = {name: torch.randn(SHAPES[name][1], device="cuda", dtype=torch.bfloat16) for name in LAYER}
+    ys = {name: torch.empty(SHAPES[name][0], device="cuda", dtype=torch.bfloat16) for name in LAYER}
+    total = sum(w.numel() * 2 for layer in layers for w in layer.values())
+
+    def ours(pdl: int) -> None:
+        for layer in layers:
+            for name in LAYER:
+                gemv(lib, layer[name], xs[name], ys[name], *best[name][:3], pdl)
+
+    times = {"cublas": graph_ms(lambda: [torch.nn.functional.linear(xs[name], layer[name]) for layer in layers
+                                         for name in LAYER]),
+             "cuda_gemv": graph_ms(lambda: ours(0)), "cuda_gemv_pdl": graph_ms(lambda: ours(1))}
+    return {side: {"ms_per_pass": ms, "us_per_layer": 1000 * ms / LAYERS, "TBps": total / ms / 1e9} for side, ms in times.items()}
+
+
+def write_report(results: dict, out_dir: str) -> None:
+    lines = save_results(results, out_dir, "gemv_cuda_gpu", "A one-row GEMV in CUDA C against cuBLAS at the GDN-1.3B "
+                         "pass's GEMM shapes", f"; bf16 weights, {LAYERS} distinct weights per shape (the LM head: one) "
+                         "in one CUDA graph, median replay") + [
+        "| weight [N, K] | cuBLAS us | cuBLAS TB/s | CUDA GEMV us | TB/s | over cuBLAS | config | with PDL us | TB/s | config |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in results["shapes"].items():
+        cublas, plain, pdl = row["cublas"], row.get("best_pdl0"), row.get("best_pdl1")
+        cells = [f"{name} {list(SHAPES[name])}", f"{cublas['us']:.2f}", f"{cublas['TBps']:.2f}"]
+        cells += [f"{plain['us']:.2f}", f"{plain['TBps']:.2f}", f"{plain['us'] / cublas['us']:.3f}", str(plain["config"][:3])] if plain else ["-"] * 4
+        cells += [f"{pdl['us']:.2f}", f"{pdl['TBps']:.2f}", str(pdl["config"][:3])] if pdl else ["-"] * 3
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for name, row in results["shapes"].items():
+        if row["wrong_configs"]:
+            lines.append(f"- {name}: configurations whose output differs from F.linear (rows per warp, warps, streaming, "
+                         f"PDL, error): {row['wrong_configs']}")
+    layers = results.get("layers")
+    if layers:
+        lines += ["", (f"One layer's four GEMMs in order ({', '.join(LAYER)}), {LAYERS} layers in one graph, each GEMV "
+                       "with its shape's best configuration:"), "", "| GEMMs | ms per pass | us per layer | TB/s |",
+                  "| --- | --- | --- | --- |"]
+        for side, label in (("cublas", "cuBLAS"), ("cuda_gemv", "CUDA GEMV"), ("cuda_gemv_pdl", "CUDA GEMV, PDL")):
+            t = layers[side]
+            lines.append(f"| {label} | {t['ms_per_pass']:.3f} | {t['us_per_layer']:.1f} | {t['TBps']:.2f} |")
+    with open(os.path.join(out_dir, "gemv_cuda_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
+    args = parser.parse_args()
+    results = start_run(parser, args, write_report)
+    if results is None:
+        return
+    started = time.perf_counter()
+    lib = build()
+    print(f"built the GEMV library in {time.perf_counter() - started:.0f} s", flush=True)
+    results.update(shapes={}, layers=None)
+    for name in SHAPES:
+        row = results["shapes"][name] = time_shape(lib, name)
+        print(name, json.dumps({side: row.get(side) for side in ("cublas", "best_pdl0", "best_pdl1")}),
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+        write_report(results, args.out)
+    best = {}
+    for name in LAYER:
+        row = results["shapes"][name]
+        candidates = [row[key] for key in ("best_pdl0", "best_pdl1") if key in row]
+        best[name] = min(candidates, key=lambda c: c["us"])["config"]
+    results["layers"] = time_layers(lib, best)
+    print(json.dumps(results["layers"]), flush=True)
+    write_report(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
