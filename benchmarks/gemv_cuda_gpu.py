@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -38,15 +39,24 @@ LAYER = ("qkvg", "o_proj", "gate_up", "down")  # a layer's GEMMs in the order th
 CONFIGS = list(itertools.product((1, 2, 4, 8), (4, 8), (0, 1), (0, 1)))
 
 
+def nvcc() -> str | None:
+    """The CUDA compiler: on the PATH, else under ``CUDA_HOME`` (default ``/usr/local/cuda``); None without one."""
+    found = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    return found if os.path.isfile(found) else None
+
+
 def build(directory: str | None = None) -> ctypes.CDLL:
     """Compile ``cuda_gemv.cu`` into a shared library (once per source: the file's hash names it) and load it."""
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("the CUDA GEMV needs nvcc (on the PATH or in $CUDA_HOME/bin)")
     with open(SOURCE, "rb") as f:
         digest = hashlib.sha1(f.read()).hexdigest()[:12]
     directory = directory or os.path.join(tempfile.gettempdir(), "specla_cuda_gemv")
     os.makedirs(directory, exist_ok=True)
     library = os.path.join(directory, f"cuda_gemv_{digest}.so")
     if not os.path.exists(library):
-        subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", "-o", library + ".tmp", SOURCE],
+        subprocess.run([compiler, "-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", "-o", library + ".tmp", SOURCE],
                        check=True)
         os.replace(library + ".tmp", library)
     lib = ctypes.CDLL(library)

@@ -407,10 +407,11 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
     assert json.loads((tmp_path / "gemv_cuda_gpu.json").read_text())["layers"]["cublas"]["ms_per_pass"] == 1.04
 
 
-@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc (not on the CI machine)")
+@pytest.mark.skipif(__import__("gemv_cuda_gpu").nvcc() is None, reason="needs nvcc")
 def test_cuda_gemv_library_builds_and_refuses_shapes_it_has_no_instance_of(tmp_path):
     """The CUDA GEMV's source builds with nvcc for sm_90 and loads; without a GPU it can still refuse, before any
-    CUDA call, a depth that is not a multiple of 256 and a configuration too heavy in registers (-1)."""
+    CUDA call, a depth that is not a multiple of 256, a configuration too heavy in registers and a block of more than
+    8 warps (-1)."""
     import gemv_cuda_gpu as G
 
     lib = G.build(str(tmp_path))

@@ -558,7 +558,7 @@ def test_kernels_launch_with_pdl_on_hopper_and_keep_stream_order_in_a_graph():
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc to build the CUDA GEMV")
+@pytest.mark.skipif(__import__("gemv_cuda_gpu").nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
 @pytest.mark.parametrize("n, k", [(40, 1024), (301, 2048), (2048, 5632)])
 @pytest.mark.parametrize("pdl", [0, 1])
 def test_cuda_gemv_benchmark_matches_linear(n, k, pdl):
