@@ -13,9 +13,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-// One 16-byte weight load, as volatile inline PTX so that the compiler issues every one of them before the PDL wait
-// below (as plain loads it sank them to their first use, past the wait). STREAMING: not kept in L1 (the weights are
-// read once per pass).
+// One 16-byte weight load (read-only: ld.global.nc). STREAMING: not kept in L1 (the weights are read once per pass).
 template <bool STREAMING>
 __device__ __forceinline__ uint4 load_weights(const uint4* p) {
     uint4 v;
@@ -28,10 +26,9 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
     return v;
 }
 
-template <int ROWS, int CHUNKS, bool STREAMING>
+template <int ROWS, int CHUNKS, bool STREAMING, bool PDL>
 __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* x,
-                                                   __nv_bfloat16* __restrict__ y, int n, int k, int pdl,
-                                                   unsigned int zero) {
+                                                   __nv_bfloat16* __restrict__ y, int n, int k, unsigned int zero) {
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
     uint4 weights[ROWS][CHUNKS];
@@ -44,21 +41,22 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restri
             weights[r][c] = load_weights<STREAMING>(src + 32 * c);
         }
     }
-    // The wait for the kernel before (x is its output) after the weights have arrived: a condition on the loaded
-    // words (times ``zero``, a kernel argument that is 0) keeps the assembler from hoisting the wait above the
-    // loads, which it otherwise does (waiting early is always correct, and slower here).
+    // Every sum starts from the OR of all the loaded words times ``zero`` (a kernel argument that is 0): 0.0f, but the
+    // assembler cannot know it, so it issues every weight load up front (left alone it sank each load to its first
+    // use, a few in flight at a time) and, with PDL, cannot hoist the wait for the kernel before (x is its output)
+    // above the loads either (waiting early is always correct, and slower here).
     unsigned int seen = 0;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) seen |= weights[r][c].x;
-    if (pdl + static_cast<int>(seen & zero)) {
+    if (PDL && 1 + static_cast<int>(seen & zero)) {
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // (the next kernel may start its loads)
         asm volatile("griddepcontrol.wait;" ::: "memory");
     }
     float sums[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) sums[r] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) sums[r] = __uint_as_float(seen & zero);
     const uint4* xs = reinterpret_cast<const uint4*>(x) + lane;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
@@ -85,8 +83,8 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restri
     }
 }
 
-template <int ROWS, int CHUNKS, bool STREAMING>
-static int launch(const void* w, const void* x, void* y, int n, int k, int warps, int pdl, cudaStream_t stream) {
+template <int ROWS, int CHUNKS, bool STREAMING, bool PDL>
+static int launch(const void* w, const void* x, void* y, int n, int k, int warps, cudaStream_t stream) {
     cudaLaunchConfig_t config = {};
     const int rows_per_block = ROWS * warps;
     config.gridDim = dim3((n + rows_per_block - 1) / rows_per_block);
@@ -96,16 +94,19 @@ static int launch(const void* w, const void* x, void* y, int n, int k, int warps
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
-    config.numAttrs = pdl ? 1 : 0;
-    return static_cast<int>(cudaLaunchKernelEx(&config, gemv_kernel<ROWS, CHUNKS, STREAMING>,
+    config.numAttrs = PDL ? 1 : 0;
+    return static_cast<int>(cudaLaunchKernelEx(&config, gemv_kernel<ROWS, CHUNKS, STREAMING, PDL>,
                                                static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(x),
-                                               static_cast<__nv_bfloat16*>(y), n, k, pdl, 0u));
+                                               static_cast<__nv_bfloat16*>(y), n, k, 0u));
 }
 
-#define SPECLA_GEMV_CASE(R, C)                                                                        \
-    if (rows == R && chunks == C)                                                                     \
-        return streaming ? launch<R, C, true>(w, x, y, n, k, warps, pdl, static_cast<cudaStream_t>(stream)) \
-                         : launch<R, C, false>(w, x, y, n, k, warps, pdl, static_cast<cudaStream_t>(stream));
+#define SPECLA_GEMV_CASE(R, C)                                                                                  \
+    if (rows == R && chunks == C) {                                                                             \
+        const cudaStream_t s = static_cast<cudaStream_t>(stream);                                               \
+        if (pdl) return streaming ? launch<R, C, true, true>(w, x, y, n, k, warps, s)                           \
+                                  : launch<R, C, false, true>(w, x, y, n, k, warps, s);                         \
+        return streaming ? launch<R, C, true, false>(w, x, y, n, k, warps, s) : launch<R, C, false, false>(w, x, y, n, k, warps, s); \
+    }
 
 // 0 on success, a cudaError_t, or -1 for a shape or configuration without an instance here: K a multiple of 256
 // (K / 256 in {4, 8, 16, 22}: depths 1024, 2048, 4096 and 5632), ROWS * K / 256 <= 32 (128 registers of weights),

@@ -388,7 +388,7 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
     import gemv_cuda_gpu as G
 
     def timing(us: float, config: list | None = None) -> dict:
-        return {"us": us, "TBps": 3.0, **({"config": config} if config else {})}
+        return {"us": us, "TBps": 3.0, **({"config": config, "replay_matches": config[0] != 1} if config else {})}
 
     results = {"device": "test", "torch": "x", "triton": "y", "command": "python gemv_cuda_gpu.py", "layers": None, "shapes": {
         "qkvg": {"cublas": timing(11.5), "best_pdl0": timing(9.2, [2, 8, 0, 0]), "best_pdl1": timing(8.8, [2, 8, 1, 1]),
@@ -400,6 +400,7 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
     assert "| qkvg [8208, 2048] | 11.50 | 3.00 | 9.20 | 3.00 | 0.800 | [2, 8, 0] | 8.80 | 3.00 | [2, 8, 1] |" in text
     assert "| o_proj [2048, 2048] | 6.30 | 3.00 | 4.10 | 3.00 | 0.651 | [1, 8, 0] | - | - | - |" in text
     assert "- o_proj: configurations whose output differs" in text and "One layer's" not in text
+    assert "- o_proj: the captured graph of [1, 8, 0, 0] gave outputs other" in text and "qkvg: the captured" not in text
     results["layers"] = {side: {"ms_per_pass": ms, "us_per_layer": ms * 1000 / 24, "TBps": 3.0}
                          for side, ms in (("cublas", 1.04), ("cuda_gemv", 0.9), ("cuda_gemv_pdl", 0.8))}
     G.write_report(results, str(tmp_path))

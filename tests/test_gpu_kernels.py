@@ -585,3 +585,33 @@ def test_cuda_gemv_benchmark_matches_linear(n, k, pdl):
     assert ran >= 4
     with pytest.raises(ValueError, match="no GEMV instance"):
         gemv(lib, w[:, :200].contiguous(), x[:200].contiguous(), torch.empty(n, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(__import__("gemv_cuda_gpu").nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
+def test_cuda_gemv_benchmark_chain_with_pdl_replays_its_eager_outputs():
+    """Two dependent GEMVs launched with programmatic dependent launch, captured in a CUDA graph (the second reads the
+    first's output, which it may only do after its griddepcontrol.wait): every replay gives the eager chain's output,
+    with the inputs changed between replays."""
+    from gemv_cuda_gpu import build, gemv
+
+    from specla_compile.runtime.graph_capture import capture
+
+    lib = build()
+    w1 = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) / 30
+    w2 = torch.randn(301, 2048, device="cuda", dtype=torch.bfloat16) / 30
+    x = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    h, y = torch.empty(2048, device="cuda", dtype=torch.bfloat16), torch.empty(301, device="cuda", dtype=torch.bfloat16)
+
+    def chain() -> None:
+        gemv(lib, w1, x, h, 4, 8, 0, 1)
+        gemv(lib, w2, h, y, 1, 8, 1, 1)
+
+    graph, _ = capture(chain)
+    for seed in range(3):
+        x.copy_(torch.randn(1024, generator=torch.Generator().manual_seed(seed)).to(x))
+        h.fill_(float("nan"))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = w2.float() @ (w1.float() @ x.float()).to(torch.bfloat16).float()
+        assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item(), seed
