@@ -81,6 +81,20 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_logits: to
     return Acceptance(path, count, best[rows, cur])
 
 
+_SCAN_BLOCK = 256  # (see _cumsum)
+
+
+def _cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(-1)`` as two short scans, within blocks of ``_SCAN_BLOCK`` and over the blocks' sums: one scan over a
+    vocabulary of a few rows is what inductor on CUDA splits (``SplitScan``), whose codegen fails in torch 2.11 (a
+    16-node sampled pass at the 1.3B shape, H200)."""
+    size = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, -size % _SCAN_BLOCK)).unflatten(-1, (-1, _SCAN_BLOCK))
+    within = blocks.cumsum(-1)
+    totals = within[..., -1]
+    return (within + (totals.cumsum(-1) - totals)[..., None]).flatten(-2)[..., :size]
+
+
 def warp_probs(
     logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
 ) -> torch.Tensor:
@@ -100,7 +114,7 @@ def warp_probs(
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
-        mass_before = sorted_scores.softmax(-1).cumsum(-1) - sorted_scores.softmax(-1)
+        mass_before = _cumsum(sorted_scores.softmax(-1)) - sorted_scores.softmax(-1)
         drop_sorted = mass_before >= top_p  # the token that crosses top_p is still kept
         scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return scores.softmax(-1)
@@ -169,7 +183,7 @@ def _sample_token(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``p [B, V]`` (any positive scale) by inverse CDF at ``u [B]`` (a token of zero
     probability never: where rounding puts ``u`` past the last step, the last token of positive probability; a row
     with no mass at all, which only NaN logits make, gets token V - 1)."""
-    cdf = p.cumsum(-1)
+    cdf = _cumsum(p)
     token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     last_positive = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.uint8).argmax(-1)
     return torch.minimum(token, last_positive)
