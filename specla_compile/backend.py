@@ -26,13 +26,13 @@ launch of a one-row GEMV where the heads fit it (:func:`.lowering.fold_norms.fol
 ``kernels/triton_gemv.py``); ``fold_gates`` — True (default): on CUDA, the gate and beta of each fla GDN layer are
 computed inside the recurrence's launch in the static twins of one node a row (plain decoding's step;
 :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's 1-node pass on an H200 from 1.503-1.513 to 1.420 ms
-(``e2e_gpu.md``, ``fold_ab``); ``fold_convs`` — False (default; built, not yet timed on a GPU): True also runs
-the q/k/v short convs inside that launch (:func:`.lowering.fold_gates.fold_convs`); ``fold_gates_drafted`` — False
-(default; built, not yet timed on a GPU): the gates of the twins of more nodes whose passes all take the parallel
-route (by the default cost model, more than 6 nodes) computed inside its launch; ``fold_swiglu`` — False
-(default; built, not yet timed on a GPU): True runs, on CUDA, the one-token twin's (B=1) bf16 MLP
-``silu(gate) * up`` inside its down projection, one launch of the same one-row
-GEMV (:func:`.lowering.fold_norms.fold_swiglu`); ``triton_linears`` — False (default): True runs, on
+(``e2e_gpu.md``, ``fold_ab_327f184``); ``fold_convs`` — False (default; no faster on an H200: plain decoding 1.455
+against 1.450 ms/token, ``fold_ab``): True also runs the q/k/v short convs inside that launch
+(:func:`.lowering.fold_gates.fold_convs`); ``fold_gates_drafted`` — False (default; built, not yet timed on a GPU):
+the gates of the twins of more nodes whose passes all take the parallel route (by the default cost model, more than
+6 nodes) computed inside its launch; ``fold_swiglu`` — True (default): on CUDA, the one-token twin's (B=1) bf16 MLP
+``silu(gate) * up`` runs inside its down projection, one launch of the same one-row
+GEMV (:func:`.lowering.fold_norms.fold_swiglu`; on an H200 plain decoding 1.450 -> 1.357 ms/token, ``fold_ab``); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``regional`` — True (default):
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
