@@ -255,3 +255,12 @@ def test_a_residual_token_is_never_one_of_zero_probability():
     for u in (0.0, 0.3, 0.999999, 1.0 - 2**-53, 1.0):
         token = acceptance._sample_token(p, torch.full((2,), u, dtype=torch.float64))
         assert (p.gather(1, token[:, None]) > 0).all(), u
+
+
+@pytest.mark.parametrize("size", [1, 255, 256, 257, 32000])
+def test_blocked_cumulative_sum_is_the_cumulative_sum(size):
+    """The vocabulary's cumulative sums as two short scans (the form inductor on CUDA compiles for a few rows of a
+    32,000-token vocabulary) give ``cumsum``'s values, in any leading shape."""
+    x = torch.rand(2, 3, size, dtype=torch.float64, generator=torch.Generator().manual_seed(size))
+    torch.testing.assert_close(acceptance._cumsum(x), x.cumsum(-1), rtol=1e-12, atol=1e-9)
+    assert acceptance._cumsum(x).shape == x.shape
