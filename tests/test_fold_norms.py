@@ -118,7 +118,8 @@ def test_generation_through_routed_passes_equals_plain_decoding(monkeypatch, cap
     """With ``triton_linears`` (made to route here: CPU, fp32), the tokens of drafted and plain decoding equal
     eager decoding's."""
     log = _decode_on_cpu_as_on_cuda("triton_linears", SpecConfig(mode="chain", depth=5, bucket=8), 6, monkeypatch, caplog)
-    assert log.count(f"{4 * LAYERS + 1} GEMMs routed") >= 2  # the draft bucket's twin and the 1-token loop's
+    assert f"{4 * LAYERS + 1} GEMMs routed" in log  # the draft bucket's twin
+    assert f"{3 * LAYERS + 1} GEMMs routed" in log  # the 1-token loop's: its down projections in fold_swiglu's GEMV
 
 
 def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay(monkeypatch):
