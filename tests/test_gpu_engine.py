@@ -71,6 +71,23 @@ def test_graphed_sampling_equals_uncaptured_sampling_and_the_dynamic_path(family
     assert outs["graphed"].stats.mean_accepted > 0.2
 
 
+def test_sampled_passes_compile_and_sample_over_a_32000_token_vocabulary():
+    """At a real vocabulary the sampled acceptance's cumulative sums are long scans over few rows, which inductor on
+    CUDA split into a kernel whose codegen failed in torch 2.11 (a 16-node pass of the 1.3B shape, H200): a 16-node
+    sampled tree and chain over 32,000 tokens compile, capture and give the dynamic path's tokens (top-p on, so
+    both cumulative sums run)."""
+    model = tiny_model("fla", layers=2, vocab=32000).cuda()
+    prompts = torch.randint(0, 32000, (1, 6), generator=torch.Generator().manual_seed(24)).cuda()
+    for config in (SpecConfig(mode="tree", depth=4, tree_top_k=4, budget=15, bucket=16), SpecConfig(mode="chain", depth=15, bucket=16)):
+        outs = {}
+        for engine in ("static", "dynamic"):
+            gen = SpeculativeGenerator(model, ModelDrafter(tiny_model("fla", layers=2, vocab=32000).cuda()),
+                                       SpecConfig(**{**config.__dict__, "engine": engine}))
+            outs[engine] = gen.generate(prompts, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9,
+                                        generator=torch.Generator("cuda").manual_seed(5)).sequences.tolist()
+        assert outs["static"] == outs["dynamic"], config.mode
+
+
 def test_graphed_prefill_chunks_give_plain_eager_decoding():
     """Prompts of 300 and 170 tokens through the engine's prefill: 128 and 32 tokens of both as replays of the
     model's own forward captured as CUDA graphs, the rest as chain passes; the tokens of each row's plain eager
