@@ -184,7 +184,9 @@ def _sample_token(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     probability never: where rounding puts ``u`` past the last step, the last token of positive probability; a row
     with no mass at all, which only NaN logits make, gets token V - 1)."""
     cdf = _cumsum(p)
-    token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # (searchsorted's count of the steps at or below u, as a sum: inductor's searchsorted needs a buffer of known
+    # strides, which the blocked sums' view is not, and on CUDA failed to compile on it)
+    token = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
     last_positive = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.uint8).argmax(-1)
     return torch.minimum(token, last_positive)
 
