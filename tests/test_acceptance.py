@@ -264,3 +264,17 @@ def test_blocked_cumulative_sum_is_the_cumulative_sum(size):
     x = torch.rand(2, 3, size, dtype=torch.float64, generator=torch.Generator().manual_seed(size))
     torch.testing.assert_close(acceptance._cumsum(x), x.cumsum(-1), rtol=1e-12, atol=1e-9)
     assert acceptance._cumsum(x).shape == x.shape
+
+
+def test_inverse_cdf_token_is_searchsorted_s_and_a_row_without_mass_gets_the_last_token():
+    """The inverse CDF's token (a count, which inductor compiles on CUDA) is ``searchsorted``'s on the cumulative sums
+    at random uniforms, zero-probability tokens in the rows; a NaN row and an all-zero row get token V - 1."""
+    gen = torch.Generator().manual_seed(41)
+    p = torch.rand(64, 300, dtype=torch.float64, generator=gen) * (torch.rand(64, 300, generator=gen) < 0.7)
+    u = torch.rand(64, dtype=torch.float64, generator=gen)
+    cdf = p.cumsum(-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    expected = torch.minimum(expected, 299 - (p > 0).flip(-1).to(torch.uint8).argmax(-1))
+    assert torch.equal(acceptance._sample_token(p, u), expected)
+    empty = torch.stack([torch.full((300,), float("nan"), dtype=torch.float64), torch.zeros(300, dtype=torch.float64)])
+    assert acceptance._sample_token(empty, torch.tensor([0.5, 0.5], dtype=torch.float64)).tolist() == [299, 299]

@@ -114,7 +114,8 @@ def warp_probs(
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
-        mass_before = _cumsum(sorted_scores.softmax(-1)) - sorted_scores.softmax(-1)
+        sorted_probs = sorted_scores.softmax(-1)
+        mass_before = _cumsum(sorted_probs) - sorted_probs
         drop_sorted = mass_before >= top_p  # the token that crosses top_p is still kept
         scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return scores.softmax(-1)
@@ -184,9 +185,10 @@ def _sample_token(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     probability never: where rounding puts ``u`` past the last step, the last token of positive probability; a row
     with no mass at all, which only NaN logits make, gets token V - 1)."""
     cdf = _cumsum(p)
-    # (searchsorted's count of the steps at or below u, as a sum: inductor's searchsorted needs a buffer of known
-    # strides, which the blocked sums' view is not, and on CUDA failed to compile on it)
-    token = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
+    # (searchsorted(right=True) as a sum, V less the steps above u: inductor's searchsorted needs a buffer of known
+    # strides, which the blocked sums' view is not, and on CUDA failed to compile on it; NaN is above nothing, as
+    # searchsorted places it last)
+    token = p.shape[-1] - (cdf > (u * cdf[:, -1])[:, None]).sum(-1)
     last_positive = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.uint8).argmax(-1)
     return torch.minimum(token, last_positive)
 
