@@ -62,8 +62,9 @@ def build(directory: str | None = None) -> ctypes.CDLL:
     os.makedirs(directory, exist_ok=True)
     library = os.path.join(directory, f"cuda_gemv_{digest}.so")
     if not os.path.exists(library):
-        subprocess.run([compiler, *flags, "-o", library + ".tmp", SOURCE], check=True)
-        os.replace(library + ".tmp", library)
+        partial = f"{library}.{os.getpid()}.tmp"  # (per process: pytest-xdist's workers build at once)
+        subprocess.run([compiler, *flags, "-o", partial, SOURCE], check=True)
+        os.replace(partial, library)
     lib = ctypes.CDLL(library)
     lib.specla_gemv.restype = ctypes.c_int
     lib.specla_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + [ctypes.c_void_p]

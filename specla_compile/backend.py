@@ -135,6 +135,13 @@ def _fake_verify_inputs(program: VerifyProgram, example_inputs: Sequence) -> lis
     return extras
 
 
+def _dense_indices(values: Sequence) -> list:
+    """``values`` with their integer and boolean tensors (token ids, positions, parents, masks; never states) made
+    dense. The twins are compiled for, and called with, such dense copies: a drafter's token ids and parents are
+    often slices of wider buffers, and inductor's code asserts the layout it was compiled for at every call."""
+    return [v.contiguous() if isinstance(v, torch.Tensor) and not v.is_floating_point() else v for v in values]
+
+
 def _has_symbolic_size(value) -> bool:
     return isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape))
 
@@ -175,7 +182,7 @@ class SpeculativeGraph:
         if self.size_inputs:
             return
         started = time.perf_counter()
-        self.verify_fn = compile_inner(self.program.graph_module, [*example_inputs, *extras])
+        self.verify_fn = compile_inner(self.program.graph_module, [*_dense_indices(example_inputs), *extras])
         self.compile_seconds["verify"] = time.perf_counter() - started
         log.info("specla: compiled a graph of %d GDN layers: plain program %.1f s, verification twin %.1f s",
                  len(self.program.layers), self.compile_seconds["plain"], self.compile_seconds["verify"])
@@ -267,7 +274,7 @@ class SpeculativeGraph:
             session.layers[key] = LayerBinding(state, [args[i] for i in layer.conv_state_inputs])
             shapes = [(r.feature_shape, r.dtype) for r in layer.records]
             extras += session.take_pending(key, batch, nodes, shapes, device)
-        inputs = [*args, *extras]
+        inputs = _dense_indices([*args, *extras])
         verify_fn = self.verify_fn or self._twin_for(inputs, batch * nodes)
         if self.verify_kernel == "auto":
             outputs = verify_fn(*inputs)
