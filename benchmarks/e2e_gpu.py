@@ -588,10 +588,11 @@ def tokens_sha1(sequences: list[torch.Tensor]) -> str:
     return hashlib.sha1(b"".join(s.cpu().numpy().astype(np.int64).tobytes() for s in sequences)).hexdigest()[:12]
 
 
-FOLD_AB = {  # option sets fold_ab times against the defaults: the folds off by default, and the newest default without
-    # its fold (docs/speed.md)
+FOLD_AB = {  # option sets fold_ab times against the defaults: the folds off by default, the newest default without
+    # its fold, and the CUDA C GEMV, with the down projections through it or through fold_swiglu's Triton GEMV
     "defaults": [], "without_fold_swiglu": ["fold_swiglu=False"], "fold_convs": ["fold_convs=True"],
     "fold_gates_drafted": ["fold_gates_drafted=True"], "both": ["fold_convs=True", "fold_gates_drafted=True"],
+    "cuda_gemvs": ["cuda_gemvs=True"], "cuda_gemvs_without_fold_swiglu": ["cuda_gemvs=True", "fold_swiglu=False"],
 }
 
 

@@ -1,4 +1,4 @@
-"""A one-row GEMV in CUDA C (``benchmarks/cuda_gemv.cu``) against cuBLAS at the GDN-1.3B pass's GEMM shapes.
+"""A one-row GEMV in CUDA C (``specla_compile/kernels/cuda_gemv.cu``) against cuBLAS at the GDN-1.3B pass's GEMM shapes.
 
 Plain decoding at the 1.3B shape takes 1.42 ms a pass, of which cuBLAS's 96 GEMMs alone take 0.97 ms (2.74 TB/s
 against a copy rate of 4.2 TB/s; ``docs/speed.md``), and no Triton GEMV tried so far streams faster than about
@@ -11,7 +11,8 @@ Each shape is timed as ``gemv_gpu.py`` times it: 24 distinct weights (the LM hea
 graph, median replay; then one layer's four GEMMs in order, 24 layers in one graph, each GEMV with its shape's best
 configuration, against cuBLAS: a bound on what the pass could gain (back to back, with none of the pass's kernels
 between them). Every configuration's output is checked against ``F.linear`` before it is timed, and the best ones'
-captured graphs after. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, a few seconds).
+captured graphs after. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, about 15 s; the backend's ``cuda_gemvs``
+option runs the same kernels in the plain step).
 
     python benchmarks/gemv_cuda_gpu.py --out benchmarks/results          # H200, about a minute
     python benchmarks/gemv_cuda_gpu.py --plot benchmarks/results/gemv_cuda_gpu.json
@@ -20,78 +21,24 @@ captured graphs after. The library is built with the machine's ``nvcc`` (``-arch
 from __future__ import annotations
 
 import argparse
-import ctypes
-import hashlib
 import itertools
 import json
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 
 import torch
 from gemv_gpu import LAYERS, PRESETS, graph_ms, save_results, start_run
 
+from specla_compile.kernels.cuda_gemv import gemv, library
 from specla_compile.runtime.graph_capture import capture
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_gemv.cu")
 SHAPES = PRESETS["gdn_1.3b"]["shapes"]
 LAYER = ("qkvg", "o_proj", "gate_up", "down")  # a layer's GEMMs in the order the pass runs them
 # (rows per warp, warps per block, streaming loads, PDL); the library refuses rows * K / 256 > 32 (-1)
 CONFIGS = list(itertools.product((1, 2, 4, 8), (4, 8), (0, 1), (0, 1)))
 
 
-def nvcc() -> str | None:
-    """The CUDA compiler: on the PATH, else under ``CUDA_HOME`` (default ``/usr/local/cuda``); None without one."""
-    found = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    return found if os.path.isfile(found) else None
-
-
-def build(directory: str | None = None) -> ctypes.CDLL:
-    """Compile ``cuda_gemv.cu`` into a shared library in ``directory`` (once per source, flags and compiler) and load
-    it."""
-    compiler = nvcc()
-    if compiler is None:
-        raise RuntimeError("the CUDA GEMV needs nvcc (on the PATH or in $CUDA_HOME/bin)")
-    flags = ["-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC"]
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    with open(SOURCE, "rb") as f:  # (the library's name: a hash of the source, the flags and the compiler's version)
-        digest = hashlib.sha1(f.read() + " ".join(flags).encode() + version.encode()).hexdigest()[:12]
-    directory = directory or os.path.join(tempfile.gettempdir(), "specla_cuda_gemv")
-    os.makedirs(directory, exist_ok=True)
-    library = os.path.join(directory, f"cuda_gemv_{digest}.so")
-    if not os.path.exists(library):
-        partial = f"{library}.{os.getpid()}.tmp"  # (per process: pytest-xdist's workers build at once)
-        subprocess.run([compiler, *flags, "-o", partial, SOURCE], check=True)
-        os.replace(partial, library)
-    lib = ctypes.CDLL(library)
-    lib.specla_gemv.restype = ctypes.c_int
-    lib.specla_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
-    return lib
-
-
-def gemv(lib: ctypes.CDLL, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps: int = 8,
-         streaming: int = 0, pdl: int = 0) -> None:
-    """``y = w @ x`` for bf16 ``w [N, K]`` (row-major, K a multiple of 256), ``x [K]`` and ``y [N]``, on the current
-    stream (a CUDA graph being captured there records it). Raises ValueError for a shape or configuration the
-    library has no instance of, RuntimeError for a CUDA error."""
-    n, k = w.shape
-    tensors = (w, x, y)
-    if not (all(t.is_cuda and t.is_contiguous() and t.dtype == torch.bfloat16 for t in tensors) and x.shape == (k,)
-            and y.shape == (n,) and w.data_ptr() % 16 == x.data_ptr() % 16 == 0):
-        raise ValueError(f"gemv takes contiguous bf16 CUDA tensors w [N, K] and x [K] (both 16-byte aligned: the "
-                         f"kernel reads 16 bytes at a time) and y [N], got {tuple(w.shape)}, {tuple(x.shape)} and "
-                         f"{tuple(y.shape)}")
-    code = lib.specla_gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, rows, warps, streaming, pdl,
-                           torch.cuda.current_stream().cuda_stream)
-    if code == -1:
-        raise ValueError(f"no GEMV instance for K={k}, {rows} rows per warp, {warps} warps")
-    if code:
-        raise RuntimeError(f"GEMV launch failed: CUDA error {code}")
-
-
-def time_shape(lib: ctypes.CDLL, name: str) -> dict:
+def time_shape(name: str) -> dict:
     """cuBLAS and every configuration of the CUDA GEMV for 24 distinct weights of shape ``name`` (the LM head: one)
     at one row. The best configuration with and without PDL is timed a second time (the figure reported: the first
     timing picked it) and its captured graph's outputs are checked against ``F.linear`` for every weight."""
@@ -110,13 +57,13 @@ def time_shape(lib: ctypes.CDLL, name: str) -> dict:
 
     def chain(config: tuple) -> None:
         for w, y in zip(weights, outs):
-            gemv(lib, w, x, y, *config)
+            gemv(w, x, y, *config)
 
     ms = graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights])
     row = {"cublas": {"us": 1000 * ms / copies, "TBps": total / ms / 1e9}, "configs": {}, "wrong_configs": []}
     for config in CONFIGS:
         try:
-            gemv(lib, weights[0], x, outs[0], *config)
+            gemv(weights[0], x, outs[0], *config)
         except ValueError:
             continue
         torch.cuda.synchronize()
@@ -143,7 +90,7 @@ def time_shape(lib: ctypes.CDLL, name: str) -> dict:
     return row
 
 
-def time_layers(lib: ctypes.CDLL, best: dict[int, dict[str, list[int]]]) -> dict:
+def time_layers(best: dict[int, dict[str, list[int]]]) -> dict:
     """One layer's four GEMMs in order, 24 layers in one graph: cuBLAS, and the CUDA GEMV with each shape's best
     configuration without PDL and with it (``best[pdl][shape]``). Back to back, with nothing between them: in the
     pass each GEMV follows norm or conv kernels, so this bounds what the pass could gain, it does not measure it."""
@@ -156,7 +103,7 @@ def time_layers(lib: ctypes.CDLL, best: dict[int, dict[str, list[int]]]) -> dict
     def ours(pdl: int) -> None:
         for layer in layers:
             for name in LAYER:
-                gemv(lib, layer[name], xs[name], ys[name], *best[pdl][name])
+                gemv(layer[name], xs[name], ys[name], *best[pdl][name])
 
     times = {"cublas": graph_ms(lambda: [torch.nn.functional.linear(xs[name], layer[name]) for layer in layers
                                          for name in LAYER]),
@@ -208,11 +155,11 @@ def main() -> None:
     if results is None:
         return
     started = time.perf_counter()
-    lib = build()
+    library()
     print(f"built the GEMV library in {time.perf_counter() - started:.0f} s", flush=True)
     results.update(shapes={}, layers=None)
     for name in SHAPES:
-        row = results["shapes"][name] = time_shape(lib, name)
+        row = results["shapes"][name] = time_shape(name)
         print(name, json.dumps({side: row.get(side) for side in ("cublas", "best_pdl0", "best_pdl1")}),
               f"{time.perf_counter() - started:.0f} s", flush=True)
         write_report(results, args.out)
@@ -220,7 +167,7 @@ def main() -> None:
     if not all(f"best_pdl{pdl}" in row for row in rows for pdl in (0, 1)):
         print("no layer timing: a shape of the layer has no configuration that matched F.linear", flush=True)
         return
-    results["layers"] = time_layers(lib, {pdl: {name: row[f"best_pdl{pdl}"]["config"] for name, row in zip(LAYER, rows)}
+    results["layers"] = time_layers({pdl: {name: row[f"best_pdl{pdl}"]["config"] for name, row in zip(LAYER, rows)}
                                           for pdl in (0, 1)})
     print(json.dumps(results["layers"]), flush=True)
     write_report(results, args.out)

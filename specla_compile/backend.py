@@ -34,7 +34,10 @@ the gates of the twins of more nodes whose passes all take the parallel route (b
 ``silu(gate) * up`` runs inside its down projection, one launch of the same one-row
 GEMV (:func:`.lowering.fold_norms.fold_swiglu`; on an H200 plain decoding 1.450 -> 1.357 ms/token, ``fold_ab``); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
-which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``regional`` — True (default):
+which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``cuda_gemvs`` — False (default): True
+runs, on CUDA, the one-token twin's (B=1) bf16 GEMMs and folded down projections as a one-row GEMV in CUDA C that
+issues its weight loads before it waits for the kernel before (:func:`.lowering.fold_norms.route_row_gemvs`,
+``kernels/cuda_gemv.cu``, built with the machine's ``nvcc`` at the first call); ``regional`` — True (default):
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
 (:mod:`.lowering.regions`: on an H200 the 1.3B shape's cold start 127.6 -> 89.6 s, passes as fast; regions cut
 after the next layer's input norm, so the residual add and that norm still fuse); False compiles each twin whole. A
@@ -57,10 +60,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .backend_options import INNER_COMPILERS, OPTIONS, PLAIN_PROGRAMS, SWITCHES
-from .kernels import dispatch, ops
+from .kernels import cuda_gemv, dispatch, ops
 from .lowering.capture import install
 from .lowering.fold_gates import fold_convs, fold_gates
-from .lowering.fold_norms import fold_gated_norms, fold_norms, fold_swiglu, route_linears
+from .lowering.fold_norms import fold_gated_norms, fold_norms, fold_swiglu, route_linears, route_row_gemvs
 from .lowering.fuse_projections import fuse_projections, gathers_as_slices
 from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sdpa
 from .lowering.regions import compile_by_layer
@@ -218,6 +221,8 @@ class SpeculativeGraph:
                 log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm))
             if tokens == 1 and "fold_swiglu" in on:  # (the same one-row kernel)
                 log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", fold_swiglu(gm))
+            if tokens == 1 and "cuda_gemvs" in on:  # (its kernel takes one row)
+                log.info("specla: %d GEMMs routed to the CUDA C GEMV", route_row_gemvs(gm))
             nodes = inputs[self.program.num_model_inputs].shape[1]  # (the first input the rewrite added: parents [B, N])
             if "fold_gates" in on and nodes == 1:  # (its kernel runs one node a row: plain decoding)
                 log.info("specla: %d GDN layers' gates folded into their recurrence", fold_gates(gm, nodes))
@@ -298,6 +303,9 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise ValueError(f"specla option {name!r} must be True or False, got {value!r}")
+    if switches["cuda_gemvs"] and cuda_gemv.nvcc() is None:
+        raise ValueError("specla option 'cuda_gemvs' builds its GEMV with nvcc, which is neither on the PATH nor in "
+                         "$CUDA_HOME/bin")
     compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, switches["combo_kernels"])
     verify_kernel = options.get("verify_kernel", "auto")
     if verify_kernel != "auto" and verify_kernel not in dispatch.ROUTES:

@@ -122,6 +122,25 @@ def test_generation_through_routed_passes_equals_plain_decoding(monkeypatch, cap
     assert f"{3 * LAYERS + 1} GEMMs routed" in log  # the 1-token loop's: its down projections in fold_swiglu's GEMV
 
 
+def test_generation_through_cuda_gemvs_equals_plain_decoding(monkeypatch, caplog):
+    """With ``cuda_gemvs`` (made to route here: CPU, fp32, where ``specla.row_gemv`` runs its reference), the tokens of
+    drafted and plain decoding equal eager decoding's; the 1-token loop's GEMMs and folded down projections are
+    routed, the draft bucket's twin keeps its own."""
+    monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda weight, dtype, width, swiglu: True)
+    monkeypatch.setattr(folding.cuda_gemv, "nvcc", lambda: "nvcc")  # (the option refuses to start without one)
+    log = _decode_on_cpu_as_on_cuda("cuda_gemvs", SpecConfig(mode="chain", depth=5, bucket=8), 6, monkeypatch, caplog)
+    assert log.count("GEMMs routed to the CUDA C GEMV") == 1
+    assert f"{4 * LAYERS + 1} GEMMs routed to the CUDA C GEMV" in log  # q/k/v/gates, o_proj, gate/up, down; the head
+
+
+def test_cuda_gemvs_without_nvcc_fail_before_compiling(monkeypatch):
+    import specla_compile.backend as backend
+
+    monkeypatch.setattr(folding.cuda_gemv, "nvcc", lambda: None)
+    with pytest.raises(ValueError, match="'cuda_gemvs' builds its GEMV with nvcc"):
+        backend.specla_backend(None, [], options={"cuda_gemvs": True})
+
+
 def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay(monkeypatch):
     """In a one-token twin, each layer's gated output norm, read by the reshape of its heads and o_proj alone,
     becomes one ``specla.gated_norm_linear``, in fp32 on the CPU (its PyTorch reference); not where the heads do not

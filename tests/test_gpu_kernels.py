@@ -24,7 +24,7 @@ from kernel_cases import (
     rel_err,
 )
 
-from specla_compile.kernels import dispatch, ops, triton_gemv, triton_linear, triton_topk, triton_verify
+from specla_compile.kernels import cuda_gemv, dispatch, ops, triton_gemv, triton_linear, triton_topk, triton_verify
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig, use_route
 
@@ -558,16 +558,16 @@ def test_kernels_launch_with_pdl_on_hopper_and_keep_stream_order_in_a_graph():
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(__import__("gemv_cuda_gpu").nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
+@pytest.mark.skipif(cuda_gemv.nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
 @pytest.mark.parametrize("n, k", [(40, 1024), (301, 2048), (2048, 5632)])
 @pytest.mark.parametrize("pdl", [0, 1])
-def test_cuda_gemv_benchmark_matches_linear(n, k, pdl):
-    """``benchmarks/gemv_cuda_gpu.py``'s CUDA C GEMV, every configuration it has an instance of (rows past N in the
-    last warp included), against an fp32 product of the same bf16 operands; a depth that is not a multiple of 256
-    is refused."""
-    from gemv_cuda_gpu import CONFIGS, build, gemv
+def test_cuda_gemv_matches_linear(n, k, pdl):
+    """The CUDA C GEMV (``kernels/cuda_gemv.cu``), every configuration the benchmark times that it has an instance of
+    (rows past N in the last warp included), against an fp32 product of the same bf16 operands; a depth that is not
+    a multiple of 256 is refused."""
+    from gemv_cuda_gpu import CONFIGS
 
-    lib = build()
+    gemv = cuda_gemv.gemv
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50
     x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
     expected = w.float() @ x.float()
@@ -575,7 +575,7 @@ def test_cuda_gemv_benchmark_matches_linear(n, k, pdl):
     for rows, warps, streaming, _ in CONFIGS:
         y = torch.full((n,), float("nan"), device="cuda", dtype=torch.bfloat16)
         try:
-            gemv(lib, w, x, y, rows, warps, streaming, pdl)
+            gemv(w, x, y, rows, warps, streaming, pdl)
         except ValueError:
             assert rows * k // 256 > 32, (rows, k)  # (only the register-heavy combinations have no instance)
             continue
@@ -584,27 +584,25 @@ def test_cuda_gemv_benchmark_matches_linear(n, k, pdl):
         ran += 1
     assert ran >= 4
     with pytest.raises(ValueError, match="no GEMV instance"):
-        gemv(lib, w[:, :200].contiguous(), x[:200].contiguous(), torch.empty(n, device="cuda", dtype=torch.bfloat16))
+        gemv(w[:, :200].contiguous(), x[:200].contiguous(), torch.empty(n, device="cuda", dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(__import__("gemv_cuda_gpu").nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
-def test_cuda_gemv_benchmark_chain_with_pdl_replays_its_eager_outputs():
+@pytest.mark.skipif(cuda_gemv.nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
+def test_cuda_gemv_chain_with_pdl_replays_its_eager_outputs():
     """Two dependent GEMVs launched with programmatic dependent launch, captured in a CUDA graph (the second reads the
     first's output, which it may only do after its griddepcontrol.wait): every replay gives the eager chain's output,
     with the inputs changed between replays."""
-    from gemv_cuda_gpu import build, gemv
-
     from specla_compile.runtime.graph_capture import capture
 
-    lib = build()
+    gemv = cuda_gemv.gemv
     w1 = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) / 30
     w2 = torch.randn(301, 2048, device="cuda", dtype=torch.bfloat16) / 30
     x = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
     h, y = torch.empty(2048, device="cuda", dtype=torch.bfloat16), torch.empty(301, device="cuda", dtype=torch.bfloat16)
 
     def chain() -> None:
-        gemv(lib, w1, x, h, 4, 8, 0, 1)
-        gemv(lib, w2, h, y, 1, 8, 1, 1)
+        gemv(w1, x, h, 4, 8, 0, 1)
+        gemv(w2, h, y, 1, 8, 1, 1)
 
     graph, _ = capture(chain)
     for seed in range(3):
@@ -615,3 +613,26 @@ def test_cuda_gemv_benchmark_chain_with_pdl_replays_its_eager_outputs():
         torch.cuda.synchronize()
         expected = w2.float() @ (w1.float() @ x.float()).to(torch.bfloat16).float()
         assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item(), seed
+
+
+@pytest.mark.skipif(cuda_gemv.nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
+@pytest.mark.parametrize("n, k", [(301, 1024), (8208, 2048), (2048, 2048), (2048, 5632), (32000, 2048)])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_row_gemv_op_matches_its_reference(n, k, swiglu):
+    """``specla::row_gemv`` on CUDA (the CUDA C GEMV with each shape's configuration, PDL as the device allows) against
+    its reference on random bf16 rows: a plain row, and (``swiglu``) an MLP's packed ``[gate, up]`` row whose product
+    the kernel forms; a row that is not 16-byte aligned, and two rows, take the reference."""
+    from specla_compile.kernels import ops
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50
+    x = torch.randn(1, 1, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
+    assert cuda_gemv.fits(x, w, swiglu)
+    got = ops.row_gemv(x, w, swiglu)
+    expected = ops.row_gemv._init_fn(x.double(), w.double(), swiglu)
+    assert got.shape == (1, 1, n) and got.dtype == torch.bfloat16
+    assert (got.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item() + 1e-3
+    offset = torch.empty(x.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:].view_as(x).copy_(x)
+    rows = x.expand(2, 1, -1).contiguous()
+    assert not cuda_gemv.fits(offset, w, swiglu) and not cuda_gemv.fits(rows, w, swiglu)
+    torch.testing.assert_close(ops.row_gemv(offset, w, swiglu), ops.row_gemv._init_fn(x, w, swiglu))
+    torch.testing.assert_close(ops.row_gemv(rows, w, swiglu), ops.row_gemv._init_fn(rows, w, swiglu))

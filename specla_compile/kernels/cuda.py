@@ -13,8 +13,10 @@ from collections.abc import Callable
 import torch
 
 from . import (
+    cuda_gemv,
     dispatch,
     ops,
+    pdl,
     reference,
     triton_attention,
     triton_conv,
@@ -258,6 +260,15 @@ def _gated_norm_linear(x, gate, norm_weight, eps, weight):
         return _reference_of(ops.gated_norm_linear)(x, gate, norm_weight, eps, weight)
     # (a row and gate that lie otherwise are copied: a few KB; the weight never is)
     return triton_gemv.gated_norm_gemv(x.contiguous(), gate.contiguous(), norm_weight, eps, weight)
+
+
+@ops.row_gemv.register_kernel("cuda")
+def _row_gemv(x, weight, swiglu):
+    """The CUDA C GEMV where it takes the shapes and addresses (16-byte loads); else the reference."""
+    x = x.contiguous()  # (one row of a few KB)
+    if not cuda_gemv.fits(x, weight, swiglu):
+        return _reference_of(ops.row_gemv)(x, weight, swiglu)
+    return cuda_gemv.row_gemv(x, weight, swiglu, pdl.enabled(x.device))
 
 
 @ops.swiglu_linear.register_kernel("cuda")

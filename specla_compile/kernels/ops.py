@@ -573,6 +573,21 @@ def _(gate_up, weight):
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("specla::row_gemv", mutates_args=())
+def row_gemv(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """A bias-free ``linear`` of one row, ``[..., K]`` -> ``[..., N]``; with ``swiglu``, of ``silu(gate) * up`` from an
+    MLP's packed ``[gate, up]`` row ``[..., 2K]`` (``reference.swiglu_linear_reference``). On CUDA, the CUDA C GEMV of
+    ``kernels/cuda_gemv.cu`` where it takes the shapes (the backend's ``cuda_gemvs`` option routes to it)."""
+    if swiglu:
+        return ref.swiglu_linear_reference(x, weight)
+    return torch.nn.functional.linear(x, weight)
+
+
+@row_gemv.register_fake
+def _(x, weight, swiglu):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 # A captured model's RMS norms (fla's, routed by lowering/capture.py), plain and gated: one node each in Dynamo's
 # graph, which a static twin folds into the GEMM after it (lowering/fold_norms.py). Composite: wherever it is not folded,
 # AOTAutograd traces its PyTorch ops, which inductor fuses with what surrounds them as before.

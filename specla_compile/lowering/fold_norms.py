@@ -24,7 +24,8 @@ at the GDN-1.3B shape, the passes were no faster for it (``docs/speed.md``): the
 
 The one-row twin (plain decoding's step at B=1) folds more into one-row GEMVs (``kernels/triton_gemv.py``):
 :func:`fold_gated_norms` a GDN layer's gated output norm into its o_proj, :func:`fold_swiglu` the MLP's
-``silu(gate) * up`` into its down projection.
+``silu(gate) * up`` into its down projection; :func:`route_row_gemvs` its other GEMMs, and the down projections,
+to the CUDA C GEMV (``kernels/cuda_gemv.cu``, the backend's ``cuda_gemvs``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ..kernels import ops
+from ..kernels import cuda_gemv, ops
 from .fuse_projections import linear_parts
 from .graph_analysis import example_value, fill_example_values, graph_fake_mode, is_call, recompiled, written_tensors
 
@@ -298,3 +299,34 @@ def fold_swiglu(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None)
         fill_example_values(graph, fake_mode)
         folded += 1
     return recompiled(gm, folded)
+
+
+def _weight_input(weight: fx.Node) -> bool:
+    """A graph input, or :func:`~.fuse_projections.fuse_projections`' packed view of one."""
+    packed = is_call(weight, (torch.as_strided,)) and isinstance(weight.args[0], fx.Node)
+    return _graph_weight(weight.args[0] if packed else weight)
+
+
+def route_row_gemvs(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, every bias-free ``linear`` of one bf16 row, and every ``specla.swiglu_linear``
+    (:func:`fold_swiglu`'s), whose weight (a graph input) the CUDA C GEMV takes (``kernels/cuda_gemv.fits``, on
+    example values) into ``specla.row_gemv``: the backend's ``cuda_gemvs`` option, in the one-token twin of a batch
+    of one (the op's CUDA kernel takes one row, and runs its reference for more). Returns the number of GEMMs routed."""
+    graph = gm.graph
+    fill_example_values(graph, graph_fake_mode(graph))  # (the packed weights' views have none yet)
+    routed = 0
+    for node in list(graph.nodes):
+        swiglu = is_call(node, (ops.swiglu_linear._opoverload,))
+        parts = tuple(node.args) if swiglu else linear_parts(node)
+        if parts is None or not _weight_input(parts[1]):
+            continue
+        x, weight = (example_value(n) for n in parts)
+        if x is None or weight is None or not cuda_gemv.weight_fits(weight, x.dtype, x.shape[-1], swiglu):
+            continue
+        with graph.inserting_before(node):
+            out = graph.call_function(ops.row_gemv._opoverload, (*parts, swiglu))
+        out.meta = dict(node.meta)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        routed += 1
+    return recompiled(gm, routed)

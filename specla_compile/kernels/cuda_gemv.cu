@@ -1,4 +1,6 @@
-// A one-row GEMV in CUDA C for benchmarks/gemv_cuda_gpu.py: y[n] = W[n, :] . x, bf16 in and out, fp32 sums.
+// A one-row GEMV in CUDA C: y[n] = W[n, :] . x, bf16 in and out, fp32 sums (kernels/cuda_gemv.py builds and calls
+// it: specla::row_gemv's CUDA kernel, and benchmarks/gemv_cuda_gpu.py's subject). SWIGLU: x is silu(gate) * up of a
+// packed [gate, up] row of 2K (an MLP's down projection), each product rounded to bf16 as inductor's kernel writes it.
 //
 // Each warp owns ROWS rows of W [N, K] (row-major). Every lane first issues all of its weight loads, 16 bytes
 // each (lane l reads 16-byte chunks l, l + 32, ... of each row: CHUNKS = K / 256 of them), into registers: the
@@ -6,8 +8,8 @@
 // before is still finishing. Only then does the warp wait for that kernel (griddepcontrol.wait) and read x, sum
 // its products in fp32, reduce across the warp with shuffles and store one bf16 per row.
 //
-// Built by the benchmark with nvcc (-arch=sm_90) into a shared library and called through ctypes with raw device
-// pointers and the caller's CUDA stream (so a CUDA graph being captured on that stream records the launches).
+// Built with nvcc (-arch=sm_90) into a shared library and called through ctypes with raw device pointers and the
+// caller's CUDA stream (so a CUDA graph being captured on that stream records the launches).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -26,7 +28,26 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
     return v;
 }
 
-template <int ROWS, int CHUNKS, bool STREAMING, bool PDL>
+// 8 bf16 of x from a 16-byte chunk: the chunk itself, or (SWIGLU) silu(gate) * up of the chunks at c and c + K / 8.
+template <bool SWIGLU>
+__device__ __forceinline__ uint4 x_chunk(const uint4* xs, int at, int k) {
+    const uint4 first = xs[at];  // (coherent loads: x may have been written by the kernel just before)
+    if (!SWIGLU) return first;
+    const uint4 second = xs[at + k / 8];
+    const __nv_bfloat162* gate = reinterpret_cast<const __nv_bfloat162*>(&first);
+    const __nv_bfloat162* up = reinterpret_cast<const __nv_bfloat162*>(&second);
+    uint4 out;
+    __nv_bfloat162* product = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 g = __bfloat1622float2(gate[i]);
+        const float2 u = __bfloat1622float2(up[i]);
+        product[i] = __floats2bfloat162_rn(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
+    }
+    return out;
+}
+
+template <int ROWS, int CHUNKS, bool STREAMING, bool PDL, bool SWIGLU>
 __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* x,
                                                    __nv_bfloat16* __restrict__ y, int n, int k, unsigned int zero) {
     const int lane = threadIdx.x & 31;
@@ -60,7 +81,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restri
     const uint4* xs = reinterpret_cast<const uint4*>(x) + lane;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
-        const uint4 chunk = xs[32 * c];  // (a coherent load: x may have been written by the kernel just before)
+        const uint4 chunk = x_chunk<SWIGLU>(xs, 32 * c, k);
         const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&chunk);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
@@ -83,7 +104,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restri
     }
 }
 
-template <int ROWS, int CHUNKS, bool STREAMING, bool PDL>
+template <int ROWS, int CHUNKS, bool STREAMING, bool PDL, bool SWIGLU>
 static int launch(const void* w, const void* x, void* y, int n, int k, int warps, cudaStream_t stream) {
     cudaLaunchConfig_t config = {};
     const int rows_per_block = ROWS * warps;
@@ -95,7 +116,7 @@ static int launch(const void* w, const void* x, void* y, int n, int k, int warps
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
     config.numAttrs = PDL ? 1 : 0;
-    return static_cast<int>(cudaLaunchKernelEx(&config, gemv_kernel<ROWS, CHUNKS, STREAMING, PDL>,
+    return static_cast<int>(cudaLaunchKernelEx(&config, gemv_kernel<ROWS, CHUNKS, STREAMING, PDL, SWIGLU>,
                                                static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(x),
                                                static_cast<__nv_bfloat16*>(y), n, k, 0u));
 }
@@ -103,16 +124,23 @@ static int launch(const void* w, const void* x, void* y, int n, int k, int warps
 #define SPECLA_GEMV_CASE(R, C)                                                                                  \
     if (rows == R && chunks == C) {                                                                             \
         const cudaStream_t s = static_cast<cudaStream_t>(stream);                                               \
-        if (pdl) return streaming ? launch<R, C, true, true>(w, x, y, n, k, warps, s)                           \
-                                  : launch<R, C, false, true>(w, x, y, n, k, warps, s);                         \
-        return streaming ? launch<R, C, true, false>(w, x, y, n, k, warps, s) : launch<R, C, false, false>(w, x, y, n, k, warps, s); \
+        switch ((streaming ? 1 : 0) | (pdl ? 2 : 0) | (swiglu ? 4 : 0)) {                                       \
+            case 0: return launch<R, C, false, false, false>(w, x, y, n, k, warps, s);                           \
+            case 1: return launch<R, C, true, false, false>(w, x, y, n, k, warps, s);                            \
+            case 2: return launch<R, C, false, true, false>(w, x, y, n, k, warps, s);                            \
+            case 3: return launch<R, C, true, true, false>(w, x, y, n, k, warps, s);                             \
+            case 4: return launch<R, C, false, false, true>(w, x, y, n, k, warps, s);                            \
+            case 5: return launch<R, C, true, false, true>(w, x, y, n, k, warps, s);                             \
+            case 6: return launch<R, C, false, true, true>(w, x, y, n, k, warps, s);                             \
+            default: return launch<R, C, true, true, true>(w, x, y, n, k, warps, s);                             \
+        }                                                                                                       \
     }
 
 // 0 on success, a cudaError_t, or -1 for a shape or configuration without an instance here: K a multiple of 256
 // (K / 256 in {4, 8, 16, 22}: depths 1024, 2048, 4096 and 5632), ROWS * K / 256 <= 32 (128 registers of weights),
-// warps in [1, 8].
+// warps in [1, 8]. swiglu: x holds [gate, up], 2K wide.
 extern "C" int specla_gemv(const void* w, const void* x, void* y, int n, int k, int rows, int warps, int streaming,
-                           int pdl, void* stream) {
+                           int pdl, int swiglu, void* stream) {
     if (k % 256 != 0 || warps < 1 || warps > 8 || n < 1) return -1;
     const int chunks = k / 256;
     SPECLA_GEMV_CASE(1, 4) SPECLA_GEMV_CASE(2, 4) SPECLA_GEMV_CASE(4, 4) SPECLA_GEMV_CASE(8, 4)

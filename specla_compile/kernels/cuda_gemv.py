@@ -1,0 +1,121 @@
+"""The one-row GEMV in CUDA C (``cuda_gemv.cu``): built with the machine's ``nvcc`` into a shared library, once per
+source, flags and compiler, and launched through ctypes on the caller's CUDA stream (so a CUDA graph being captured
+there records it). ``specla::row_gemv``'s CUDA kernel where the backend's ``cuda_gemvs`` option routes the plain
+step's GEMMs to it (``lowering/fold_norms.route_row_gemvs``), and ``benchmarks/gemv_cuda_gpu.py``'s subject.
+
+Every lane issues all of its weight loads before it waits for the kernel before (PDL) and reads x: on an H200 one
+layer's four GEMMs of the GDN-1.3B shape took 33.7 us against cuBLAS's 42.3 (``benchmarks/results/gemv_cuda_gpu.md``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+log = logging.getLogger("specla_compile")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_gemv.cu")
+FLAGS = ["-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC"]
+# K / 256 of the depths the library has instances for, and the most rows a warp holds at each (128 registers)
+CHUNK_ROWS = {4: (1, 2, 4, 8), 8: (1, 2, 4), 16: (1, 2), 22: (1,)}
+
+
+def nvcc() -> str | None:
+    """The CUDA compiler: on the PATH, else under ``CUDA_HOME`` (default ``/usr/local/cuda``); None without one."""
+    found = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    return found if os.path.isfile(found) else None
+
+
+def build(directory: str | None = None) -> ctypes.CDLL:
+    """Compile ``cuda_gemv.cu`` into a shared library in ``directory`` (default: ``specla_cuda_gemv`` in the temporary
+    directory), unless one of the same source, flags and compiler is there, and load it."""
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("the CUDA GEMV needs nvcc (on the PATH or in $CUDA_HOME/bin)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha1(f.read() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:12]
+    directory = directory or os.path.join(tempfile.gettempdir(), "specla_cuda_gemv")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"cuda_gemv_{digest}.so")
+    if not os.path.exists(path):
+        log.info("specla: building the CUDA GEMV with nvcc into %s (once per source and compiler, about 15 s)", path)
+        partial = f"{path}.{os.getpid()}.tmp"  # (per process: pytest-xdist's workers build at once)
+        subprocess.run([compiler, *FLAGS, "-o", partial, SOURCE], check=True)
+        os.replace(partial, path)
+    lib = ctypes.CDLL(path)
+    lib.specla_gemv.restype = ctypes.c_int
+    lib.specla_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The process's library (built at the first call)."""
+    return build()
+
+
+def depth_fits(k: int) -> bool:
+    """Whether the library has instances for rows ``k`` deep."""
+    return k % 256 == 0 and k // 256 in CHUNK_ROWS
+
+
+def config(n: int, k: int) -> tuple[int, int, int]:
+    """(rows per warp, warps per block, streaming loads) for ``W [n, k]``, by the H200's best of each GDN-1.3B shape
+    with PDL (``gemv_cuda_gpu.md``): 4 rows a warp for o_proj's 2048, 2 for q/k/v/gates' 8208, 1 for gate/up's 11264,
+    down (5632 deep) and the LM head, as deep rows allow; 8 warps; loads that skip L1."""
+    rows = 4 if n <= 4096 else 2 if n <= 10000 else 1
+    return min(rows, max(CHUNK_ROWS[k // 256])), 8, 1
+
+
+def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps: int = 8, streaming: int = 0,
+         pdl: int = 0, swiglu: bool = False) -> None:
+    """``y = w @ x`` for bf16 ``w [N, K]`` (row-major, ``depth_fits(K)``), ``x [K]`` (``swiglu``: ``[gate, up]``,
+    ``[2K]``, and x is ``silu(gate) * up``) and ``y [N]``, on the current stream. Raises ValueError for a shape or
+    configuration the library has no instance of, RuntimeError for a CUDA error."""
+    n, k = w.shape
+    width = 2 * k if swiglu else k
+    tensors = (w, x, y)
+    if not (all(t.is_cuda and t.is_contiguous() and t.dtype == torch.bfloat16 for t in tensors)
+            and x.shape == (width,) and y.shape == (n,) and w.data_ptr() % 16 == x.data_ptr() % 16 == 0):
+        raise ValueError(f"gemv takes contiguous bf16 CUDA tensors w [N, K] and x [{'2K' if swiglu else 'K'}] (both "
+                         f"16-byte aligned: the kernel reads 16 bytes at a time) and y [N], got {tuple(w.shape)}, "
+                         f"{tuple(x.shape)} and {tuple(y.shape)}")
+    code = library().specla_gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, rows, warps, streaming, pdl,
+                                 int(swiglu), torch.cuda.current_stream().cuda_stream)
+    if code == -1:
+        raise ValueError(f"no GEMV instance for K={k}, {rows} rows per warp, {warps} warps")
+    if code:
+        raise RuntimeError(f"GEMV launch failed: CUDA error {code}")
+
+
+def weight_fits(weight: torch.Tensor, dtype: torch.dtype, width: int, swiglu: bool) -> bool:
+    """Whether :func:`row_gemv` takes ``weight`` for rows of ``dtype`` and ``width`` (``swiglu``: ``[gate, up]``, twice
+    the weight's depth): a contiguous bf16 weight of an instanced depth (the fold's test, on example values: their
+    rows may be symbolic, and their addresses are not the run's)."""
+    k = weight.shape[-1]
+    return (weight.dim() == 2 and weight.is_contiguous() and depth_fits(k) and width == (2 * k if swiglu else k)
+            and dtype == weight.dtype == torch.bfloat16)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> bool:
+    """Whether :func:`row_gemv` takes these: one row of ``x``, a weight that :func:`weight_fits` it, both 16-byte
+    aligned."""
+    return (x.numel() == x.shape[-1] and weight_fits(weight, x.dtype, x.shape[-1], swiglu)
+            and x.data_ptr() % 16 == weight.data_ptr() % 16 == 0)
+
+
+def row_gemv(x: torch.Tensor, weight: torch.Tensor, swiglu: bool, pdl: bool) -> torch.Tensor:
+    """``specla::row_gemv`` on CUDA for a contiguous x and a weight that :func:`fits`: ``[..., K]`` (or ``[..., 2K]``)
+    -> ``[..., N]``."""
+    y = x.new_empty(*x.shape[:-1], weight.shape[0])
+    gemv(weight, x.view(-1), y.view(-1), *config(*weight.shape), pdl=int(pdl), swiglu=swiglu)
+    return y
