@@ -631,7 +631,7 @@ def test_row_gemv_op_matches_its_reference(n, k, swiglu):
     expected = ops.row_gemv._init_fn(x.double(), w.double(), swiglu)
     assert got.shape == (1, 1, n) and got.dtype == torch.bfloat16
     assert (got.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item() + 1e-3
-    offset = torch.empty(x.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:].view_as(x).copy_(x)
+    offset = torch.empty(x.numel() + 8, device="cuda", dtype=torch.bfloat16)[1 : 1 + x.numel()].view_as(x).copy_(x)
     rows = x.expand(2, 1, -1).contiguous()
     assert not cuda_gemv.fits(offset, w, swiglu) and not cuda_gemv.fits(rows, w, swiglu)
     torch.testing.assert_close(ops.row_gemv(offset, w, swiglu), ops.row_gemv._init_fn(x, w, swiglu))

@@ -1,6 +1,7 @@
 // A one-row GEMV in CUDA C: y[n] = W[n, :] . x, bf16 in and out, fp32 sums (kernels/cuda_gemv.py builds and calls
 // it: specla::row_gemv's CUDA kernel, and benchmarks/gemv_cuda_gpu.py's subject). SWIGLU: x is silu(gate) * up of a
-// packed [gate, up] row of 2K (an MLP's down projection), each product rounded to bf16 as inductor's kernel writes it.
+// packed [gate, up] row of 2K (an MLP's down projection), each product rounded to bf16 as inductor's kernel writes it,
+// formed once per block into shared memory after the wait (formed per warp, an H200 pass took 0.24 ms longer).
 //
 // Each warp owns ROWS rows of W [N, K] (row-major). Every lane first issues all of its weight loads, 16 bytes
 // each (lane l reads 16-byte chunks l, l + 32, ... of each row: CHUNKS = K / 256 of them), into registers: the
@@ -28,14 +29,10 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
     return v;
 }
 
-// 8 bf16 of x from a 16-byte chunk: the chunk itself, or (SWIGLU) silu(gate) * up of the chunks at c and c + K / 8.
-template <bool SWIGLU>
-__device__ __forceinline__ uint4 x_chunk(const uint4* xs, int at, int k) {
-    const uint4 first = xs[at];  // (coherent loads: x may have been written by the kernel just before)
-    if (!SWIGLU) return first;
-    const uint4 second = xs[at + k / 8];
-    const __nv_bfloat162* gate = reinterpret_cast<const __nv_bfloat162*>(&first);
-    const __nv_bfloat162* up = reinterpret_cast<const __nv_bfloat162*>(&second);
+// silu(gate) * up of 8 packed pairs, each product in fp32 rounded to bf16.
+__device__ __forceinline__ uint4 swiglu_chunk(const uint4 gate_chunk, const uint4 up_chunk) {
+    const __nv_bfloat162* gate = reinterpret_cast<const __nv_bfloat162*>(&gate_chunk);
+    const __nv_bfloat162* up = reinterpret_cast<const __nv_bfloat162*>(&up_chunk);
     uint4 out;
     __nv_bfloat162* product = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
@@ -78,10 +75,18 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restri
     float sums[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) sums[r] = __uint_as_float(seen & zero);
+    // (coherent loads of x: the kernel just before may have written it)
     const uint4* xs = reinterpret_cast<const uint4*>(x) + lane;
+    if (SWIGLU) {  // the block forms the row's products once, in shared memory (per warp: 8 times the exponentials)
+        extern __shared__ uint4 staged[];
+        const uint4* packed = reinterpret_cast<const uint4*>(x);
+        for (int i = threadIdx.x; i < k / 8; i += blockDim.x) staged[i] = swiglu_chunk(packed[i], packed[i + k / 8]);
+        __syncthreads();
+        xs = staged + lane;
+    }
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
-        const uint4 chunk = x_chunk<SWIGLU>(xs, 32 * c, k);
+        const uint4 chunk = xs[32 * c];
         const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&chunk);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
@@ -111,6 +116,7 @@ static int launch(const void* w, const void* x, void* y, int n, int k, int warps
     config.gridDim = dim3((n + rows_per_block - 1) / rows_per_block);
     config.blockDim = dim3(32 * warps);
     config.stream = stream;
+    config.dynamicSmemBytes = SWIGLU ? static_cast<size_t>(k) * 2 : 0;  // (the row's products: 11 KB for down)
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
