@@ -241,3 +241,23 @@ def test_graphed_decoding_through_the_folds_not_yet_timed_equals_plain_eager_dec
         expected = plain(model, prompts[b], 20, eos)[0][0, 6:].tolist()
         assert drafted.sequences[b, 6 : 6 + len(expected)].tolist() == expected
         assert decoded.sequences[b, 6 : 6 + len(expected)].tolist() == expected
+
+
+@pytest.mark.skipif(__import__("specla_compile.kernels.cuda_gemv").kernels.cuda_gemv.nvcc() is None, reason="needs nvcc")
+def test_plain_decoding_through_cuda_gemvs_gives_the_defaults_tokens(caplog):
+    """The backend's ``cuda_gemvs`` at the GDN-1.3B shape (2 layers, bf16, the peaked output of ``e2e_gpu.build``):
+    the one-token twin's packed q/k/v/gates, gate/up and folded down projections of each layer and the LM head run as
+    the CUDA C GEMV (o_proj stays in the gated norm's fold), and graphed plain decoding gives the defaults' tokens."""
+    from e2e_gpu import build
+
+    from specla_compile.runtime.drafters import NgramDrafter
+
+    prompts = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(25)).cuda()
+    outs = {}
+    for name, options in {"defaults": {}, "cuda_gemvs": {"cuda_gemvs": True}}.items():
+        gen = SpeculativeGenerator(build("fla", torch.bfloat16, layers=2), NgramDrafter(), SpecConfig(mode="chain", depth=4),
+                                   compile_options=options)  # (a model each: one compiled per option set)
+        with caplog.at_level(logging.INFO, logger="specla_compile"):
+            outs[name] = gen.decode(prompts, max_new_tokens=32).sequences.tolist()
+    assert "7 GEMMs routed to the CUDA C GEMV" in caplog.text
+    assert outs["cuda_gemvs"] == outs["defaults"]

@@ -80,7 +80,19 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restri
     if (SWIGLU) {  // the block forms the row's products once, in shared memory (per warp: 8 times the exponentials)
         extern __shared__ uint4 staged[];
         const uint4* packed = reinterpret_cast<const uint4*>(x);
-        for (int i = threadIdx.x; i < k / 8; i += blockDim.x) staged[i] = swiglu_chunk(packed[i], packed[i + k / 8]);
+        for (int base = threadIdx.x; base < k / 8; base += 4 * blockDim.x) {  // (4 pairs' loads in flight at once)
+            uint4 gate[4], up[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int i = base + j * blockDim.x;
+                if (i < k / 8) gate[j] = packed[i], up[j] = packed[i + k / 8];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int i = base + j * blockDim.x;
+                if (i < k / 8) staged[i] = swiglu_chunk(gate[j], up[j]);
+            }
+        }
         __syncthreads();
         xs = staged + lane;
     }
