@@ -35,8 +35,9 @@ the gates of the twins of more nodes whose passes all take the parallel route (b
 GEMV (:func:`.lowering.fold_norms.fold_swiglu`; on an H200 plain decoding 1.450 -> 1.357 ms/token, ``fold_ab``); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``cuda_gemvs`` — False (default): True
-runs, on CUDA, the one-token twin's (B=1) bf16 GEMMs and folded down projections as a one-row GEMV in CUDA C that
-issues its weight loads before it waits for the kernel before (:func:`.lowering.fold_norms.route_row_gemvs`,
+runs, on CUDA, the one-token twin's (B=1) bf16 GEMMs, with the gated norms and MLP products folded into them, as a
+one-row GEMV in CUDA C that issues its weight loads before it waits for the kernel before
+(:func:`.lowering.fold_norms.route_row_gemvs`,
 ``kernels/cuda_gemv.cu``, built with the machine's ``nvcc`` at the first call); ``regional`` — True (default):
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
 (:mod:`.lowering.regions`: on an H200 the 1.3B shape's cold start 127.6 -> 89.6 s, passes as fast; regions cut

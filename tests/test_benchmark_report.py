@@ -411,13 +411,15 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
 @pytest.mark.skipif(__import__("specla_compile.kernels.cuda_gemv").kernels.cuda_gemv.nvcc() is None, reason="needs nvcc")
 def test_cuda_gemv_library_builds_and_refuses_shapes_it_has_no_instance_of(tmp_path):
     """The CUDA GEMV's source builds with nvcc for sm_90 and loads; without a GPU it can still refuse, before any
-    CUDA call, a depth that is not a multiple of 256, a configuration too heavy in registers and a block of more than
-    8 warps (-1)."""
+    CUDA call, a depth that is not a multiple of 256, a configuration too heavy in registers, a block of more than
+    8 warps, an unknown prologue and gated-norm heads whose size is not a multiple of 8 (-1)."""
     from specla_compile.kernels import cuda_gemv
 
     lib = cuda_gemv.build(str(tmp_path))
-    assert lib.specla_gemv(0, 0, 0, 64, 200, 1, 8, 0, 0, 0, None) == -1  # (K % 256)
-    assert lib.specla_gemv(0, 0, 0, 64, 2048, 8, 8, 0, 0, 1, None) == -1  # (8 rows x 8 chunks: 64 > 32)
-    assert lib.specla_gemv(0, 0, 0, 64, 1024, 1, 9, 0, 0, 0, None) == -1  # (warps)
+    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 200, 1, 8, 0, 0, 0, 0, 0.0, None) == -1  # (K % 256)
+    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 2048, 8, 8, 0, 0, 1, 0, 0.0, None) == -1  # (8 rows x 8 chunks: 64 > 32)
+    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 1024, 1, 9, 0, 0, 0, 0, 0.0, None) == -1  # (warps)
+    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 1024, 1, 8, 0, 0, 3, 0, 0.0, None) == -1  # (no such prologue)
+    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 1024, 1, 8, 0, 0, 2, 12, 0.0, None) == -1  # (heads of 12: not 8k)
     assert len(list(tmp_path.glob("cuda_gemv_*.so"))) == 1 and cuda_gemv.build(str(tmp_path)) is not None  # (built once)
     assert [cuda_gemv.config(*shape)[0] for shape in ((2048, 2048), (8208, 2048), (11264, 2048), (2048, 5632))] == [4, 2, 1, 1]

@@ -264,3 +264,24 @@ def test_conv_gates_commit_verify():
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip((*states, state), (*steps_states, steps_state)))
     assert not torch.equal(states[0], case["conv_states"][0])
+
+
+@pytest.mark.parametrize("prologue", ["none", "swiglu", "gated_norm"])
+def test_row_gemv(prologue):
+    """The CUDA C GEMV's op: schema, fake and dispatch (opcheck), and its CPU reference in fp64 against the modules'
+    math for each prologue: a plain row, an MLP's packed [gate, up] row, a row of 2 heads of 8 with its gate."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(5, 16, generator=gen, dtype=torch.float64)
+    shape = {"none": (1, 1, 16), "swiglu": (1, 1, 32), "gated_norm": (1, 1, 2, 8)}[prologue]
+    row = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    gate, norm_weight = torch.randn(*shape, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64)
+    extras = (gate, norm_weight, 1e-6) if prologue == "gated_norm" else ()
+    torch.library.opcheck(ops.row_gemv, (row, weight, prologue, *extras))
+    x = row
+    if prologue == "swiglu":
+        first, second = row.chunk(2, -1)
+        x = torch.nn.functional.silu(first) * second
+    elif prologue == "gated_norm":
+        normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+        x = (normed * torch.nn.functional.silu(gate)).flatten(-2)
+    torch.testing.assert_close(ops.row_gemv(row, weight, prologue, *extras), x @ weight.T)

@@ -126,11 +126,31 @@ def test_generation_through_cuda_gemvs_equals_plain_decoding(monkeypatch, caplog
     """With ``cuda_gemvs`` (made to route here: CPU, fp32, where ``specla.row_gemv`` runs its reference), the tokens of
     drafted and plain decoding equal eager decoding's; the 1-token loop's GEMMs and folded down projections are
     routed, the draft bucket's twin keeps its own."""
-    monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda weight, dtype, width, swiglu: True)
+    monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda *args: True)
     monkeypatch.setattr(folding.cuda_gemv, "nvcc", lambda: "nvcc")  # (the option refuses to start without one)
     log = _decode_on_cpu_as_on_cuda("cuda_gemvs", SpecConfig(mode="chain", depth=5, bucket=8), 6, monkeypatch, caplog)
     assert log.count("GEMMs routed to the CUDA C GEMV") == 1
     assert f"{4 * LAYERS + 1} GEMMs routed to the CUDA C GEMV" in log  # q/k/v/gates, o_proj, gate/up, down; the head
+
+
+def test_every_gemm_of_a_folded_one_token_twin_routes_to_the_cuda_gemv_and_the_outputs_stay(monkeypatch):
+    """After the one-token twin's folds, ``route_row_gemvs`` (made to route here: CPU, fp32) makes each layer's
+    packed q/k/v/gates and gate/up GEMMs, its folded gated norm and o_proj, its folded down projection, and the LM
+    head ``specla.row_gemv`` with the matching prologue, in fp32 on the CPU (the op's references): the outputs stay."""
+    monkeypatch.setattr(folding, "GEMV_BLOCK_K", 32)  # (the tiny model's 2 x 32 heads)
+    monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda *args: True)
+    gm, example_inputs = _static_twin_graph(seed=7, tokens=1)
+    with torch.no_grad():
+        expected = gm(*example_inputs)
+        assert folding.fold_gated_norms(gm, dtypes=(torch.float32,)) == LAYERS
+        assert folding.fold_swiglu(gm, dtypes=(torch.float32,)) == LAYERS
+        assert folding.route_row_gemvs(gm) == 4 * LAYERS + 1
+        got = gm(*example_inputs)
+    prologues = [n.args[2] for n in gm.graph.nodes if _calls_node(n, SPECLA.row_gemv.default)]
+    assert {p: prologues.count(p) for p in set(prologues)} == {"none": 2 * LAYERS + 1, "swiglu": LAYERS, "gated_norm": LAYERS}
+    assert sum(folding.linear_parts(n) is not None for n in gm.graph.nodes) == 0
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
 
 
 def test_cuda_gemvs_without_nvcc_fail_before_compiling(monkeypatch):

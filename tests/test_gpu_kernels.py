@@ -617,22 +617,33 @@ def test_cuda_gemv_chain_with_pdl_replays_its_eager_outputs():
 
 @pytest.mark.skipif(cuda_gemv.nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
 @pytest.mark.parametrize("n, k", [(301, 1024), (8208, 2048), (2048, 2048), (2048, 5632), (32000, 2048)])
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_row_gemv_op_matches_its_reference(n, k, swiglu):
+@pytest.mark.parametrize("prologue", ["none", "swiglu", "gated_norm"])
+def test_row_gemv_op_matches_its_reference(n, k, prologue):
     """``specla::row_gemv`` on CUDA (the CUDA C GEMV with each shape's configuration, PDL as the device allows) against
-    its reference on random bf16 rows: a plain row, and (``swiglu``) an MLP's packed ``[gate, up]`` row whose product
-    the kernel forms; a row that is not 16-byte aligned, and two rows, take the reference."""
+    its reference in fp64 on random bf16 rows: a plain row; an MLP's packed ``[gate, up]`` row whose product the
+    kernel forms; a row of heads of 256 (128 for K=1024) with its gate and norm weight, which the kernel normalises.
+    A row that is not 16-byte aligned, and two rows, take the reference."""
     from specla_compile.kernels import ops
 
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50
-    x = torch.randn(1, 1, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
-    assert cuda_gemv.fits(x, w, swiglu)
-    got = ops.row_gemv(x, w, swiglu)
-    expected = ops.row_gemv._init_fn(x.double(), w.double(), swiglu)
+    generator = torch.Generator(device="cuda").manual_seed(n + k)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+
+    w = randn(n, k) / 50
+    dim = 256 if k % 256 == 0 and k > 1024 else 128
+    shape = {"none": (1, 1, k), "swiglu": (1, 1, 2 * k), "gated_norm": (1, 1, k // dim, dim)}[prologue]
+    x = randn(*shape)
+    extras = (randn(*shape), 1 + randn(dim) / 4, 1e-6) if prologue == "gated_norm" else ()
+    assert cuda_gemv.fits(x, w, prologue, *extras[:2])
+    got = ops.row_gemv(x, w, prologue, *extras)
+    expected = ops.row_gemv._init_fn(x.double(), w.double(), prologue, *(e.double() for e in extras[:2]), *extras[2:])
     assert got.shape == (1, 1, n) and got.dtype == torch.bfloat16
-    assert (got.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item() + 1e-3
+    assert (got.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item() + 1e-3, prologue
     offset = torch.empty(x.numel() + 8, device="cuda", dtype=torch.bfloat16)[1 : 1 + x.numel()].view_as(x).copy_(x)
-    rows = x.expand(2, 1, -1).contiguous()
-    assert not cuda_gemv.fits(offset, w, swiglu) and not cuda_gemv.fits(rows, w, swiglu)
-    torch.testing.assert_close(ops.row_gemv(offset, w, swiglu), ops.row_gemv._init_fn(x, w, swiglu))
-    torch.testing.assert_close(ops.row_gemv(rows, w, swiglu), ops.row_gemv._init_fn(rows, w, swiglu))
+    rows = x.expand(2, *x.shape[1:]).contiguous()
+    row_extras = (extras[0].expand_as(rows).contiguous(), *extras[1:]) if extras else ()
+    assert not cuda_gemv.fits(offset, w, prologue, *extras[:2]) and not cuda_gemv.fits(rows, w, prologue, *row_extras[:2])
+    torch.testing.assert_close(ops.row_gemv(offset, w, prologue, *extras), ops.row_gemv._init_fn(x, w, prologue, *extras))
+    torch.testing.assert_close(ops.row_gemv(rows, w, prologue, *row_extras),
+                               ops.row_gemv._init_fn(rows, w, prologue, *row_extras))

@@ -263,12 +263,12 @@ def _gated_norm_linear(x, gate, norm_weight, eps, weight):
 
 
 @ops.row_gemv.register_kernel("cuda")
-def _row_gemv(x, weight, swiglu):
+def _row_gemv(x, weight, prologue, gate=None, norm_weight=None, eps=0.0):
     """The CUDA C GEMV where it takes the shapes and addresses (16-byte loads); else the reference."""
-    x = x.contiguous()  # (one row of a few KB)
-    if not cuda_gemv.fits(x, weight, swiglu):
-        return _reference_of(ops.row_gemv)(x, weight, swiglu)
-    return cuda_gemv.row_gemv(x, weight, swiglu, pdl.enabled(x.device))
+    x, gate = x.contiguous(), None if gate is None else gate.contiguous()  # (a row of a few KB)
+    if not cuda_gemv.fits(x, weight, prologue, gate, norm_weight):
+        return _reference_of(ops.row_gemv)(x, weight, prologue, gate, norm_weight, eps)
+    return cuda_gemv.row_gemv(x, weight, prologue, pdl.enabled(x.device), gate, norm_weight, eps)
 
 
 @ops.swiglu_linear.register_kernel("cuda")

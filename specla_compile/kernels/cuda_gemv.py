@@ -1,7 +1,7 @@
 """The one-row GEMV in CUDA C (``cuda_gemv.cu``): built with the machine's ``nvcc`` into a shared library, once per
 source, flags and compiler, and launched through ctypes on the caller's CUDA stream (so a CUDA graph being captured
 there records it). ``specla::row_gemv``'s CUDA kernel where the backend's ``cuda_gemvs`` option routes the plain
-step's GEMMs to it (``lowering/fold_norms.route_row_gemvs``), and ``benchmarks/gemv_cuda_gpu.py``'s subject.
+step's GEMMs to it (with the MLP's ``silu(gate) * up`` or the GDN layer's gated output norm as its prologue) (``lowering/fold_norms.route_row_gemvs``), and ``benchmarks/gemv_cuda_gpu.py``'s subject.
 
 Every lane issues all of its weight loads before it waits for the kernel before (PDL) and reads x: on an H200 one
 layer's four GEMMs of the GDN-1.3B shape took 33.7 us against cuBLAS's 42.3 (``benchmarks/results/gemv_cuda_gpu.md``).
@@ -26,6 +26,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_gemv.cu"
 FLAGS = ["-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC"]
 # K / 256 of the depths the library has instances for, and the most rows a warp holds at each (128 registers)
 CHUNK_ROWS = {4: (1, 2, 4, 8), 8: (1, 2, 4), 16: (1, 2), 22: (1,)}
+PROLOGUES = ("none", "swiglu", "gated_norm")  # how x is formed (cuda_gemv.cu's Prologue codes, in order)
 
 
 def nvcc() -> str | None:
@@ -53,7 +54,7 @@ def build(directory: str | None = None) -> ctypes.CDLL:
         os.replace(partial, path)
     lib = ctypes.CDLL(path)
     lib.specla_gemv.restype = ctypes.c_int
-    lib.specla_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+    lib.specla_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_void_p]
     return lib
 
 
@@ -77,45 +78,68 @@ def config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps: int = 8, streaming: int = 0,
-         pdl: int = 0, swiglu: bool = False) -> None:
-    """``y = w @ x`` for bf16 ``w [N, K]`` (row-major, ``depth_fits(K)``), ``x [K]`` (``swiglu``: ``[gate, up]``,
-    ``[2K]``, and x is ``silu(gate) * up``) and ``y [N]``, on the current stream. Raises ValueError for a shape or
-    configuration the library has no instance of, RuntimeError for a CUDA error."""
+         pdl: int = 0, prologue: str = "none", gate: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
+    """``y = w @ x`` for bf16 ``w [N, K]`` (row-major, ``depth_fits(K)``), ``x [K]`` and ``y [N]``, on the current
+    stream; x formed by ``prologue`` (``PROLOGUES``): ``"swiglu"`` from ``[gate, up]`` (``x [2K]``), ``"gated_norm"``
+    from a row of heads of D values and its ``gate`` (both ``[K]``) with ``norm_weight [D]`` and ``eps``. Raises
+    ValueError for a shape or configuration the library has no instance of, RuntimeError for a CUDA error."""
     n, k = w.shape
-    width = 2 * k if swiglu else k
-    tensors = (w, x, y)
-    if not (all(t.is_cuda and t.is_contiguous() and t.dtype == torch.bfloat16 for t in tensors)
-            and x.shape == (width,) and y.shape == (n,) and w.data_ptr() % 16 == x.data_ptr() % 16 == 0):
-        raise ValueError(f"gemv takes contiguous bf16 CUDA tensors w [N, K] and x [{'2K' if swiglu else 'K'}] (both "
-                         f"16-byte aligned: the kernel reads 16 bytes at a time) and y [N], got {tuple(w.shape)}, "
-                         f"{tuple(x.shape)} and {tuple(y.shape)}")
-    code = library().specla_gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, rows, warps, streaming, pdl,
-                                 int(swiglu), torch.cuda.current_stream().cuda_stream)
+    width = 2 * k if prologue == "swiglu" else k
+    extras = (gate, norm_weight) if prologue == "gated_norm" else ()
+    dim = norm_weight.numel() if prologue == "gated_norm" else 0
+    tensors = (w, x, y, *extras)
+    if not (prologue in PROLOGUES and all(t is not None and t.is_cuda and t.is_contiguous() and t.dtype == torch.bfloat16
+                                          for t in tensors)
+            and x.shape == (width,) and y.shape == (n,) and (not extras or gate.shape == (k,))
+            and all(t.data_ptr() % 16 == 0 for t in (w, x, *extras))):
+        raise ValueError(f"gemv takes contiguous, 16-byte aligned bf16 CUDA tensors w [N, K], x [{width}] and y [N] (and "
+                         f"for the gated norm a gate [K] and a norm weight), a prologue in {PROLOGUES}; got "
+                         f"{tuple(w.shape)}, {tuple(x.shape)}, {tuple(y.shape)}, {prologue!r}")
+    code = library().specla_gemv(w.data_ptr(), x.data_ptr(), gate.data_ptr() if extras else None,
+                                 norm_weight.data_ptr() if extras else None, y.data_ptr(), n, k, rows, warps, streaming,
+                                 pdl, PROLOGUES.index(prologue), dim, eps, torch.cuda.current_stream().cuda_stream)
     if code == -1:
-        raise ValueError(f"no GEMV instance for K={k}, {rows} rows per warp, {warps} warps")
+        raise ValueError(f"no GEMV instance for K={k}, {rows} rows per warp, {warps} warps, prologue {prologue!r}"
+                         + (f", heads of {dim}" if extras else ""))
     if code:
         raise RuntimeError(f"GEMV launch failed: CUDA error {code}")
 
 
-def weight_fits(weight: torch.Tensor, dtype: torch.dtype, width: int, swiglu: bool) -> bool:
-    """Whether :func:`row_gemv` takes ``weight`` for rows of ``dtype`` and ``width`` (``swiglu``: ``[gate, up]``, twice
-    the weight's depth): a contiguous bf16 weight of an instanced depth (the fold's test, on example values: their
-    rows may be symbolic, and their addresses are not the run's)."""
+def weight_fits(weight: torch.Tensor, dtype: torch.dtype, width: int, prologue: str, dim: int = 8,
+                norm_weight: torch.Tensor | None = None) -> bool:
+    """Whether :func:`row_gemv` takes ``weight`` for rows of ``dtype`` and ``width`` (``"swiglu"``: ``[gate, up]``,
+    twice the weight's depth; ``"gated_norm"``: heads of ``dim`` values, a multiple of 8, and a contiguous bf16
+    ``norm_weight``): a contiguous bf16 weight of an instanced depth (the fold's test, on example values: their rows
+    may be symbolic, their addresses are not the run's)."""
     k = weight.shape[-1]
-    return (weight.dim() == 2 and weight.is_contiguous() and depth_fits(k) and width == (2 * k if swiglu else k)
-            and dtype == weight.dtype == torch.bfloat16)
+    norm_fits = prologue != "gated_norm" or (norm_weight is not None and norm_weight.dtype == torch.bfloat16
+                                             and norm_weight.is_contiguous() and norm_weight.numel() == dim)
+    return (weight.dim() == 2 and weight.is_contiguous() and depth_fits(k) and width == (2 * k if prologue == "swiglu" else k)
+            and dtype == weight.dtype == torch.bfloat16 and dim % 8 == 0 and k % dim == 0 and norm_fits)
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> bool:
-    """Whether :func:`row_gemv` takes these: one row of ``x``, a weight that :func:`weight_fits` it, both 16-byte
-    aligned."""
-    return (x.numel() == x.shape[-1] and weight_fits(weight, x.dtype, x.shape[-1], swiglu)
-            and x.data_ptr() % 16 == weight.data_ptr() % 16 == 0)
+def fits(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None) -> bool:
+    """Whether :func:`row_gemv` takes these: one row of ``x`` (``"gated_norm"``: of ``[..., H, D]`` heads, its gate
+    alike, a contiguous bf16 norm weight of D values), a weight that :func:`weight_fits` it, all 16-byte aligned."""
+    if prologue != "gated_norm":
+        return (x.numel() == x.shape[-1] and weight_fits(weight, x.dtype, x.shape[-1], prologue)
+                and x.data_ptr() % 16 == weight.data_ptr() % 16 == 0)
+    if x.dim() < 2 or gate is None or norm_weight is None:
+        return False
+    heads, dim = x.shape[-2:]
+    return (x.numel() == heads * dim and gate.shape == x.shape and gate.dtype == x.dtype
+            and weight_fits(weight, x.dtype, heads * dim, prologue, dim, norm_weight)
+            and all(t.data_ptr() % 16 == 0 for t in (x, gate, norm_weight, weight)))
 
 
-def row_gemv(x: torch.Tensor, weight: torch.Tensor, swiglu: bool, pdl: bool) -> torch.Tensor:
-    """``specla::row_gemv`` on CUDA for a contiguous x and a weight that :func:`fits`: ``[..., K]`` (or ``[..., 2K]``)
-    -> ``[..., N]``."""
-    y = x.new_empty(*x.shape[:-1], weight.shape[0])
-    gemv(weight, x.view(-1), y.view(-1), *config(*weight.shape), pdl=int(pdl), swiglu=swiglu)
+def row_gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str, pdl: bool, gate: torch.Tensor | None = None,
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """``specla::row_gemv`` on CUDA for a contiguous x (and gate) that :func:`fits`: ``[..., K]`` (``"swiglu"``:
+    ``[..., 2K]``; ``"gated_norm"``: ``[..., H, D]``) -> ``[..., N]``."""
+    rows = x.shape[:-2] if prologue == "gated_norm" else x.shape[:-1]
+    y = x.new_empty(*rows, weight.shape[0])
+    gemv(weight, x.view(-1), y.view(-1), *config(*weight.shape), pdl=int(pdl), prologue=prologue,
+         gate=None if gate is None else gate.view(-1), norm_weight=norm_weight, eps=eps)
     return y

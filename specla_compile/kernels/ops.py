@@ -574,18 +574,23 @@ def _(gate_up, weight):
 
 
 @torch.library.custom_op("specla::row_gemv", mutates_args=())
-def row_gemv(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """A bias-free ``linear`` of one row, ``[..., K]`` -> ``[..., N]``; with ``swiglu``, of ``silu(gate) * up`` from an
-    MLP's packed ``[gate, up]`` row ``[..., 2K]`` (``reference.swiglu_linear_reference``). On CUDA, the CUDA C GEMV of
+def row_gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.Tensor | None = None,
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """A bias-free ``linear`` of one row, ``[..., K]`` -> ``[..., N]``, of x as ``prologue`` forms it: ``"none"``;
+    ``"swiglu"``, ``silu(gate) * up`` from an MLP's packed ``[gate, up]`` row ``[..., 2K]``
+    (``reference.swiglu_linear_reference``); ``"gated_norm"``, fla's gated output norm of ``[..., H, D]`` heads with
+    ``gate``, ``norm_weight`` and ``eps`` (``reference.gated_norm_linear_reference``). On CUDA, the CUDA C GEMV of
     ``kernels/cuda_gemv.cu`` where it takes the shapes (the backend's ``cuda_gemvs`` option routes to it)."""
-    if swiglu:
+    if prologue == "swiglu":
         return ref.swiglu_linear_reference(x, weight)
+    if prologue == "gated_norm":
+        return ref.gated_norm_linear_reference(x, gate, norm_weight, eps, weight)
     return torch.nn.functional.linear(x, weight)
 
 
 @row_gemv.register_fake
-def _(x, weight, swiglu):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _(x, weight, prologue, gate=None, norm_weight=None, eps=0.0):
+    return x.new_empty(*x.shape[: -2 if prologue == "gated_norm" else -1], weight.shape[0])
 
 
 # A captured model's RMS norms (fla's, routed by lowering/capture.py), plain and gated: one node each in Dynamo's

@@ -307,24 +307,43 @@ def _weight_input(weight: fx.Node) -> bool:
     return _graph_weight(weight.args[0] if packed else weight)
 
 
+def _row_gemv_call(node: fx.Node) -> tuple[tuple, int, int, torch.Tensor | None] | None:
+    """``specla.row_gemv``'s arguments for a GEMM the CUDA C GEMV could run (a bias-free ``linear``,
+    :func:`fold_swiglu`'s ``swiglu_linear`` or :func:`fold_gated_norms`' ``gated_norm_linear``), with the width of
+    its row, the size of its heads and its norm weight's example value; None for any other node."""
+    if is_call(node, (ops.swiglu_linear._opoverload,)):
+        gate_up, weight = node.args
+        x = example_value(gate_up)
+        return None if x is None else ((gate_up, weight, "swiglu"), x.shape[-1], 8, None)
+    if is_call(node, (ops.gated_norm_linear._opoverload,)):
+        rows, gate, norm_weight, eps, weight = node.args
+        x = example_value(rows)
+        heads = None if x is None else (x.shape[-2] * x.shape[-1], x.shape[-1], example_value(norm_weight))
+        return None if heads is None else ((rows, weight, "gated_norm", gate, norm_weight, eps), *heads)
+    parts = linear_parts(node)
+    x = example_value(parts[0]) if parts is not None else None
+    return None if x is None else ((*parts, "none"), x.shape[-1], 8, None)
+
+
 def route_row_gemvs(gm: fx.GraphModule) -> int:
     """Rewrite, in place, every bias-free ``linear`` of one bf16 row, and every ``specla.swiglu_linear``
-    (:func:`fold_swiglu`'s), whose weight (a graph input) the CUDA C GEMV takes (``kernels/cuda_gemv.fits``, on
-    example values) into ``specla.row_gemv``: the backend's ``cuda_gemvs`` option, in the one-token twin of a batch
-    of one (the op's CUDA kernel takes one row, and runs its reference for more). Returns the number of GEMMs routed."""
+    (:func:`fold_swiglu`'s) and ``specla.gated_norm_linear`` (:func:`fold_gated_norms`'), whose weight (a graph
+    input) the CUDA C GEMV takes (``kernels/cuda_gemv.weight_fits``, on example values) into ``specla.row_gemv``
+    with the fold's work as its prologue: the backend's ``cuda_gemvs`` option, in the one-token twin of a batch of
+    one (the op's CUDA kernel takes one row, and runs its reference for more). Returns the number of GEMMs routed."""
     graph = gm.graph
     fill_example_values(graph, graph_fake_mode(graph))  # (the packed weights' views have none yet)
     routed = 0
     for node in list(graph.nodes):
-        swiglu = is_call(node, (ops.swiglu_linear._opoverload,))
-        parts = tuple(node.args) if swiglu else linear_parts(node)
-        if parts is None or not _weight_input(parts[1]):
+        call = _row_gemv_call(node)
+        if call is None or not _weight_input(call[0][1]):
             continue
-        x, weight = (example_value(n) for n in parts)
-        if x is None or weight is None or not cuda_gemv.weight_fits(weight, x.dtype, x.shape[-1], swiglu):
+        args, width, dim, norm_weight = call
+        rows, weight = example_value(args[0]), example_value(args[1])
+        if weight is None or not cuda_gemv.weight_fits(weight, rows.dtype, width, args[2], dim, norm_weight):
             continue
         with graph.inserting_before(node):
-            out = graph.call_function(ops.row_gemv._opoverload, (*parts, swiglu))
+            out = graph.call_function(ops.row_gemv._opoverload, args)
         out.meta = dict(node.meta)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
