@@ -285,3 +285,5 @@ def test_row_gemv(prologue):
         normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
         x = (normed * torch.nn.functional.silu(gate)).flatten(-2)
     torch.testing.assert_close(ops.row_gemv(row, weight, prologue, *extras), x @ weight.T)
+    with pytest.raises(ValueError, match="prologue must be one of"):
+        ops.row_gemv(row, weight, prologue.upper())

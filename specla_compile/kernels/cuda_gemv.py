@@ -96,9 +96,13 @@ def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps
         raise ValueError(f"gemv takes contiguous, 16-byte aligned bf16 CUDA tensors w [N, K], x [{width}] and y [N] (and "
                          f"for the gated norm a gate [K] and a norm weight), a prologue in {PROLOGUES}; got "
                          f"{tuple(w.shape)}, {tuple(x.shape)}, {tuple(y.shape)}, {prologue!r}")
-    code = library().specla_gemv(w.data_ptr(), x.data_ptr(), gate.data_ptr() if extras else None,
-                                 norm_weight.data_ptr() if extras else None, y.data_ptr(), n, k, rows, warps, streaming,
-                                 pdl, PROLOGUES.index(prologue), dim, eps, torch.cuda.current_stream().cuda_stream)
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"gemv takes its tensors on one GPU, got {sorted({str(t.device) for t in tensors})}")
+    with torch.cuda.device(w.device):  # (the launch goes to the current device's stream)
+        code = library().specla_gemv(w.data_ptr(), x.data_ptr(), gate.data_ptr() if extras else None,
+                                     norm_weight.data_ptr() if extras else None, y.data_ptr(), n, k, rows, warps,
+                                     streaming, pdl, PROLOGUES.index(prologue), dim, eps,
+                                     torch.cuda.current_stream(w.device).cuda_stream)
     if code == -1:
         raise ValueError(f"no GEMV instance for K={k}, {rows} rows per warp, {warps} warps, prologue {prologue!r}"
                          + (f", heads of {dim}" if extras else ""))
@@ -122,7 +126,11 @@ def weight_fits(weight: torch.Tensor, dtype: torch.dtype, width: int, prologue: 
 def fits(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None) -> bool:
     """Whether :func:`row_gemv` takes these: one row of ``x`` (``"gated_norm"``: of ``[..., H, D]`` heads, its gate
-    alike, a contiguous bf16 norm weight of D values), a weight that :func:`weight_fits` it, all 16-byte aligned."""
+    alike, a contiguous bf16 norm weight of D values), a weight of at least one row that :func:`weight_fits` it, all
+    on one GPU and 16-byte aligned."""
+    tensors = [t for t in (x, weight, gate, norm_weight) if t is not None]
+    if prologue not in PROLOGUES or weight.shape[0] < 1 or len({t.device for t in tensors}) > 1 or not x.is_cuda:
+        return False
     if prologue != "gated_norm":
         return (x.numel() == x.shape[-1] and weight_fits(weight, x.dtype, x.shape[-1], prologue)
                 and x.data_ptr() % 16 == weight.data_ptr() % 16 == 0)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference as ref
+from .cuda_gemv import PROLOGUES
 
 
 def _own_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -581,6 +582,8 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.T
     (``reference.swiglu_linear_reference``); ``"gated_norm"``, fla's gated output norm of ``[..., H, D]`` heads with
     ``gate``, ``norm_weight`` and ``eps`` (``reference.gated_norm_linear_reference``). On CUDA, the CUDA C GEMV of
     ``kernels/cuda_gemv.cu`` where it takes the shapes (the backend's ``cuda_gemvs`` option routes to it)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"row_gemv's prologue must be one of {PROLOGUES}, got {prologue!r}")
     if prologue == "swiglu":
         return ref.swiglu_linear_reference(x, weight)
     if prologue == "gated_norm":
