@@ -11,7 +11,8 @@ Each shape is timed as ``gemv_gpu.py`` times it: 24 distinct weights (the LM hea
 graph, median replay; then one layer's four GEMMs in order, 24 layers in one graph, each GEMV with its shape's best
 configuration, against cuBLAS: a bound on what the pass could gain (back to back, with none of the pass's kernels
 between them). Every configuration's output is checked against ``F.linear`` before it is timed, and the best ones'
-captured graphs after. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, about 15 s; the backend's ``cuda_gemvs``
+captured graphs after. Last, the one-token twin's folded GEMVs (down with the MLP's product, o_proj with the gated
+norm) against the CUDA GEMV doing that work in its prologue. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, about 15 s; the backend's ``cuda_gemvs``
 option runs the same kernels in the plain step).
 
     python benchmarks/gemv_cuda_gpu.py --out benchmarks/results          # H200, about a minute
@@ -111,6 +112,43 @@ def time_layers(best: dict[int, dict[str, list[int]]]) -> dict:
     return {side: {"ms_per_pass": ms, "us_per_layer": 1000 * ms / LAYERS, "TBps": total / ms / 1e9} for side, ms in times.items()}
 
 
+def time_prologues() -> dict:
+    """The one-token twin's folded GEMVs against the CUDA GEMV doing the same work in its prologue, 24 distinct weights
+    in one graph, both launched with PDL as in the pass: down with the MLP's ``silu(gate) * up`` (``fold_swiglu``'s
+    Triton GEMV, ``"swiglu"``) and o_proj with the gated output norm of 8 heads of 256 (``fold_gated_norms``',
+    ``"gated_norm"``). Each side's outputs are checked against the op's reference first."""
+    return {name: time_prologue(name, prologue) for name, prologue in (("down", "swiglu"), ("o_proj", "gated_norm"))}
+
+
+def time_prologue(name: str, prologue: str) -> dict:
+    """One row of :func:`time_prologues`: 24 weights of shape ``name``, x formed by ``prologue``."""
+    from specla_compile.kernels import ops, triton_gemv
+    from specla_compile.kernels.cuda_gemv import row_gemv
+
+    n, k = SHAPES[name]
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(LAYERS)]
+    x = torch.randn(*((1, 1, 2 * k) if prologue == "swiglu" else (1, 1, k // 256, 256)), device="cuda", dtype=torch.bfloat16)
+    extras = ()
+    if prologue == "gated_norm":
+        extras = (torch.randn_like(x), 1 + torch.randn(256, device="cuda", dtype=torch.bfloat16) / 4, 1e-6)
+
+    def triton(w: torch.Tensor) -> torch.Tensor:
+        return triton_gemv.swiglu_gemv(x, w) if prologue == "swiglu" else triton_gemv.gated_norm_gemv(x, *extras, w)
+
+    def cuda(w: torch.Tensor) -> torch.Tensor:
+        return row_gemv(x, w, prologue, True, *extras)
+
+    wide = [e.float() if torch.is_tensor(e) else e for e in extras]
+    reference = ops.row_gemv._init_fn(x.float(), weights[0].float(), prologue, *wide)
+    row = {}
+    for side, fn in (("triton", triton), ("cuda_gemv", cuda)):
+        error = (fn(weights[0]).float() - reference).abs().max().item()
+        ms = graph_ms(lambda fn=fn: [fn(w) for w in weights])
+        row[side] = {"us": 1000 * ms / LAYERS, "TBps": n * k * 2 * LAYERS / ms / 1e9,
+                     "matches": error <= 0.02 * reference.abs().max().item() + 1e-2}
+    return row
+
+
 def write_report(results: dict, out_dir: str) -> None:
     lines = save_results(results, out_dir, "gemv_cuda_gpu", "A one-row GEMV in CUDA C against cuBLAS at the GDN-1.3B "
                          "pass's GEMM shapes", f"; bf16 weights, {LAYERS} distinct weights per shape (the LM head: one) "
@@ -142,6 +180,17 @@ def write_report(results: dict, out_dir: str) -> None:
         for side, label in (("cublas", "cuBLAS"), ("cuda_gemv", "CUDA GEMV"), ("cuda_gemv_pdl", "CUDA GEMV, PDL")):
             t = layers[side]
             lines.append(f"| {label} | {t['ms_per_pass']:.3f} | {t['us_per_layer']:.1f} | {t['TBps']:.2f} |")
+    prologues = results.get("prologues")
+    if prologues:
+        lines += ["", ("The folds' one-row Triton GEMVs against the CUDA GEMV with their work as its prologue (24 weights "
+                       "in one graph, PDL on both):"), "",
+                  "| GEMV | fold's Triton GEMV us | CUDA GEMV us | CUDA / Triton | outputs as the reference |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, row in prologues.items():
+            triton, cuda = row["triton"], row["cuda_gemv"]
+            matches = "yes" if triton["matches"] and cuda["matches"] else "no: its time does not count"
+            label = {"down": "down with silu(gate) * up", "o_proj": "o_proj with the gated norm"}.get(name, name)
+            lines.append(f"| {label} | {triton['us']:.2f} | {cuda['us']:.2f} | {cuda['us'] / triton['us']:.3f} | {matches} |")
     with open(os.path.join(out_dir, "gemv_cuda_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -170,6 +219,9 @@ def main() -> None:
     results["layers"] = time_layers({pdl: {name: row[f"best_pdl{pdl}"]["config"] for name, row in zip(LAYER, rows)}
                                           for pdl in (0, 1)})
     print(json.dumps(results["layers"]), flush=True)
+    write_report(results, args.out)
+    results["prologues"] = time_prologues()
+    print(json.dumps(results["prologues"]), flush=True)
     write_report(results, args.out)
 
 

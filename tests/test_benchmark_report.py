@@ -405,6 +405,13 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
                          for side, ms in (("cublas", 1.04), ("cuda_gemv", 0.9), ("cuda_gemv_pdl", 0.8))}
     G.write_report(results, str(tmp_path))
     assert "| CUDA GEMV, PDL | 0.800 | 33.3 | 3.00 |" in (tmp_path / "gemv_cuda_gpu.md").read_text()
+    side = {"us": 10.0, "TBps": 2.3, "matches": True}
+    results["prologues"] = {"down": {"triton": side, "cuda_gemv": {**side, "us": 8.0}},
+                            "o_proj": {"triton": side, "cuda_gemv": {**side, "matches": False}}}
+    G.write_report(results, str(tmp_path))
+    text = (tmp_path / "gemv_cuda_gpu.md").read_text()
+    assert "| down with silu(gate) * up | 10.00 | 8.00 | 0.800 | yes |" in text
+    assert "| o_proj with the gated norm | 10.00 | 10.00 | 1.000 | no: its time does not count |" in text
     assert json.loads((tmp_path / "gemv_cuda_gpu.json").read_text())["layers"]["cublas"]["ms_per_pass"] == 1.04
 
 
