@@ -153,6 +153,23 @@ def test_every_gemm_of_a_folded_one_token_twin_routes_to_the_cuda_gemv_and_the_o
         assert (g - e).abs().max() <= 1e-5 * e.abs().max()
 
 
+def test_the_cuda_gemvs_fold_takes_the_weights_its_kernel_has_instances_for():
+    """``cuda_gemv.weight_fits``, the fold's test on example values: bf16 weights of an instanced depth and rows as
+    wide as the prologue reads; for the gated norm, heads of a multiple of 8 values and a bf16 norm weight of as many."""
+    weight, bf16 = torch.zeros(64, 2048, dtype=torch.bfloat16), torch.bfloat16
+    norm = torch.zeros(256, dtype=bf16)
+    assert folding.cuda_gemv.weight_fits(weight, bf16, 2048, "none")
+    assert folding.cuda_gemv.weight_fits(weight, bf16, 4096, "swiglu")
+    assert folding.cuda_gemv.weight_fits(weight, bf16, 2048, "gated_norm", 256, norm)
+    assert not folding.cuda_gemv.weight_fits(weight, bf16, 4096, "none")  # (the row's width)
+    assert not folding.cuda_gemv.weight_fits(weight, torch.float32, 2048, "none")  # (the row's dtype)
+    assert not folding.cuda_gemv.weight_fits(torch.zeros(64, 1792, dtype=bf16), bf16, 1792, "none")  # (no K = 1792)
+    assert not folding.cuda_gemv.weight_fits(weight.t().contiguous().t(), bf16, 2048, "none")  # (a column-major one)
+    assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "gated_norm", 12, torch.zeros(12, dtype=bf16))
+    assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "gated_norm", 256, norm.float())
+    assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "gated_norm")  # (no heads given)
+
+
 def test_cuda_gemvs_without_nvcc_fail_before_compiling(monkeypatch):
     import specla_compile.backend as backend
 

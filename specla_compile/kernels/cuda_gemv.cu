@@ -43,7 +43,7 @@ template <int PROLOGUE>
 __device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __nv_bfloat16* x, const __nv_bfloat16* gate,
                                         const __nv_bfloat16* norm_weight, int k, int dim, float eps) {
     const int chunks = k / 8;
-    const uint4* xs = reinterpret_cast<const uint4*>(x);  // (coherent loads: the kernel before may have written x)
+    const uint4* xs = reinterpret_cast<const uint4*>(x);
     if (PROLOGUE == SWIGLU) {
         for (int base = threadIdx.x; base < chunks; base += 4 * blockDim.x) {
             uint4 g[4], u[4];

@@ -110,17 +110,18 @@ def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps
         raise RuntimeError(f"GEMV launch failed: CUDA error {code}")
 
 
-def weight_fits(weight: torch.Tensor, dtype: torch.dtype, width: int, prologue: str, dim: int = 8,
+def weight_fits(weight: torch.Tensor, dtype: torch.dtype, width: int, prologue: str, dim: int | None = None,
                 norm_weight: torch.Tensor | None = None) -> bool:
     """Whether :func:`row_gemv` takes ``weight`` for rows of ``dtype`` and ``width`` (``"swiglu"``: ``[gate, up]``,
     twice the weight's depth; ``"gated_norm"``: heads of ``dim`` values, a multiple of 8, and a contiguous bf16
-    ``norm_weight``): a contiguous bf16 weight of an instanced depth (the fold's test, on example values: their rows
-    may be symbolic, their addresses are not the run's)."""
+    ``norm_weight`` of as many): a contiguous bf16 weight of an instanced depth (the fold's test, on example values:
+    their rows may be symbolic, their addresses are not the run's)."""
     k = weight.shape[-1]
-    norm_fits = prologue != "gated_norm" or (norm_weight is not None and norm_weight.dtype == torch.bfloat16
-                                             and norm_weight.is_contiguous() and norm_weight.numel() == dim)
+    heads_fit = prologue != "gated_norm" or (
+        dim is not None and dim % 8 == 0 and k % dim == 0 and norm_weight is not None
+        and norm_weight.dtype == torch.bfloat16 and norm_weight.is_contiguous() and norm_weight.numel() == dim)
     return (weight.dim() == 2 and weight.is_contiguous() and depth_fits(k) and width == (2 * k if prologue == "swiglu" else k)
-            and dtype == weight.dtype == torch.bfloat16 and dim % 8 == 0 and k % dim == 0 and norm_fits)
+            and dtype == weight.dtype == torch.bfloat16 and heads_fit)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.Tensor | None = None,

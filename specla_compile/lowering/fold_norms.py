@@ -307,14 +307,15 @@ def _weight_input(weight: fx.Node) -> bool:
     return _graph_weight(weight.args[0] if packed else weight)
 
 
-def _row_gemv_call(node: fx.Node) -> tuple[tuple, int, int, torch.Tensor | None] | None:
+def _row_gemv_call(node: fx.Node) -> tuple[tuple, int, int | None, torch.Tensor | None] | None:
     """``specla.row_gemv``'s arguments for a GEMM the CUDA C GEMV could run (a bias-free ``linear``,
     :func:`fold_swiglu`'s ``swiglu_linear`` or :func:`fold_gated_norms`' ``gated_norm_linear``), with the width of
-    its row, the size of its heads and its norm weight's example value; None for any other node."""
+    its row and, for the gated norm, the size of its heads and its norm weight's example value; None for any other
+    node."""
     if is_call(node, (ops.swiglu_linear._opoverload,)):
         gate_up, weight = node.args
         x = example_value(gate_up)
-        return None if x is None else ((gate_up, weight, "swiglu"), x.shape[-1], 8, None)
+        return None if x is None else ((gate_up, weight, "swiglu"), x.shape[-1], None, None)
     if is_call(node, (ops.gated_norm_linear._opoverload,)):
         rows, gate, norm_weight, eps, weight = node.args
         x = example_value(rows)
@@ -322,7 +323,7 @@ def _row_gemv_call(node: fx.Node) -> tuple[tuple, int, int, torch.Tensor | None]
         return None if heads is None else ((rows, weight, "gated_norm", gate, norm_weight, eps), *heads)
     parts = linear_parts(node)
     x = example_value(parts[0]) if parts is not None else None
-    return None if x is None else ((*parts, "none"), x.shape[-1], 8, None)
+    return None if x is None else ((*parts, "none"), x.shape[-1], None, None)
 
 
 def route_row_gemvs(gm: fx.GraphModule) -> int:
