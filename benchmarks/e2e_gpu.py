@@ -614,8 +614,9 @@ def fold_ab(args, results: dict) -> None:
                 with open(path) as f:
                     passes = json.load(f).get("fla_passes", {})
         keep = ("plain_ms_per_token", "plain_tokens_sha1", "pass_ms", "pass_ms_tree")
+        profile = {k: v for k, v in passes.get("profile_1", {}).items() if k != "one_layer"}  # (what bounds the step)
         section[name] = {"backend": backend, **{k: passes[k] for k in keep if k in passes},
-                         "kernels_1": passes.get("profile_1", {}).get("kernels_per_pass")}
+                         "kernels_1": profile.get("kernels_per_pass"), **({"profile_1": profile} if profile else {})}
         if "pass_ms" not in passes:
             section[name]["error"] = run.stderr[-2000:]
         print(name, section[name], flush=True)
@@ -644,7 +645,8 @@ def fold_ab_markdown(section: dict) -> list[str]:
         same = run.get("plain_tokens_sha1") == base.get("plain_tokens_sha1") is not None
         lines.append(f"| {name} | " + " | ".join(cell(v, r) for v, r in values) + f" | {run.get('kernels_1')} | "
                      + ("yes" if same else "no") + " |")
-    return lines
+    # (the 1-node pass of each option set, a column each)
+    return lines + profile_markdown({name: run["profile_1"] for name, run in section.items() if "profile_1" in run}, 2.93 / 4.2)
 
 
 def fla_profile(args, results: dict) -> None:
