@@ -11,8 +11,9 @@ Each shape is timed as ``gemv_gpu.py`` times it: 24 distinct weights (the LM hea
 graph, median replay; then one layer's four GEMMs in order, 24 layers in one graph, each GEMV with its shape's best
 configuration, against cuBLAS: a bound on what the pass could gain (back to back, with none of the pass's kernels
 between them). Every configuration's output is checked against ``F.linear`` before it is timed, and the best ones'
-captured graphs after. Last, the one-token twin's folded GEMVs (down with the MLP's product, o_proj with the gated
-norm) against the CUDA GEMV doing that work in its prologue. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, about 15 s; the backend's ``cuda_gemvs``
+captured graphs after. Last, what the one-token twin's folds leave (down with the MLP's product and o_proj with the
+gated norm in Triton GEMVs; the residual add and norm before q/k/v/gates and gate/up in inductor's kernel) against
+the CUDA GEMV doing that work in its prologue. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, about 15 s; the backend's ``cuda_gemvs``
 option runs the same kernels in the plain step).
 
     python benchmarks/gemv_cuda_gpu.py --out benchmarks/results          # H200, about a minute
@@ -113,35 +114,48 @@ def time_layers(best: dict[int, dict[str, list[int]]]) -> dict:
 
 
 def time_prologues() -> dict:
-    """The one-token twin's folded GEMVs against the CUDA GEMV doing the same work in its prologue, 24 distinct weights
-    in one graph, both launched with PDL as in the pass: down with the MLP's ``silu(gate) * up`` (``fold_swiglu``'s
-    Triton GEMV, ``"swiglu"``) and o_proj with the gated output norm of 8 heads of 256 (``fold_gated_norms``',
-    ``"gated_norm"``). Each side's outputs are checked against the op's reference first."""
-    return {name: time_prologue(name, prologue) for name, prologue in (("down", "swiglu"), ("o_proj", "gated_norm"))}
+    """What each fold of the one-token twin leaves against the CUDA GEMV doing that work in its prologue, 24 distinct
+    weights in one graph, PDL on both sides as in the pass: down with the MLP's ``silu(gate) * up`` (``fold_swiglu``'s
+    Triton GEMV, ``"swiglu"``), o_proj with the gated output norm of 8 heads of 256 (``fold_gated_norms``',
+    ``"gated_norm"``), and q/k/v/gates and gate/up with the residual add and RMS norm before them (inductor's kernel of
+    them, then the CUDA GEMV; ``fold_row_norms``, ``"add_norm"``). Each side's outputs are checked against the op's
+    reference first."""
+    cases = (("down", "swiglu"), ("o_proj", "gated_norm"), ("qkvg", "add_norm"), ("gate_up", "add_norm"))
+    return {f"{name}_{prologue}": time_prologue(name, prologue) for name, prologue in cases}
 
 
 def time_prologue(name: str, prologue: str) -> dict:
     """One row of :func:`time_prologues`: 24 weights of shape ``name``, x formed by ``prologue``."""
     from specla_compile.kernels import ops, triton_gemv
-    from specla_compile.kernels.cuda_gemv import row_gemv
+    from specla_compile.kernels import reference as ref
+    from specla_compile.kernels.cuda_gemv import add_norm_row_gemv, row_gemv
 
     n, k = SHAPES[name]
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(LAYERS)]
-    x = torch.randn(*((1, 1, 2 * k) if prologue == "swiglu" else (1, 1, k // 256, 256)), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(*((1, 1, 2 * k) if prologue == "swiglu" else (1, 1, k // 256, 256) if prologue == "gated_norm"
+                      else (1, 1, k)), device="cuda", dtype=torch.bfloat16)
     extras = ()
-    if prologue == "gated_norm":
-        extras = (torch.randn_like(x), 1 + torch.randn(256, device="cuda", dtype=torch.bfloat16) / 4, 1e-6)
+    if prologue != "swiglu":  # (the gate, or the skip; the norm weight; eps)
+        extras = (torch.randn_like(x), 1 + torch.randn(x.shape[-1], device="cuda", dtype=torch.bfloat16) / 4, 1e-6)
+    add_norm = torch.compile(lambda a, b: (a + b, ref.rms_norm_reference(a, b, extras[1], 1e-6)))  # (fla's prenorm)
 
-    def triton(w: torch.Tensor) -> torch.Tensor:
+    def before(w: torch.Tensor) -> torch.Tensor:
+        if prologue == "add_norm":
+            return row_gemv(add_norm(x, extras[0])[1], w, "none", True)
         return triton_gemv.swiglu_gemv(x, w) if prologue == "swiglu" else triton_gemv.gated_norm_gemv(x, *extras, w)
 
     def cuda(w: torch.Tensor) -> torch.Tensor:
+        if prologue == "add_norm":
+            return add_norm_row_gemv(x, *extras, w, False, True)[0]
         return row_gemv(x, w, prologue, True, *extras)
 
     wide = [e.float() if torch.is_tensor(e) else e for e in extras]
-    reference = ops.row_gemv._init_fn(x.float(), weights[0].float(), prologue, *wide)
+    if prologue == "add_norm":
+        reference = ops.add_norm_row_gemv._init_fn(x.float(), *wide, weights[0].float(), False)[0]
+    else:
+        reference = ops.row_gemv._init_fn(x.float(), weights[0].float(), prologue, *wide)
     row = {}
-    for side, fn in (("triton", triton), ("cuda_gemv", cuda)):
+    for side, fn in (("before", before), ("cuda_gemv", cuda)):
         error = (fn(weights[0]).float() - reference).abs().max().item()
         ms = graph_ms(lambda fn=fn: [fn(w) for w in weights])
         row[side] = {"us": 1000 * ms / LAYERS, "TBps": n * k * 2 * LAYERS / ms / 1e9,
@@ -182,15 +196,20 @@ def write_report(results: dict, out_dir: str) -> None:
             lines.append(f"| {label} | {t['ms_per_pass']:.3f} | {t['us_per_layer']:.1f} | {t['TBps']:.2f} |")
     prologues = results.get("prologues")
     if prologues:
-        lines += ["", ("The folds' one-row Triton GEMVs against the CUDA GEMV with their work as its prologue (24 weights "
-                       "in one graph, PDL on both):"), "",
-                  "| GEMV | fold's Triton GEMV us | CUDA GEMV us | CUDA / Triton | outputs as the reference |",
+        lines += ["", ("What the one-token twin's folds leave (the fold's one-row Triton GEMV; for the add and norm, "
+                       "inductor's kernel of them and then the CUDA GEMV) against the CUDA GEMV with that work as its "
+                       "prologue (24 weights in one graph, PDL on both):"), "",
+                  "| GEMV | before, us | CUDA GEMV with the prologue, us | ratio | outputs as the reference |",
                   "| --- | --- | --- | --- | --- |"]
+        labels = {"down_swiglu": "down with silu(gate) * up (fold's Triton GEMV)",
+                  "o_proj_gated_norm": "o_proj with the gated norm (fold's Triton GEMV)",
+                  "qkvg_add_norm": "q/k/v/gates with the add and norm (inductor's kernel, then the CUDA GEMV)",
+                  "gate_up_add_norm": "gate/up with the add and norm (inductor's kernel, then the CUDA GEMV)"}
         for name, row in prologues.items():
-            triton, cuda = row["triton"], row["cuda_gemv"]
-            matches = "yes" if triton["matches"] and cuda["matches"] else "no: its time does not count"
-            label = {"down": "down with silu(gate) * up", "o_proj": "o_proj with the gated norm"}.get(name, name)
-            lines.append(f"| {label} | {triton['us']:.2f} | {cuda['us']:.2f} | {cuda['us'] / triton['us']:.3f} | {matches} |")
+            old, cuda = row["before"], row["cuda_gemv"]
+            matches = "yes" if old["matches"] and cuda["matches"] else "no: its time does not count"
+            lines.append(f"| {labels.get(name, name)} | {old['us']:.2f} | {cuda['us']:.2f} | {cuda['us'] / old['us']:.3f} "
+                         f"| {matches} |")
     with open(os.path.join(out_dir, "gemv_cuda_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -35,9 +35,9 @@ the gates of the twins of more nodes whose passes all take the parallel route (b
 GEMV (:func:`.lowering.fold_norms.fold_swiglu`; on an H200 plain decoding 1.450 -> 1.357 ms/token, ``fold_ab``); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``cuda_gemvs`` — False (default): True
-runs, on CUDA, the one-token twin's (B=1) bf16 GEMMs, with the gated norms and MLP products folded into them, as a
-one-row GEMV in CUDA C that issues its weight loads before it waits for the kernel before
-(:func:`.lowering.fold_norms.route_row_gemvs`,
+runs, on CUDA, the one-token twin's (B=1) bf16 GEMMs, with the gated norms, MLP products and the residual adds and
+RMS norms before them folded into them, as a one-row GEMV in CUDA C that issues its weight loads before it waits for
+the kernel before (:func:`.lowering.fold_norms.fold_row_norms`, :func:`.lowering.fold_norms.route_row_gemvs`,
 ``kernels/cuda_gemv.cu``, built with the machine's ``nvcc`` at the first call); ``regional`` — True (default):
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
 (:mod:`.lowering.regions`: on an H200 the 1.3B shape's cold start 127.6 -> 89.6 s, passes as fast; regions cut
@@ -64,7 +64,14 @@ from .backend_options import INNER_COMPILERS, OPTIONS, PLAIN_PROGRAMS, SWITCHES
 from .kernels import cuda_gemv, dispatch, ops
 from .lowering.capture import install
 from .lowering.fold_gates import fold_convs, fold_gates
-from .lowering.fold_norms import fold_gated_norms, fold_norms, fold_swiglu, route_linears, route_row_gemvs
+from .lowering.fold_norms import (
+    fold_gated_norms,
+    fold_norms,
+    fold_row_norms,
+    fold_swiglu,
+    route_linears,
+    route_row_gemvs,
+)
 from .lowering.fuse_projections import fuse_projections, gathers_as_slices
 from .lowering.graph_analysis import fill_example_values, find_gdn_layers, is_sdpa
 from .lowering.regions import compile_by_layer
@@ -223,6 +230,7 @@ class SpeculativeGraph:
             if tokens == 1 and "fold_swiglu" in on:  # (the same one-row kernel)
                 log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", fold_swiglu(gm))
             if tokens == 1 and "cuda_gemvs" in on:  # (its kernel takes one row)
+                log.info("specla: %d residual adds and norms folded into the CUDA C GEMV after them", fold_row_norms(gm))
                 log.info("specla: %d GEMMs routed to the CUDA C GEMV", route_row_gemvs(gm))
             nodes = inputs[self.program.num_model_inputs].shape[1]  # (the first input the rewrite added: parents [B, N])
             if "fold_gates" in on and nodes == 1:  # (its kernel runs one node a row: plain decoding)

@@ -409,12 +409,14 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
     G.write_report(results, str(tmp_path))
     assert "| CUDA GEMV, PDL | 0.800 | 33.3 | 3.00 |" in (tmp_path / "gemv_cuda_gpu.md").read_text()
     side = {"us": 10.0, "TBps": 2.3, "matches": True}
-    results["prologues"] = {"down": {"triton": side, "cuda_gemv": {**side, "us": 8.0}},
-                            "o_proj": {"triton": side, "cuda_gemv": {**side, "matches": False}}}
+    results["prologues"] = {"down_swiglu": {"before": side, "cuda_gemv": {**side, "us": 8.0}},
+                            "o_proj_gated_norm": {"before": side, "cuda_gemv": {**side, "matches": False}},
+                            "qkvg_add_norm": {"before": {**side, "us": 12.5}, "cuda_gemv": side}}
     G.write_report(results, str(tmp_path))
     text = (tmp_path / "gemv_cuda_gpu.md").read_text()
-    assert "| down with silu(gate) * up | 10.00 | 8.00 | 0.800 | yes |" in text
-    assert "| o_proj with the gated norm | 10.00 | 10.00 | 1.000 | no: its time does not count |" in text
+    assert "| down with silu(gate) * up (fold's Triton GEMV) | 10.00 | 8.00 | 0.800 | yes |" in text
+    assert "| o_proj with the gated norm (fold's Triton GEMV) | 10.00 | 10.00 | 1.000 | no: its time does not count |" in text
+    assert "| q/k/v/gates with the add and norm (inductor's kernel, then the CUDA GEMV) | 12.50 | 10.00 | 0.800 | yes |" in text
     assert json.loads((tmp_path / "gemv_cuda_gpu.json").read_text())["layers"]["cublas"]["ms_per_pass"] == 1.04
 
 
@@ -422,14 +424,21 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
 def test_cuda_gemv_library_builds_and_refuses_shapes_it_has_no_instance_of(tmp_path):
     """The CUDA GEMV's source builds with nvcc for sm_90 and loads; without a GPU it can still refuse, before any
     CUDA call, a depth that is not a multiple of 256, a configuration too heavy in registers, a block of more than
-    8 warps, an unknown prologue and gated-norm heads whose size is not a multiple of 8 (-1)."""
+    8 warps, an unknown prologue, gated-norm heads whose size is not a multiple of 8, an add and norm over less than
+    the row or with no sum to write (-1)."""
     from specla_compile.kernels import cuda_gemv
 
     lib = cuda_gemv.build(str(tmp_path))
-    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 200, 1, 8, 0, 0, 0, 0, 0.0, None) == -1  # (K % 256)
-    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 2048, 8, 8, 0, 0, 1, 0, 0.0, None) == -1  # (8 rows x 8 chunks: 64 > 32)
-    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 1024, 1, 9, 0, 0, 0, 0, 0.0, None) == -1  # (warps)
-    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 1024, 1, 8, 0, 0, 3, 0, 0.0, None) == -1  # (no such prologue)
-    assert lib.specla_gemv(0, 0, 0, 0, 0, 64, 1024, 1, 8, 0, 0, 2, 12, 0.0, None) == -1  # (heads of 12: not 8k)
+
+    def call(k: int, rows: int, warps: int, prologue: int, dim: int = 0, sum_out: int = 0) -> int:
+        return lib.specla_gemv(0, 0, 0, 0, sum_out, 0, 64, k, rows, warps, 0, 0, prologue, dim, 0.0, 0, None)
+
+    assert call(200, 1, 8, 0) == -1  # (K % 256)
+    assert call(2048, 8, 8, 1) == -1  # (8 rows x 8 chunks: 64 > 32)
+    assert call(1024, 1, 9, 0) == -1  # (warps)
+    assert call(1024, 1, 8, 4) == -1  # (no such prologue)
+    assert call(1024, 1, 8, 2, dim=12) == -1  # (heads of 12: not 8k)
+    assert call(1024, 1, 8, 3, dim=256, sum_out=16) == -1  # (the add and norm's one head is the row)
+    assert call(1024, 1, 8, 3, dim=1024) == -1  # (nowhere to write the sum)
     assert len(list(tmp_path.glob("cuda_gemv_*.so"))) == 1 and cuda_gemv.build(str(tmp_path)) is not None  # (built once)
     assert [cuda_gemv.config(*shape)[0] for shape in ((2048, 2048), (8208, 2048), (11264, 2048), (2048, 5632))] == [4, 2, 1, 1]

@@ -287,3 +287,30 @@ def test_row_gemv(prologue):
     torch.testing.assert_close(ops.row_gemv(row, weight, prologue, *extras), x @ weight.T)
     with pytest.raises(ValueError, match="prologue must be one of"):
         ops.row_gemv(row, weight, prologue.upper())
+    with pytest.raises(ValueError, match="prologue must be one of"):
+        ops.row_gemv(row, weight, "add_norm")  # (two outputs: specla::add_norm_row_gemv)
+
+
+@pytest.mark.parametrize("round_sum", [False, True])
+def test_add_norm_row_gemv(round_sum):
+    """The CUDA C GEMV's add-and-norm op: schema, fake and dispatch (opcheck); in fp64, the GEMV of the RMS norm of
+    ``x + skip`` and the sum; in bf16, the norm reads the sum as the graph it replaces did: fla's fused prenorm
+    (``specla.rms_norm(x, skip)``, the float32 sum) or, with ``round_sum``, an add and then the norm of its rounded
+    output, which differ here (tested)."""
+    gen = torch.Generator().manual_seed(11)
+    x, skip, norm_weight = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((1, 1, 16), (1, 1, 16), (16,)))
+    weight = torch.randn(5, 16, generator=gen, dtype=torch.float64)
+    torch.library.opcheck(ops.add_norm_row_gemv, (x, skip, norm_weight, 1e-6, weight, round_sum))
+    y, summed = ops.add_norm_row_gemv(x, skip, norm_weight, 1e-6, weight, round_sum)
+    h = x + skip
+    torch.testing.assert_close(summed, h)
+    torch.testing.assert_close(y, (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight) @ weight.T)
+    x, skip = (torch.randn(1, 1, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
+    norm_weight, weight = torch.randn(256, generator=gen).to(torch.bfloat16), torch.randn(64, 256, generator=gen).to(torch.bfloat16)
+    y, summed = ops.add_norm_row_gemv(x, skip, norm_weight, 1e-6, weight, round_sum)
+    fused = torch.nn.functional.linear(torch.ops.specla.rms_norm(x, skip, norm_weight, 1e-6), weight)
+    added = torch.nn.functional.linear(torch.ops.specla.rms_norm(x + skip, None, norm_weight, 1e-6), weight)
+    assert torch.equal(summed, x + skip) and not torch.equal(fused, added)
+    assert torch.equal(y, added if round_sum else fused)
+    with pytest.raises(ValueError, match="the skip must have the rows' shape"):
+        ops.add_norm_row_gemv(x, skip[..., :128], norm_weight, 1e-6, weight, round_sum)

@@ -130,24 +130,37 @@ def test_generation_through_cuda_gemvs_equals_plain_decoding(monkeypatch, caplog
     monkeypatch.setattr(folding.cuda_gemv, "nvcc", lambda: "nvcc")  # (the option refuses to start without one)
     log = _decode_on_cpu_as_on_cuda("cuda_gemvs", SpecConfig(mode="chain", depth=5, bucket=8), 6, monkeypatch, caplog)
     assert log.count("GEMMs routed to the CUDA C GEMV") == 1
-    assert f"{4 * LAYERS + 1} GEMMs routed to the CUDA C GEMV" in log  # q/k/v/gates, o_proj, gate/up, down; the head
+    # the attention norms but the first (of the embedding), the MLP norms and the final norm with the adds before them
+    assert f"{2 * LAYERS} residual adds and norms folded into the CUDA C GEMV" in log
+    assert f"{2 * LAYERS + 1} GEMMs routed to the CUDA C GEMV" in log  # the first q/k/v/gates, o_proj, down
 
 
-def test_every_gemm_of_a_folded_one_token_twin_routes_to_the_cuda_gemv_and_the_outputs_stay(monkeypatch):
+@pytest.mark.parametrize("fold_norms", [False, True])
+def test_every_gemm_of_a_folded_one_token_twin_routes_to_the_cuda_gemv_and_the_outputs_stay(fold_norms, monkeypatch):
     """After the one-token twin's folds, ``route_row_gemvs`` (made to route here: CPU, fp32) makes each layer's
     packed q/k/v/gates and gate/up GEMMs, its folded gated norm and o_proj, its folded down projection, and the LM
-    head ``specla.row_gemv`` with the matching prologue, in fp32 on the CPU (the op's references): the outputs stay."""
+    head ``specla.row_gemv`` with the matching prologue, in fp32 on the CPU (the op's references): the outputs stay.
+    ``fold_row_norms`` first folds every norm that follows a residual add, with its add, into
+    ``specla.add_norm_row_gemv``: fla's fused prenorm before each MLP (the norm reads the float32 sum) and the add and
+    norm before each later layer and the LM head (the norm reads the rounded sum); the first layer's norm stays."""
     monkeypatch.setattr(folding, "GEMV_BLOCK_K", 32)  # (the tiny model's 2 x 32 heads)
+    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
     monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda *args: True)
     gm, example_inputs = _static_twin_graph(seed=7, tokens=1)
     with torch.no_grad():
         expected = gm(*example_inputs)
-        assert folding.fold_gated_norms(gm, dtypes=(torch.float32,)) == LAYERS
-        assert folding.fold_swiglu(gm, dtypes=(torch.float32,)) == LAYERS
-        assert folding.route_row_gemvs(gm) == 4 * LAYERS + 1
+        assert folding.fold_gated_norms(gm) == LAYERS
+        assert folding.fold_swiglu(gm) == LAYERS
+        if fold_norms:
+            assert folding.fold_row_norms(gm) == 2 * LAYERS
+        assert folding.route_row_gemvs(gm) == (2 * LAYERS + 1 if fold_norms else 4 * LAYERS + 1)
         got = gm(*example_inputs)
     prologues = [n.args[2] for n in gm.graph.nodes if _calls_node(n, SPECLA.row_gemv.default)]
-    assert {p: prologues.count(p) for p in set(prologues)} == {"none": 2 * LAYERS + 1, "swiglu": LAYERS, "gated_norm": LAYERS}
+    plain = 1 if fold_norms else 2 * LAYERS + 1
+    assert {p: prologues.count(p) for p in set(prologues)} == {"none": plain, "swiglu": LAYERS, "gated_norm": LAYERS}
+    rounded = [n.args[5] for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)]
+    assert sorted(rounded) == ([False] * LAYERS + [True] * LAYERS if fold_norms else [])
+    assert _calls(gm, *folding.NORMS) == (1 if fold_norms else 2 * LAYERS + 1)
     assert sum(folding.linear_parts(n) is not None for n in gm.graph.nodes) == 0
     for g, e in zip(got, expected):
         assert (g - e).abs().max() <= 1e-5 * e.abs().max()
@@ -155,7 +168,8 @@ def test_every_gemm_of_a_folded_one_token_twin_routes_to_the_cuda_gemv_and_the_o
 
 def test_the_cuda_gemvs_fold_takes_the_weights_its_kernel_has_instances_for():
     """``cuda_gemv.weight_fits``, the fold's test on example values: bf16 weights of an instanced depth and rows as
-    wide as the prologue reads; for the gated norm, heads of a multiple of 8 values and a bf16 norm weight of as many."""
+    wide as the prologue reads; for the gated norm, heads of a multiple of 8 values and a bf16 norm weight of as many;
+    for the add and norm, the row as one head."""
     weight, bf16 = torch.zeros(64, 2048, dtype=torch.bfloat16), torch.bfloat16
     norm = torch.zeros(256, dtype=bf16)
     assert folding.cuda_gemv.weight_fits(weight, bf16, 2048, "none")
@@ -168,6 +182,10 @@ def test_the_cuda_gemvs_fold_takes_the_weights_its_kernel_has_instances_for():
     assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "gated_norm", 12, torch.zeros(12, dtype=bf16))
     assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "gated_norm", 256, norm.float())
     assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "gated_norm")  # (no heads given)
+    row_norm = torch.zeros(2048, dtype=bf16)
+    assert folding.cuda_gemv.weight_fits(weight, bf16, 2048, "add_norm", 2048, row_norm)  # (one head: the row)
+    assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "add_norm", 256, norm)
+    assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "add_norm", 2048, row_norm[:1024])
 
 
 def test_cuda_gemvs_without_nvcc_fail_before_compiling(monkeypatch):
@@ -318,6 +336,10 @@ def _two_gemms(a, b, w, W):
     return torch.nn.functional.linear(y, W), torch.nn.functional.linear(y, W[:4])
 
 
+def _computed_weight(a, b, w, W):
+    return torch.nn.functional.linear(_norm(a + b, None, w), W * 2)
+
+
 FOLD_CASES = {  # function: (norms folded, the op it becomes)
     _prenorm: (1, SPECLA.add_norm_linear.default),
     _after_an_add: (1, SPECLA.add_norm_linear.default),
@@ -328,6 +350,7 @@ FOLD_CASES = {  # function: (norms folded, the op it becomes)
     _written_in_place_before_the_gemm: (0, None),
     _eps_by_keyword: (0, None),
     _two_gemms: (0, None),
+    _computed_weight: (1, SPECLA.add_norm_linear.default),
 }
 
 
@@ -348,3 +371,32 @@ def test_what_folds_and_what_stays(fn):
     got = gm(*[x.clone() for x in example_inputs])
     for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
         assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+
+
+ROW_FOLD_CASES = {  # function: the round_sum of the one add_norm_row_gemv it becomes, or None where nothing folds
+    _prenorm: False, _after_an_add: True, _gated: True, _gate_of_the_wrong_half: True,
+    _broadcast_add: None, _sum_read_before_the_gemm: None,  # (no add folds: the CUDA GEMV leaves no norm alone)
+    _written_in_place_before_the_gemm: None, _eps_by_keyword: None, _two_gemms: None,
+    _computed_weight: None,  # (the GEMV loads a graph input's weights before the kernel before it ends)
+}
+
+
+@pytest.mark.parametrize("fn", ROW_FOLD_CASES, ids=lambda fn: fn.__name__.strip("_"))
+def test_what_folds_into_the_cuda_gemv_and_what_stays(fn, monkeypatch):
+    """``fold_row_norms`` (made to fold here: CPU, fp32) on each pattern around a norm: a norm after a residual add
+    folds with its add, reading the sum as the graph did (fla's fused prenorm: unrounded); the same outputs."""
+    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
+    monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda *args: True)
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(2, 3, 32, generator=gen), torch.randn(2, 3, 32, generator=gen)
+    w, W = 1 + 0.2 * torch.randn(32, generator=gen), torch.randn(16, 32, generator=gen)
+    gm, example_inputs = _dynamo_graph(fn, a, b, w, W)
+    expected = fn(a, b, w, W)
+    round_sum = ROW_FOLD_CASES[fn]
+    assert folding.fold_row_norms(gm) == (round_sum is not None)
+    assert [n.args[5] for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)] == (
+        [] if round_sum is None else [round_sum])
+    got = gm(*[x.clone() for x in example_inputs])
+    for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+

@@ -247,8 +247,9 @@ def test_graphed_decoding_through_the_folds_not_yet_timed_equals_plain_eager_dec
 def test_plain_decoding_through_cuda_gemvs_gives_the_defaults_tokens(caplog):
     """The backend's ``cuda_gemvs`` at the GDN-1.3B shape (2 layers, bf16, the peaked output of ``e2e_gpu.build``):
     each layer's packed q/k/v/gates, its o_proj with the gated norm and its down projection with the MLP's product
-    (the one-token twin's folds) and gate/up, and the LM head, run as the CUDA C GEMV, and graphed plain decoding
-    gives the defaults' tokens."""
+    (the one-token twin's folds) and gate/up, and the LM head, run as the CUDA C GEMV, every one but the first
+    q/k/v/gates with the residual add and RMS norm before it in its prologue, and graphed plain decoding gives the
+    defaults' tokens."""
     from e2e_gpu import build
 
     from specla_compile.runtime.drafters import NgramDrafter
@@ -260,5 +261,6 @@ def test_plain_decoding_through_cuda_gemvs_gives_the_defaults_tokens(caplog):
                                    compile_options=options)  # (a model each: one compiled per option set)
         with caplog.at_level(logging.INFO, logger="specla_compile"):
             outs[name] = gen.decode(prompts, max_new_tokens=32).sequences.tolist()
-    assert "9 GEMMs routed to the CUDA C GEMV" in caplog.text
+    assert "4 residual adds and norms folded into the CUDA C GEMV" in caplog.text  # (2 MLPs, layer 2, the LM head)
+    assert "5 GEMMs routed to the CUDA C GEMV" in caplog.text  # (the first q/k/v/gates, 2 o_proj, 2 down)
     assert outs["cuda_gemvs"] == outs["defaults"]

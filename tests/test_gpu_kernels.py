@@ -647,3 +647,31 @@ def test_row_gemv_op_matches_its_reference(n, k, prologue):
     torch.testing.assert_close(ops.row_gemv(offset, w, prologue, *extras), ops.row_gemv._init_fn(x, w, prologue, *extras))
     torch.testing.assert_close(ops.row_gemv(rows, w, prologue, *row_extras),
                                ops.row_gemv._init_fn(rows, w, prologue, *row_extras))
+
+
+@pytest.mark.skipif(cuda_gemv.nvcc() is None, reason="needs nvcc to build the CUDA GEMV")
+@pytest.mark.parametrize("n, k", [(301, 1024), (8208, 2048), (11264, 2048), (32000, 2048)])
+@pytest.mark.parametrize("round_sum", [False, True])
+def test_add_norm_row_gemv_op_matches_its_reference(n, k, round_sum):
+    """``specla::add_norm_row_gemv`` on CUDA (the CUDA C GEMV with the residual add and RMS norm in its prologue) on
+    random bf16 rows at the shapes its fold gives it (q/k/v/gates, gate/up, the LM head): the sum exactly as PyTorch
+    adds, the output against the op's reference (the same rounding of the sum) and against fp64. Two rows take the
+    reference."""
+    generator = torch.Generator(device="cuda").manual_seed(n + k + round_sum)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+
+    w, x, skip, norm_weight = randn(n, k) / 50, randn(1, 1, k), randn(1, 1, k), 1 + randn(k) / 4
+    assert cuda_gemv.fits(x, w, "add_norm", skip, norm_weight)
+    y, summed = ops.add_norm_row_gemv(x, skip, norm_weight, 1e-6, w, round_sum)
+    assert y.shape == (1, 1, n) and y.dtype == torch.bfloat16 and torch.equal(summed, x + skip)
+    expected = ops.add_norm_row_gemv._init_fn(x, skip, norm_weight, 1e-6, w, round_sum)[0].double()
+    wide = ops.add_norm_row_gemv._init_fn(x.double(), skip.double(), norm_weight.double(), 1e-6, w.double(), round_sum)[0]
+    assert (y.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item(), "against the reference"
+    assert (y.double() - wide).abs().max().item() <= 1e-2 * wide.abs().max().item(), "against fp64"
+    rows, skips = x.expand(2, 1, k).contiguous(), skip.expand(2, 1, k).contiguous()
+    assert not cuda_gemv.fits(rows, w, "add_norm", skips, norm_weight)
+    for got, want in zip(ops.add_norm_row_gemv(rows, skips, norm_weight, 1e-6, w, round_sum),
+                         ops.add_norm_row_gemv._init_fn(rows, skips, norm_weight, 1e-6, w, round_sum)):
+        torch.testing.assert_close(got, want)

@@ -271,6 +271,17 @@ def _row_gemv(x, weight, prologue, gate=None, norm_weight=None, eps=0.0):
     return cuda_gemv.row_gemv(x, weight, prologue, pdl.enabled(x.device), gate, norm_weight, eps)
 
 
+@ops.add_norm_row_gemv.register_kernel("cuda")
+def _add_norm_row_gemv(x, skip, norm_weight, eps, weight, round_sum):
+    """The CUDA C GEMV with the add and norm in its prologue where it takes the shapes and addresses; else the
+    reference."""
+    reference.check_skip(x, skip)
+    x, skip = x.contiguous(), skip.contiguous()  # (a row of a few KB)
+    if not cuda_gemv.fits(x, weight, "add_norm", skip, norm_weight):
+        return _reference_of(ops.add_norm_row_gemv)(x, skip, norm_weight, eps, weight, round_sum)
+    return cuda_gemv.add_norm_row_gemv(x, skip, norm_weight, eps, weight, round_sum, pdl.enabled(x.device))
+
+
 @ops.swiglu_linear.register_kernel("cuda")
 def _swiglu_linear(gate_up, weight):
     """One bf16 row in one launch (the plain step at B=1, where the backend folds the product); else the reference."""

@@ -4,7 +4,10 @@
 // rounded once to bf16 as the op's reference rounds it:
 //   SWIGLU      x = silu(gate) * up of a packed [gate, up] row of 2K (an MLP's down projection);
 //   GATED_NORM  x = r * rsqrt(mean(r^2 over its head) + eps) * norm_weight * silu(g) of a row r of K / D heads of D
-//               values and its gate g (fla's gated output norm; o_proj).
+//               values and its gate g (fla's gated output norm; o_proj);
+//   ADD_NORM    x = h * rsqrt(mean(h^2) + eps) * norm_weight of h = r + s, a residual add and the RMS norm after it
+//               (the GEMM after a decoder block's norm), h summed in fp32 (fla's fused prenorm) or rounded to bf16
+//               first (an add, then the norm); block 0 also writes h rounded to bf16, the residual stream after it.
 //
 // Each warp owns ROWS rows of W [N, K] (row-major). Every lane first issues all of its weight loads, 16 bytes
 // each (lane l reads 16-byte chunks l, l + 32, ... of each row: CHUNKS = K / 256 of them), into registers: the
@@ -32,17 +35,38 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
     return v;
 }
 
-enum Prologue { NONE = 0, SWIGLU = 1, GATED_NORM = 2 };
+enum Prologue { NONE = 0, SWIGLU = 1, GATED_NORM = 2, ADD_NORM = 3 };
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+// What a prologue reads besides x, and ADD_NORM's output h (unused fields: null or 0).
+struct PrologueArgs {
+    const __nv_bfloat16* gate;  // GATED_NORM's gate, ADD_NORM's skip: K values
+    const __nv_bfloat16* norm_weight;  // D values (ADD_NORM: D = K)
+    __nv_bfloat16* sum_out;  // ADD_NORM: r + s rounded, K values
+    int dim;
+    float eps;
+    int round_sum;
+};
+
+// The value a norm prologue normalises, from the row's pair ``a`` (r) and ``b`` (the gate, or the skip): GATED_NORM r;
+// ADD_NORM r + s in fp32, or rounded to bf16 as a separate add would have stored it (round_sum).
+template <int PROLOGUE>
+__device__ __forceinline__ float2 norm_input(__nv_bfloat162 a, __nv_bfloat162 b, int round_sum) {
+    const float2 r = __bfloat1622float2(a);
+    if (PROLOGUE != ADD_NORM) return r;
+    const float2 s = __bfloat1622float2(b);
+    const float2 h = make_float2(r.x + s.x, r.y + s.y);
+    return round_sum ? __bfloat1622float2(__floats2bfloat162_rn(h.x, h.y)) : h;
+}
 
 // The block's x into ``staged`` (K / 8 chunks of 16 bytes), formed by PROLOGUE from ``x`` (and ``gate``,
 // ``norm_weight``); ``scratch`` holds K / 8 + K / D floats. Each thread handles chunks threadIdx.x + j * blockDim.x,
 // four at a time so that their loads are in flight together.
 template <int PROLOGUE>
-__device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __nv_bfloat16* x, const __nv_bfloat16* gate,
-                                        const __nv_bfloat16* norm_weight, int k, int dim, float eps) {
-    const int chunks = k / 8;
+__device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __nv_bfloat16* x, const PrologueArgs& p,
+                                        int k) {
+    const int chunks = k / 8, dim = p.dim, round_sum = p.round_sum;
     const uint4* xs = reinterpret_cast<const uint4*>(x);
     if (PROLOGUE == SWIGLU) {
         for (int base = threadIdx.x; base < chunks; base += 4 * blockDim.x) {
@@ -69,10 +93,11 @@ __device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __n
         __syncthreads();
         return;
     }
-    // GATED_NORM: each chunk's sum of squares, then each head's scale (summed in a fixed order: every replay rounds
-    // alike), then the gated, normalised chunk in place of the raw one
-    const uint4* gs = reinterpret_cast<const uint4*>(gate);
-    uint4* gated = staged + chunks;  // (the gate's chunks, after x's)
+    // GATED_NORM and ADD_NORM: each chunk's sum of squares of what the norm reads, then each head's scale (a warp a
+    // head, in a fixed order: every replay rounds alike; ADD_NORM's one head is the row), then the normalised chunk
+    // (gated for GATED_NORM) in place of the raw one
+    const uint4* gs = reinterpret_cast<const uint4*>(p.gate);
+    uint4* paired = staged + chunks;  // (the gate's or skip's chunks, after x's)
     float* squares = scratch;
     float* scale = scratch + chunks;
     for (int base = threadIdx.x; base < chunks; base += 4 * blockDim.x) {
@@ -87,36 +112,51 @@ __device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __n
             const int i = base + j * blockDim.x;
             if (i >= chunks) continue;
             const __nv_bfloat162* rp = reinterpret_cast<const __nv_bfloat162*>(&r[j]);
+            const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&g[j]);
             float sum = 0.0f;
+            uint4 summed;
+            __nv_bfloat162* sp = reinterpret_cast<__nv_bfloat162*>(&summed);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float2 v = __bfloat1622float2(rp[e]);
+                const float2 v = norm_input<PROLOGUE>(rp[e], gp[e], round_sum);
                 sum = fmaf(v.x, v.x, fmaf(v.y, v.y, sum));
+                if (PROLOGUE == ADD_NORM) {
+                    const float2 a = __bfloat1622float2(rp[e]), b = __bfloat1622float2(gp[e]);
+                    sp[e] = __floats2bfloat162_rn(a.x + b.x, a.y + b.y);
+                }
             }
-            squares[i] = sum, staged[i] = r[j], gated[i] = g[j];
+            squares[i] = sum, staged[i] = r[j], paired[i] = g[j];
+            if (PROLOGUE == ADD_NORM && blockIdx.x == 0) reinterpret_cast<uint4*>(p.sum_out)[i] = summed;
         }
     }
     __syncthreads();
-    const int per_head = dim / 8;
-    for (int h = threadIdx.x; h < k / dim; h += blockDim.x) {
+    const int per_head = dim / 8, lane = threadIdx.x & 31;
+    for (int h = threadIdx.x >> 5; h < k / dim; h += blockDim.x >> 5) {
         float sum = 0.0f;
-        for (int i = 0; i < per_head; ++i) sum += squares[h * per_head + i];
-        scale[h] = rsqrtf(sum / dim + eps);
+        for (int i = lane; i < per_head; i += 32) sum += squares[h * per_head + i];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        if (lane == 0) scale[h] = rsqrtf(sum / dim + p.eps);
     }
     __syncthreads();
-    const uint4* ws = reinterpret_cast<const uint4*>(norm_weight);
+    const uint4* ws = reinterpret_cast<const uint4*>(p.norm_weight);
     for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
         const uint4 wv = ws[i % per_head];
         const float s = scale[i / per_head];
         const __nv_bfloat162* rp = reinterpret_cast<const __nv_bfloat162*>(&staged[i]);
-        const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&gated[i]);
+        const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&paired[i]);
         const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
         uint4 formed;
         __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(&formed);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float2 v = __bfloat1622float2(rp[e]), g = __bfloat1622float2(gp[e]), w = __bfloat1622float2(wp[e]);
-            out[e] = __floats2bfloat162_rn(v.x * s * w.x * silu(g.x), v.y * s * w.y * silu(g.y));
+            const float2 v = norm_input<PROLOGUE>(rp[e], gp[e], round_sum), w = __bfloat1622float2(wp[e]);
+            if (PROLOGUE == GATED_NORM) {
+                const float2 g = __bfloat1622float2(gp[e]);
+                out[e] = __floats2bfloat162_rn(v.x * s * w.x * silu(g.x), v.y * s * w.y * silu(g.y));
+            } else {
+                out[e] = __floats2bfloat162_rn(v.x * s * w.x, v.y * s * w.y);
+            }
         }
         staged[i] = formed;
     }
@@ -125,8 +165,7 @@ __device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __n
 
 template <int ROWS, int CHUNKS, bool STREAMING, bool PDL, int PROLOGUE>
 __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* x,
-                                                   const __nv_bfloat16* gate, const __nv_bfloat16* norm_weight,
-                                                   __nv_bfloat16* __restrict__ y, int n, int k, int dim, float eps,
+                                                   __nv_bfloat16* __restrict__ y, int n, int k, PrologueArgs p,
                                                    unsigned int zero) {
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
@@ -160,8 +199,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restri
     const uint4* xs = reinterpret_cast<const uint4*>(x) + lane;
     if (PROLOGUE != NONE) {
         extern __shared__ uint4 staged[];
-        stage_x<PROLOGUE>(staged, reinterpret_cast<float*>(staged + (PROLOGUE == GATED_NORM ? 2 : 1) * (k / 8)), x, gate,
-                          norm_weight, k, dim, eps);
+        stage_x<PROLOGUE>(staged, reinterpret_cast<float*>(staged + (PROLOGUE == SWIGLU ? 1 : 2) * (k / 8)), x, p, k);
         xs = staged + lane;
     }
 #pragma unroll
@@ -190,16 +228,16 @@ __global__ void __launch_bounds__(256) gemv_kernel(const __nv_bfloat16* __restri
 }
 
 template <int ROWS, int CHUNKS, bool STREAMING, bool PDL, int PROLOGUE>
-static int launch(const void* w, const void* x, const void* gate, const void* norm_weight, void* y, int n, int k,
-                  int dim, float eps, int warps, cudaStream_t stream) {
+static int launch(const void* w, const void* x, void* y, int n, int k, const PrologueArgs& p, int warps,
+                  cudaStream_t stream) {
     cudaLaunchConfig_t config = {};
     const int rows_per_block = ROWS * warps;
     config.gridDim = dim3((n + rows_per_block - 1) / rows_per_block);
     config.blockDim = dim3(32 * warps);
     config.stream = stream;
-    // the prologue's shared memory: x (11 KB for down); the gated norm's gate, squares and head scales too (10 KB)
+    // the prologue's shared memory: x (11 KB for down); the norms' second input, squares and head scales too (10 KB)
     config.dynamicSmemBytes = PROLOGUE == SWIGLU ? static_cast<size_t>(k) * 2
-                              : PROLOGUE == GATED_NORM ? static_cast<size_t>(k) * 4 + (k / 8 + k / dim) * 4 : 0;
+                              : PROLOGUE != NONE ? static_cast<size_t>(k) * 4 + (k / 8 + k / p.dim) * 4 : 0;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
@@ -208,38 +246,41 @@ static int launch(const void* w, const void* x, const void* gate, const void* no
     using bf16 = __nv_bfloat16;
     return static_cast<int>(cudaLaunchKernelEx(&config, gemv_kernel<ROWS, CHUNKS, STREAMING, PDL, PROLOGUE>,
                                                static_cast<const bf16*>(w), static_cast<const bf16*>(x),
-                                               static_cast<const bf16*>(gate), static_cast<const bf16*>(norm_weight),
-                                               static_cast<bf16*>(y), n, k, dim, eps, 0u));
+                                               static_cast<bf16*>(y), n, k, p, 0u));
 }
 
 template <int R, int C, int PROLOGUE>
-static int launch_as(int streaming, int pdl, const void* w, const void* x, const void* gate, const void* norm_weight,
-                     void* y, int n, int k, int dim, float eps, int warps, cudaStream_t s) {
-    if (pdl) return streaming ? launch<R, C, true, true, PROLOGUE>(w, x, gate, norm_weight, y, n, k, dim, eps, warps, s)
-                              : launch<R, C, false, true, PROLOGUE>(w, x, gate, norm_weight, y, n, k, dim, eps, warps, s);
-    return streaming ? launch<R, C, true, false, PROLOGUE>(w, x, gate, norm_weight, y, n, k, dim, eps, warps, s)
-                     : launch<R, C, false, false, PROLOGUE>(w, x, gate, norm_weight, y, n, k, dim, eps, warps, s);
+static int launch_as(int streaming, int pdl, const void* w, const void* x, void* y, int n, int k, const PrologueArgs& p,
+                     int warps, cudaStream_t s) {
+    if (pdl) return streaming ? launch<R, C, true, true, PROLOGUE>(w, x, y, n, k, p, warps, s)
+                              : launch<R, C, false, true, PROLOGUE>(w, x, y, n, k, p, warps, s);
+    return streaming ? launch<R, C, true, false, PROLOGUE>(w, x, y, n, k, p, warps, s)
+                     : launch<R, C, false, false, PROLOGUE>(w, x, y, n, k, p, warps, s);
 }
 
-#define SPECLA_GEMV_CASE(R, C)                                                                                  \
-    if (rows == R && chunks == C) {                                                                             \
-        const cudaStream_t s = static_cast<cudaStream_t>(stream);                                               \
-        if (prologue == SWIGLU)                                                                                 \
-            return launch_as<R, C, SWIGLU>(streaming, pdl, w, x, gate, norm_weight, y, n, k, dim, eps, warps, s); \
-        if (prologue == GATED_NORM)                                                                             \
-            return launch_as<R, C, GATED_NORM>(streaming, pdl, w, x, gate, norm_weight, y, n, k, dim, eps, warps, s); \
-        return launch_as<R, C, NONE>(streaming, pdl, w, x, gate, norm_weight, y, n, k, dim, eps, warps, s);      \
+#define SPECLA_GEMV_CASE(R, C)                                                                                 \
+    if (rows == R && chunks == C) {                                                                            \
+        const cudaStream_t s = static_cast<cudaStream_t>(stream);                                              \
+        if (prologue == SWIGLU) return launch_as<R, C, SWIGLU>(streaming, pdl, w, x, y, n, k, p, warps, s);         \
+        if (prologue == GATED_NORM) return launch_as<R, C, GATED_NORM>(streaming, pdl, w, x, y, n, k, p, warps, s); \
+        if (prologue == ADD_NORM) return launch_as<R, C, ADD_NORM>(streaming, pdl, w, x, y, n, k, p, warps, s);     \
+        return launch_as<R, C, NONE>(streaming, pdl, w, x, y, n, k, p, warps, s);                                   \
     }
 
 // 0 on success, a cudaError_t, or -1 for a shape or configuration without an instance here: K a multiple of 256
 // (K / 256 in {4, 8, 16, 22}: depths 1024, 2048, 4096 and 5632), ROWS * K / 256 <= 32 (128 registers of weights),
-// warps in [1, 8], a prologue in {0, 1, 2}; the gated norm's head size D a multiple of 8 dividing K. swiglu: x holds
-// [gate, up], 2K wide; gated norm: x and gate hold K values, norm_weight D.
-extern "C" int specla_gemv(const void* w, const void* x, const void* gate, const void* norm_weight, void* y, int n,
-                           int k, int rows, int warps, int streaming, int pdl, int prologue, int dim, float eps,
-                           void* stream) {
-    if (k % 256 != 0 || warps < 1 || warps > 8 || n < 1 || prologue < NONE || prologue > GATED_NORM) return -1;
+// warps in [1, 8], a prologue in {0, 1, 2, 3}; the gated norm's head size D a multiple of 8 dividing K. swiglu: x
+// holds [gate, up], 2K wide; gated norm: x and gate hold K values, norm_weight D; add norm: x, gate (the skip),
+// norm_weight and sum_out K values each (dim is K), round_sum 0 or 1.
+extern "C" int specla_gemv(const void* w, const void* x, const void* gate, const void* norm_weight, void* sum_out,
+                           void* y, int n, int k, int rows, int warps, int streaming, int pdl, int prologue, int dim,
+                           float eps, int round_sum, void* stream) {
+    if (k % 256 != 0 || warps < 1 || warps > 8 || n < 1 || prologue < NONE || prologue > ADD_NORM) return -1;
     if (prologue == GATED_NORM && (dim < 8 || dim % 8 != 0 || k % dim != 0)) return -1;
+    if (prologue == ADD_NORM && (dim != k || sum_out == nullptr)) return -1;
+    const PrologueArgs p = {static_cast<const __nv_bfloat16*>(gate), static_cast<const __nv_bfloat16*>(norm_weight),
+                            static_cast<__nv_bfloat16*>(sum_out), prologue == SWIGLU || prologue == NONE ? 1 : dim,
+                            eps, round_sum};
     const int chunks = k / 256;
     SPECLA_GEMV_CASE(1, 4) SPECLA_GEMV_CASE(2, 4) SPECLA_GEMV_CASE(4, 4) SPECLA_GEMV_CASE(8, 4)
     SPECLA_GEMV_CASE(1, 8) SPECLA_GEMV_CASE(2, 8) SPECLA_GEMV_CASE(4, 8)

@@ -1,7 +1,9 @@
 """The one-row GEMV in CUDA C (``cuda_gemv.cu``): built with the machine's ``nvcc`` into a shared library, once per
 source, flags and compiler, and launched through ctypes on the caller's CUDA stream (so a CUDA graph being captured
-there records it). ``specla::row_gemv``'s CUDA kernel where the backend's ``cuda_gemvs`` option routes the plain
-step's GEMMs to it (with the MLP's ``silu(gate) * up`` or the GDN layer's gated output norm as its prologue) (``lowering/fold_norms.route_row_gemvs``), and ``benchmarks/gemv_cuda_gpu.py``'s subject.
+there records it). ``specla::row_gemv``'s and ``specla::add_norm_row_gemv``'s CUDA kernel where the backend's
+``cuda_gemvs`` option routes the plain step's GEMMs to it, with the MLP's ``silu(gate) * up``, the GDN layer's gated
+output norm or a block's residual add and RMS norm as its prologue (``lowering/fold_norms.route_row_gemvs`` and
+``fold_row_norms``), and ``benchmarks/gemv_cuda_gpu.py``'s subject.
 
 Every lane issues all of its weight loads before it waits for the kernel before (PDL) and reads x: on an H200 one
 layer's four GEMMs of the GDN-1.3B shape took 33.7 us against cuBLAS's 42.3 (``benchmarks/results/gemv_cuda_gpu.md``).
@@ -26,7 +28,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_gemv.cu"
 FLAGS = ["-O3", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC"]
 # K / 256 of the depths the library has instances for, and the most rows a warp holds at each (128 registers)
 CHUNK_ROWS = {4: (1, 2, 4, 8), 8: (1, 2, 4), 16: (1, 2), 22: (1,)}
-PROLOGUES = ("none", "swiglu", "gated_norm")  # how x is formed (cuda_gemv.cu's Prologue codes, in order)
+PROLOGUES = ("none", "swiglu", "gated_norm", "add_norm")  # how x is formed (cuda_gemv.cu's Prologue codes, in order)
 
 
 def nvcc() -> str | None:
@@ -54,7 +56,7 @@ def build(directory: str | None = None) -> ctypes.CDLL:
         os.replace(partial, path)
     lib = ctypes.CDLL(path)
     lib.specla_gemv.restype = ctypes.c_int
-    lib.specla_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_void_p]
+    lib.specla_gemv.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -79,29 +81,34 @@ def config(n: int, k: int) -> tuple[int, int, int]:
 
 def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps: int = 8, streaming: int = 0,
          pdl: int = 0, prologue: str = "none", gate: torch.Tensor | None = None,
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, sum_out: torch.Tensor | None = None,
+         round_sum: bool = False) -> None:
     """``y = w @ x`` for bf16 ``w [N, K]`` (row-major, ``depth_fits(K)``), ``x [K]`` and ``y [N]``, on the current
-    stream; x formed by ``prologue`` (``PROLOGUES``): ``"swiglu"`` from ``[gate, up]`` (``x [2K]``), ``"gated_norm"``
-    from a row of heads of D values and its ``gate`` (both ``[K]``) with ``norm_weight [D]`` and ``eps``. Raises
-    ValueError for a shape or configuration the library has no instance of, RuntimeError for a CUDA error."""
+    stream; x formed by ``prologue`` (``PROLOGUES``): ``"swiglu"`` from ``[gate, up]`` (``x [2K]``); ``"gated_norm"``
+    from a row of heads of D values and its ``gate`` (both ``[K]``) with ``norm_weight [D]`` and ``eps``;
+    ``"add_norm"``, the RMS norm (``norm_weight [K]``, ``eps``) of ``h = x + gate`` (the skip, ``[K]``) summed in fp32,
+    or rounded to bf16 first with ``round_sum``, writing h rounded to ``sum_out [K]``. Raises ValueError for a shape or
+    configuration the library has no instance of, RuntimeError for a CUDA error."""
     n, k = w.shape
     width = 2 * k if prologue == "swiglu" else k
-    extras = (gate, norm_weight) if prologue == "gated_norm" else ()
-    dim = norm_weight.numel() if prologue == "gated_norm" else 0
+    extras = (gate, norm_weight) if prologue in ("gated_norm", "add_norm") else ()
+    extras += (sum_out,) if prologue == "add_norm" else ()
+    dim = norm_weight.numel() if extras else 0
     tensors = (w, x, y, *extras)
     if not (prologue in PROLOGUES and all(t is not None and t.is_cuda and t.is_contiguous() and t.dtype == torch.bfloat16
                                           for t in tensors)
             and x.shape == (width,) and y.shape == (n,) and (not extras or gate.shape == (k,))
+            and (prologue != "add_norm" or norm_weight.shape == sum_out.shape == (k,))
             and all(t.data_ptr() % 16 == 0 for t in (w, x, *extras))):
         raise ValueError(f"gemv takes contiguous, 16-byte aligned bf16 CUDA tensors w [N, K], x [{width}] and y [N] (and "
-                         f"for the gated norm a gate [K] and a norm weight), a prologue in {PROLOGUES}; got "
-                         f"{tuple(w.shape)}, {tuple(x.shape)}, {tuple(y.shape)}, {prologue!r}")
+                         f"for the norms a gate or skip [K], a norm weight, and for the add a sum [K]), a prologue in "
+                         f"{PROLOGUES}; got {tuple(w.shape)}, {tuple(x.shape)}, {tuple(y.shape)}, {prologue!r}")
     if len({t.device for t in tensors}) > 1:
         raise ValueError(f"gemv takes its tensors on one GPU, got {sorted({str(t.device) for t in tensors})}")
+    pointers = [t.data_ptr() if t is not None else None for t in (gate, norm_weight, sum_out)] if extras else [None] * 3
     with torch.cuda.device(w.device):  # (the launch goes to the current device's stream)
-        code = library().specla_gemv(w.data_ptr(), x.data_ptr(), gate.data_ptr() if extras else None,
-                                     norm_weight.data_ptr() if extras else None, y.data_ptr(), n, k, rows, warps,
-                                     streaming, pdl, PROLOGUES.index(prologue), dim, eps,
+        code = library().specla_gemv(w.data_ptr(), x.data_ptr(), *pointers, y.data_ptr(), n, k, rows, warps, streaming,
+                                     pdl, PROLOGUES.index(prologue), dim, eps, int(round_sum),
                                      torch.cuda.current_stream(w.device).cuda_stream)
     if code == -1:
         raise ValueError(f"no GEMV instance for K={k}, {rows} rows per warp, {warps} warps, prologue {prologue!r}"
@@ -113,31 +120,34 @@ def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps
 def weight_fits(weight: torch.Tensor, dtype: torch.dtype, width: int, prologue: str, dim: int | None = None,
                 norm_weight: torch.Tensor | None = None) -> bool:
     """Whether :func:`row_gemv` takes ``weight`` for rows of ``dtype`` and ``width`` (``"swiglu"``: ``[gate, up]``,
-    twice the weight's depth; ``"gated_norm"``: heads of ``dim`` values, a multiple of 8, and a contiguous bf16
-    ``norm_weight`` of as many): a contiguous bf16 weight of an instanced depth (the fold's test, on example values:
-    their rows may be symbolic, their addresses are not the run's)."""
+    twice the weight's depth; ``"gated_norm"``: heads of ``dim`` values, a multiple of 8; ``"add_norm"``: one head,
+    the row, ``dim`` its width; the norms with a contiguous bf16 ``norm_weight`` of ``dim`` values): a contiguous bf16
+    weight of an instanced depth (the fold's test, on example values: their rows may be symbolic, their addresses are
+    not the run's)."""
     k = weight.shape[-1]
-    heads_fit = prologue != "gated_norm" or (
-        dim is not None and dim % 8 == 0 and k % dim == 0 and norm_weight is not None
-        and norm_weight.dtype == torch.bfloat16 and norm_weight.is_contiguous() and norm_weight.numel() == dim)
+    heads_fit = prologue not in ("gated_norm", "add_norm") or (
+        dim is not None and dim % 8 == 0 and k % dim == 0 and (prologue == "gated_norm" or dim == k)
+        and norm_weight is not None and norm_weight.dtype == torch.bfloat16 and norm_weight.is_contiguous()
+        and norm_weight.numel() == dim)
     return (weight.dim() == 2 and weight.is_contiguous() and depth_fits(k) and width == (2 * k if prologue == "swiglu" else k)
             and dtype == weight.dtype == torch.bfloat16 and heads_fit)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None) -> bool:
-    """Whether :func:`row_gemv` takes these: one row of ``x`` (``"gated_norm"``: of ``[..., H, D]`` heads, its gate
-    alike, a contiguous bf16 norm weight of D values), a weight of at least one row that :func:`weight_fits` it, all
-    on one GPU and 16-byte aligned."""
+    """Whether :func:`row_gemv` (``"add_norm"``: :func:`add_norm_row_gemv`) takes these: one row of ``x``
+    (``"gated_norm"``: of ``[..., H, D]`` heads), for the norms a ``gate`` (the skip of ``"add_norm"``) like it and a
+    contiguous bf16 norm weight of D values (the row's width for ``"add_norm"``), a weight of at least one row that
+    :func:`weight_fits` it, all on one GPU and 16-byte aligned."""
     tensors = [t for t in (x, weight, gate, norm_weight) if t is not None]
     if prologue not in PROLOGUES or weight.shape[0] < 1 or len({t.device for t in tensors}) > 1 or not x.is_cuda:
         return False
-    if prologue != "gated_norm":
+    if prologue in ("none", "swiglu"):
         return (x.numel() == x.shape[-1] and weight_fits(weight, x.dtype, x.shape[-1], prologue)
                 and x.data_ptr() % 16 == weight.data_ptr() % 16 == 0)
-    if x.dim() < 2 or gate is None or norm_weight is None:
+    if gate is None or norm_weight is None or (prologue == "gated_norm" and x.dim() < 2):
         return False
-    heads, dim = x.shape[-2:]
+    heads, dim = x.shape[-2:] if prologue == "gated_norm" else (1, x.shape[-1])
     return (x.numel() == heads * dim and gate.shape == x.shape and gate.dtype == x.dtype
             and weight_fits(weight, x.dtype, heads * dim, prologue, dim, norm_weight)
             and all(t.data_ptr() % 16 == 0 for t in (x, gate, norm_weight, weight)))
@@ -152,3 +162,13 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str, pdl: bool, ga
     gemv(weight, x.view(-1), y.view(-1), *config(*weight.shape), pdl=int(pdl), prologue=prologue,
          gate=None if gate is None else gate.view(-1), norm_weight=norm_weight, eps=eps)
     return y
+
+
+def add_norm_row_gemv(x: torch.Tensor, skip: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      round_sum: bool, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``specla::add_norm_row_gemv`` on CUDA for a contiguous row and skip that :func:`fits` (``"add_norm"``):
+    ``([..., N], [..., K])``, the GEMV of the normalised sum and the sum rounded."""
+    y, summed = x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
+    gemv(weight, x.view(-1), y.view(-1), *config(*weight.shape), pdl=int(pdl), prologue="add_norm", gate=skip.view(-1),
+         norm_weight=norm_weight, eps=eps, sum_out=summed.view(-1), round_sum=round_sum)
+    return y, summed

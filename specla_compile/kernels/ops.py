@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import torch
 
 from . import reference as ref
-from .cuda_gemv import PROLOGUES
 
 
 def _own_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -574,6 +573,9 @@ def _(gate_up, weight):
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
+ROW_GEMV_PROLOGUES = ("none", "swiglu", "gated_norm")  # (the CUDA GEMV's add_norm has an op of its own: two outputs)
+
+
 @torch.library.custom_op("specla::row_gemv", mutates_args=())
 def row_gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
@@ -582,8 +584,8 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.T
     (``reference.swiglu_linear_reference``); ``"gated_norm"``, fla's gated output norm of ``[..., H, D]`` heads with
     ``gate``, ``norm_weight`` and ``eps`` (``reference.gated_norm_linear_reference``). On CUDA, the CUDA C GEMV of
     ``kernels/cuda_gemv.cu`` where it takes the shapes (the backend's ``cuda_gemvs`` option routes to it)."""
-    if prologue not in PROLOGUES:
-        raise ValueError(f"row_gemv's prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if prologue not in ROW_GEMV_PROLOGUES:
+        raise ValueError(f"row_gemv's prologue must be one of {ROW_GEMV_PROLOGUES}, got {prologue!r}")
     if prologue == "swiglu":
         return ref.swiglu_linear_reference(x, weight)
     if prologue == "gated_norm":
@@ -594,6 +596,21 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, prologue: str, gate: torch.T
 @row_gemv.register_fake
 def _(x, weight, prologue, gate=None, norm_weight=None, eps=0.0):
     return x.new_empty(*x.shape[: -2 if prologue == "gated_norm" else -1], weight.shape[0])
+
+
+@torch.library.custom_op("specla::add_norm_row_gemv", mutates_args=())
+def add_norm_row_gemv(x: torch.Tensor, skip: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      round_sum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add, the RMS norm after it and the bias-free ``linear`` after that, of one row: ``[..., K]`` twice ->
+    ``([..., N], x + skip)``, the sum normalised in float32 as fla's fused prenorm does, or rounded first
+    (``round_sum``) as an add and then a norm do (``reference.add_norm_row_gemv_reference``). On CUDA, the CUDA C GEMV
+    of ``kernels/cuda_gemv.cu`` where it takes the shapes (the backend's ``cuda_gemvs`` option folds the norms in)."""
+    return ref.add_norm_row_gemv_reference(x, skip, norm_weight, eps, weight, round_sum)
+
+
+@add_norm_row_gemv.register_fake
+def _(x, skip, norm_weight, eps, weight, round_sum):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
 
 
 # A captured model's RMS norms (fla's, routed by lowering/capture.py), plain and gated: one node each in Dynamo's

@@ -445,3 +445,14 @@ def add_norm_linear_reference(x: torch.Tensor, skip: torch.Tensor, norm_weight: 
     summed = x + skip
     project = norm_gated_linear_reference if gated else norm_linear_reference
     return project(summed, norm_weight, eps, weight), summed
+
+
+def add_norm_row_gemv_reference(x: torch.Tensor, skip: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                weight: torch.Tensor, round_sum: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + skip) @ weight^T, x + skip)``, the sum rounded to ``x``'s dtype; the norm reads the sum as fla's
+    fused prenorm does (in float32, unrounded) or, with ``round_sum``, rounded (an add, then a norm of its output)."""
+    check_skip(x, skip)
+    summed = x + skip
+    normed = rms_norm_reference(summed, None, norm_weight, eps) if round_sum else rms_norm_reference(x, skip, norm_weight, eps)
+    return torch.nn.functional.linear(normed, weight), summed
+

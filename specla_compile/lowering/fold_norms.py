@@ -24,8 +24,9 @@ at the GDN-1.3B shape, the passes were no faster for it (``docs/speed.md``): the
 
 The one-row twin (plain decoding's step at B=1) folds more into one-row GEMVs (``kernels/triton_gemv.py``):
 :func:`fold_gated_norms` a GDN layer's gated output norm into its o_proj, :func:`fold_swiglu` the MLP's
-``silu(gate) * up`` into its down projection; :func:`route_row_gemvs` its other GEMMs, and the down projections,
-to the CUDA C GEMV (``kernels/cuda_gemv.cu``, the backend's ``cuda_gemvs``).
+``silu(gate) * up`` into its down projection. With the backend's ``cuda_gemvs``, :func:`fold_row_norms` folds each
+residual add and RMS norm into the CUDA C GEMV after it (``kernels/cuda_gemv.cu``; unlike :func:`fold_norms`, the
+norm reads the sum as the graph did), and :func:`route_row_gemvs` routes its other GEMMs, and the folded ones, there.
 """
 
 from __future__ import annotations
@@ -176,6 +177,45 @@ def route_linears(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = Non
     return recompiled(gm, routed)
 
 
+def _norm_site(graph: fx.Graph, norm: fx.Node, dtypes: Sequence[torch.dtype]) -> tuple | None:
+    """Where ``norm`` (``specla.rms_norm``) folds into the bias-free ``linear`` that alone reads it: ``(linear, weight,
+    added, sums)``, ``added`` the ``(a, b)`` of the add that folds with it (fla's fused prenorm's pair, or an ``a + b``
+    read after the GEMM only) or None, ``sums`` the nodes holding ``a + b`` that the folded op's sum replaces (all
+    read after the GEMM). None where it does not fold: another reader, a dtype outside ``dtypes`` or mixed, or a
+    tensor written in place between the norm's inputs and the GEMM (the folded op, placed at the GEMM, reads them
+    later than the graph did)."""
+    rows, residual, norm_weight, _ = norm.args
+    linear = _reader(norm)
+    parts = linear_parts(linear) if linear is not None else None
+    inputs = [rows, norm_weight, parts[1]] + ([residual] if residual is not None else []) if parts else []
+    if parts is None or parts[0] not in (norm, *norm.users) or _dtype(rows) not in dtypes or any(
+            _dtype(t) != _dtype(rows) for t in inputs):
+        return None  # (one dtype for all: the ops' kernels take nothing else)
+    order = _order(graph)
+    if residual is not None:
+        sums = [u for u in rows.users if _added(u) and set(u.args) == {rows, residual}]
+        added, start = (rows, residual), norm
+    else:
+        added, sums, start = _added(rows), [rows], rows
+        if added is None or any(order[u] < order[linear] for u in rows.users if u is not norm):
+            added, sums, start = None, [], norm  # (the sum is read before the GEMM, where the op would write it)
+    sums = [s for s in sums if all(order[u] > order[linear] for u in s.users if u is not norm)]
+    return None if _writes_between(graph, start, linear) else (linear, parts[1], added, sums)
+
+
+def _fold_norm(graph: fx.Graph, norm: fx.Node, linear: fx.Node, out: fx.Node, sums: list[fx.Node],
+               total: fx.Node | None, gated: fx.Node | None = None) -> None:
+    """Make ``out`` stand for the GEMM (or the ``silu(gate) * up`` after it, when ``gated``) and ``total``, the folded
+    op's sum, for ``sums``; erase what is left dead."""
+    for summed in sums if total is not None else ():
+        summed.replace_all_uses_with(total)
+    dead = _replace(linear, gated, out)
+    dead += [user for user in norm.users if user is not linear] + [norm]  # (the indexing looked through)
+    dead += [summed for summed in sums if total is not None and not summed.users]
+    for node in dead:
+        graph.erase_node(node)
+
+
 def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
     """Fold, in place, every ``specla.rms_norm`` of a ``dtypes`` input whose only reader is a bias-free
     ``linear`` into a ``specla::`` linear op with the norm (and the add that made its input, and a following
@@ -185,43 +225,23 @@ def fold_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) 
     fake_mode = graph_fake_mode(graph)
     folded = 0
     for norm in _norm_calls(graph, NORMS):
-        rows, residual, norm_weight, eps = norm.args
-        linear = _reader(norm)
-        parts = linear_parts(linear) if linear is not None else None
-        inputs = [rows, norm_weight, parts[1]] + ([residual] if residual is not None else []) if parts else []
-        if parts is None or parts[0] not in (norm, *norm.users) or _dtype(rows) not in dtypes or any(
-                _dtype(t) != _dtype(rows) for t in inputs):
-            continue  # (one dtype for all: the op's kernel takes nothing else)
-        order = _order(graph)
-        # (a, b) to add before the norm, the nodes holding a + b elsewhere in the graph, and the first node from
-        # which the op, placed at the GEMM, reads its inputs later than the graph did
-        if residual is not None:
-            sums = [u for u in rows.users if _added(u) and set(u.args) == {rows, residual}]
-            added, start = (rows, residual), norm
-        else:
-            added, sums, start = _added(rows), [rows], rows
-            if added is None or any(order[u] < order[linear] for u in rows.users if u is not norm):
-                added, sums, start = None, [], norm  # (the sum is read before the GEMM, where the op would write it)
-        sums = [s for s in sums if all(order[u] > order[linear] for u in s.users if u is not norm)]
-        if _writes_between(graph, start, linear):
+        site = _norm_site(graph, norm, dtypes)
+        if site is None:
             continue
+        linear, weight, added, sums = site
+        rows, _, norm_weight, eps = norm.args
         gated = _silu_times_up(linear)
+        total = None
         with graph.inserting_before(linear):
             if added is None:
                 op = ops.norm_gated_linear if gated is not None else ops.norm_linear
-                out = graph.call_function(op._opoverload, (rows, norm_weight, eps, parts[1]))
+                out = graph.call_function(op._opoverload, (rows, norm_weight, eps, weight))
             else:
                 op = ops.add_norm_gated_linear if gated is not None else ops.add_norm_linear
-                pair = graph.call_function(op._opoverload, (*added, norm_weight, eps, parts[1]))
+                pair = graph.call_function(op._opoverload, (*added, norm_weight, eps, weight))
                 out = graph.call_function(operator.getitem, (pair, 0))
                 total = graph.call_function(operator.getitem, (pair, 1))
-                for summed in sums:
-                    summed.replace_all_uses_with(total)
-        dead = _replace(linear, gated, out)
-        dead += [user for user in norm.users if user is not linear] + [norm]  # (the indexing looked through)
-        dead += [summed for summed in sums if added is not None and not summed.users]
-        for node in dead:
-            graph.erase_node(node)
+        _fold_norm(graph, norm, linear, out, sums, total, gated)
         fill_example_values(graph, fake_mode)  # (the next norm may read this one's sum as its add's input)
         folded += 1
     return recompiled(gm, folded)
@@ -305,6 +325,37 @@ def _weight_input(weight: fx.Node) -> bool:
     """A graph input, or :func:`~.fuse_projections.fuse_projections`' packed view of one."""
     packed = is_call(weight, (torch.as_strided,)) and isinstance(weight.args[0], fx.Node)
     return _graph_weight(weight.args[0] if packed else weight)
+
+
+def fold_row_norms(gm: fx.GraphModule) -> int:
+    """Fold, in place, every ``specla.rms_norm`` of one bf16 row whose input is a residual add (fla's fused prenorm's
+    pair, or an ``a + b`` read after the GEMM only) and whose only reader is a bias-free ``linear`` of a graph-input
+    weight the CUDA C GEMV takes into ``specla.add_norm_row_gemv``, whose sum replaces the add's: the backend's
+    ``cuda_gemvs`` option, in the one-token twin of a batch of one (before :func:`route_row_gemvs`). The norm reads the
+    sum as the graph did: unrounded for the fused prenorm, rounded after an add. A norm without an add (the first
+    layer's, of the embedding) stays. Returns the number of norms folded."""
+    graph = gm.graph
+    fake_mode = graph_fake_mode(graph)
+    fill_example_values(graph, fake_mode)  # (the packed weights' views have none yet)
+    folded = 0
+    for norm in _norm_calls(graph, NORMS):
+        site = _norm_site(graph, norm, FOLDED_DTYPES)
+        if site is None or site[2] is None:
+            continue
+        linear, weight, added, sums = site
+        rows, residual, norm_weight, eps = norm.args
+        x, w = example_value(rows), example_value(weight)
+        if not _weight_input(weight) or x is None or w is None or not cuda_gemv.weight_fits(
+                w, x.dtype, x.shape[-1], "add_norm", x.shape[-1], example_value(norm_weight)):
+            continue
+        with graph.inserting_before(linear):
+            pair = graph.call_function(ops.add_norm_row_gemv._opoverload, (*added, norm_weight, eps, weight, residual is None))
+            out = graph.call_function(operator.getitem, (pair, 0))
+            total = graph.call_function(operator.getitem, (pair, 1))
+        _fold_norm(graph, norm, linear, out, sums, total)
+        fill_example_values(graph, fake_mode)
+        folded += 1
+    return recompiled(gm, folded)
 
 
 def _row_gemv_call(node: fx.Node) -> tuple[tuple, int, int | None, torch.Tensor | None] | None:
