@@ -670,6 +670,9 @@ def test_add_norm_row_gemv_op_matches_its_reference(n, k, round_sum):
     wide = ops.add_norm_row_gemv._init_fn(x.double(), skip.double(), norm_weight.double(), 1e-6, w.double(), round_sum)[0]
     assert (y.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item(), "against the reference"
     assert (y.double() - wide).abs().max().item() <= 1e-2 * wide.abs().max().item(), "against fp64"
+    with pytest.raises(ValueError, match="the outputs apart from x and the gate"):  # (block 0 would overwrite x)
+        cuda_gemv.gemv(w, x.view(-1), y.view(-1), *cuda_gemv.config(n, k), prologue="add_norm", gate=skip.view(-1),
+                       norm_weight=norm_weight, eps=1e-6, sum_out=x.view(-1))
     rows, skips = x.expand(2, 1, k).contiguous(), skip.expand(2, 1, k).contiguous()
     assert not cuda_gemv.fits(rows, w, "add_norm", skips, norm_weight)
     for got, want in zip(ops.add_norm_row_gemv(rows, skips, norm_weight, 1e-6, w, round_sum),

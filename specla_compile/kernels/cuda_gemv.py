@@ -79,6 +79,11 @@ def config(n: int, k: int) -> tuple[int, int, int]:
     return min(rows, max(CHUNK_ROWS[k // 256])), 8, 1
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share bytes."""
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
+
+
 def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps: int = 8, streaming: int = 0,
          pdl: int = 0, prologue: str = "none", gate: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, sum_out: torch.Tensor | None = None,
@@ -93,16 +98,18 @@ def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps
     width = 2 * k if prologue == "swiglu" else k
     extras = (gate, norm_weight) if prologue in ("gated_norm", "add_norm") else ()
     extras += (sum_out,) if prologue == "add_norm" else ()
-    dim = norm_weight.numel() if extras else 0
     tensors = (w, x, y, *extras)
     if not (prologue in PROLOGUES and all(t is not None and t.is_cuda and t.is_contiguous() and t.dtype == torch.bfloat16
                                           for t in tensors)
             and x.shape == (width,) and y.shape == (n,) and (not extras or gate.shape == (k,))
             and (prologue != "add_norm" or norm_weight.shape == sum_out.shape == (k,))
+            and not any(_overlap(out, t) for out in (y, sum_out) if out is not None for t in (x, gate) if t is not None)
             and all(t.data_ptr() % 16 == 0 for t in (w, x, *extras))):
         raise ValueError(f"gemv takes contiguous, 16-byte aligned bf16 CUDA tensors w [N, K], x [{width}] and y [N] (and "
-                         f"for the norms a gate or skip [K], a norm weight, and for the add a sum [K]), a prologue in "
-                         f"{PROLOGUES}; got {tuple(w.shape)}, {tuple(x.shape)}, {tuple(y.shape)}, {prologue!r}")
+                         f"for the norms a gate or skip [K], a norm weight, and for the add a sum [K]), the outputs apart "
+                         f"from x and the gate (blocks write them while others read), a prologue in {PROLOGUES}; got "
+                         f"{tuple(w.shape)}, {tuple(x.shape)}, {tuple(y.shape)}, {prologue!r}")
+    dim = norm_weight.numel() if extras else 0
     if len({t.device for t in tensors}) > 1:
         raise ValueError(f"gemv takes its tensors on one GPU, got {sorted({str(t.device) for t in tensors})}")
     pointers = [t.data_ptr() if t is not None else None for t in (gate, norm_weight, sum_out)] if extras else [None] * 3
