@@ -125,10 +125,13 @@ def time_prologues() -> dict:
 
 
 def time_prologue(name: str, prologue: str) -> dict:
-    """One row of :func:`time_prologues`: 24 weights of shape ``name``, x formed by ``prologue``."""
+    """One row of :func:`time_prologues`: 24 weights of shape ``name``, x formed by ``prologue``; the CUDA GEMV with
+    the configuration the op picks (``cuda_gemv.config``) and with the best of every (rows per warp, warps, streaming)
+    it has an instance of, PDL on: every block forms x again, so fewer, larger blocks may pay (they take more
+    registers)."""
     from specla_compile.kernels import ops, triton_gemv
     from specla_compile.kernels import reference as ref
-    from specla_compile.kernels.cuda_gemv import add_norm_row_gemv, row_gemv
+    from specla_compile.kernels.cuda_gemv import config, row_gemv
 
     n, k = SHAPES[name]
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 50 for _ in range(LAYERS)]
@@ -138,28 +141,40 @@ def time_prologue(name: str, prologue: str) -> dict:
     if prologue != "swiglu":  # (the gate, or the skip; the norm weight; eps)
         extras = (torch.randn_like(x), 1 + torch.randn(x.shape[-1], device="cuda", dtype=torch.bfloat16) / 4, 1e-6)
     add_norm = torch.compile(lambda a, b: (a + b, ref.rms_norm_reference(a, b, extras[1], 1e-6)))  # (fla's prenorm)
+    y, summed = torch.empty(n, device="cuda", dtype=torch.bfloat16), torch.empty(k, device="cuda", dtype=torch.bfloat16)
 
     def before(w: torch.Tensor) -> torch.Tensor:
         if prologue == "add_norm":
             return row_gemv(add_norm(x, extras[0])[1], w, "none", True)
         return triton_gemv.swiglu_gemv(x, w) if prologue == "swiglu" else triton_gemv.gated_norm_gemv(x, *extras, w)
 
-    def cuda(w: torch.Tensor) -> torch.Tensor:
-        if prologue == "add_norm":
-            return add_norm_row_gemv(x, *extras, w, False, True)[0]
-        return row_gemv(x, w, prologue, True, *extras)
+    def cuda(w: torch.Tensor, setting: tuple) -> torch.Tensor:
+        gemv(w, x.view(-1), y, *setting, pdl=1, prologue=prologue, gate=extras[0].view(-1) if extras else None,
+             norm_weight=extras[1] if extras else None, eps=1e-6, sum_out=summed if prologue == "add_norm" else None)
+        return y
 
     wide = [e.float() if torch.is_tensor(e) else e for e in extras]
     if prologue == "add_norm":
-        reference = ops.add_norm_row_gemv._init_fn(x.float(), *wide, weights[0].float(), False)[0]
+        reference = ops.add_norm_row_gemv._init_fn(x.float(), *wide, weights[0].float(), False)[0].view(-1)
     else:
-        reference = ops.row_gemv._init_fn(x.float(), weights[0].float(), prologue, *wide)
-    row = {}
-    for side, fn in (("before", before), ("cuda_gemv", cuda)):
-        error = (fn(weights[0]).float() - reference).abs().max().item()
-        ms = graph_ms(lambda fn=fn: [fn(w) for w in weights])
-        row[side] = {"us": 1000 * ms / LAYERS, "TBps": n * k * 2 * LAYERS / ms / 1e9,
-                     "matches": error <= 0.02 * reference.abs().max().item() + 1e-2}
+        reference = ops.row_gemv._init_fn(x.float(), weights[0].float(), prologue, *wide).view(-1)
+
+    def timed(fn) -> dict:
+        error = (fn(weights[0]).float().view(-1) - reference).abs().max().item()
+        ms = graph_ms(lambda: [fn(w) for w in weights])
+        return {"us": 1000 * ms / LAYERS, "TBps": n * k * 2 * LAYERS / ms / 1e9,
+                "matches": error <= 0.02 * reference.abs().max().item() + 1e-2}
+
+    row = {"before": timed(before), "cuda_gemv": {**timed(lambda w: cuda(w, config(n, k))), "config": list(config(n, k))}}
+    for setting in itertools.product((1, 2, 4, 8), (4, 8), (0, 1)):
+        try:
+            cuda(weights[0], setting)
+        except ValueError:
+            continue  # (no instance: too many rows for the depth)
+        result = {**timed(lambda w, setting=setting: cuda(w, setting)), "config": list(setting)}
+        best = row.get("cuda_gemv_best")
+        if result["matches"] and (best is None or result["us"] < best["us"]):
+            row["cuda_gemv_best"] = result
     return row
 
 
@@ -199,8 +214,9 @@ def write_report(results: dict, out_dir: str) -> None:
         lines += ["", ("What the one-token twin's folds leave (the fold's one-row Triton GEMV; for the add and norm, "
                        "inductor's kernel of them and then the CUDA GEMV) against the CUDA GEMV with that work as its "
                        "prologue (24 weights in one graph, PDL on both):"), "",
-                  "| GEMV | before, us | CUDA GEMV with the prologue, us | ratio | outputs as the reference |",
-                  "| --- | --- | --- | --- | --- |"]
+                  ("| GEMV | before, us | CUDA GEMV with the prologue, us | ratio | its best configuration, us | config "
+                   "(rows, warps, streaming) | outputs as the reference |"),
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         labels = {"down_swiglu": "down with silu(gate) * up (fold's Triton GEMV)",
                   "o_proj_gated_norm": "o_proj with the gated norm (fold's Triton GEMV)",
                   "qkvg_add_norm": "q/k/v/gates with the add and norm (inductor's kernel, then the CUDA GEMV)",
@@ -208,8 +224,10 @@ def write_report(results: dict, out_dir: str) -> None:
         for name, row in prologues.items():
             old, cuda = row["before"], row["cuda_gemv"]
             matches = "yes" if old["matches"] and cuda["matches"] else "no: its time does not count"
+            best = row.get("cuda_gemv_best")
+            swept = f"{best['us']:.2f} | {best['config']}" if best else "- | -"
             lines.append(f"| {labels.get(name, name)} | {old['us']:.2f} | {cuda['us']:.2f} | {cuda['us'] / old['us']:.3f} "
-                         f"| {matches} |")
+                         f"| {swept} | {matches} |")
     with open(os.path.join(out_dir, "gemv_cuda_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

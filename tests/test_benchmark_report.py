@@ -411,12 +411,15 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
     side = {"us": 10.0, "TBps": 2.3, "matches": True}
     results["prologues"] = {"down_swiglu": {"before": side, "cuda_gemv": {**side, "us": 8.0}},
                             "o_proj_gated_norm": {"before": side, "cuda_gemv": {**side, "matches": False}},
-                            "qkvg_add_norm": {"before": {**side, "us": 12.5}, "cuda_gemv": side}}
+                            "qkvg_add_norm": {"before": {**side, "us": 12.5}, "cuda_gemv": side,
+                                              "cuda_gemv_best": {**side, "us": 9.0, "config": [1, 8, 1]}}}
     G.write_report(results, str(tmp_path))
     text = (tmp_path / "gemv_cuda_gpu.md").read_text()
-    assert "| down with silu(gate) * up (fold's Triton GEMV) | 10.00 | 8.00 | 0.800 | yes |" in text
-    assert "| o_proj with the gated norm (fold's Triton GEMV) | 10.00 | 10.00 | 1.000 | no: its time does not count |" in text
-    assert "| q/k/v/gates with the add and norm (inductor's kernel, then the CUDA GEMV) | 12.50 | 10.00 | 0.800 | yes |" in text
+    assert "| down with silu(gate) * up (fold's Triton GEMV) | 10.00 | 8.00 | 0.800 | - | - | yes |" in text
+    assert ("| o_proj with the gated norm (fold's Triton GEMV) | 10.00 | 10.00 | 1.000 | - | - | no: its time does not "
+            "count |") in text
+    assert ("| q/k/v/gates with the add and norm (inductor's kernel, then the CUDA GEMV) | 12.50 | 10.00 | 0.800 | 9.00 "
+            "| [1, 8, 1] | yes |") in text
     assert json.loads((tmp_path / "gemv_cuda_gpu.json").read_text())["layers"]["cublas"]["ms_per_pass"] == 1.04
 
 
