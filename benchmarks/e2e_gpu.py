@@ -544,8 +544,8 @@ def fla_quick(args, results: dict) -> None:
 def fla_passes(args, results: dict) -> None:
     """Only the captured passes, in about two minutes of a cold process: plain decoding's time per token (also
     with 0, 2 and 8 passes queued behind each block the host reads), replay times of the 1- and 16-node chain
-    passes and the 16- and 32-node tree passes, the 16-node tree pass's kernels and the 1-node pass's (one layer
-    in launch order)."""
+    passes and the 16- and 32-node tree passes, the kernels of the 16-node tree pass and of the 1-node pass (each with
+    one layer in launch order)."""
     from specla_compile.kernels import pdl
     from specla_compile.runtime import generator as generator_module
 
@@ -576,7 +576,7 @@ def fla_passes(args, results: dict) -> None:
         write_report(results, args.out)
     engine = next(iter(gen._engines.values()))
     profile = kernel_profile(engine.buckets[bucket_key(16, False)].graph)
-    section["profile_16_tree"] = {k: v for k, v in profile.items() if k != "one_layer"}
+    section["profile_16_tree"] = profile  # (one layer in launch order too: where the drafted pass's extra time goes)
     plain = engine.buckets[bucket_key(1)]
     plain.step.zero_()
     section["profile_1"] = kernel_profile(plain.graph)  # (with one layer in launch order: what an A/B fused)
@@ -614,9 +614,10 @@ def fold_ab(args, results: dict) -> None:
                 with open(path) as f:
                     passes = json.load(f).get("fla_passes", {})
         keep = ("plain_ms_per_token", "plain_tokens_sha1", "pass_ms", "pass_ms_tree")
-        profile = {k: v for k, v in passes.get("profile_1", {}).items() if k != "one_layer"}  # (what bounds the step)
+        profiles = {key: {k: v for k, v in passes[key].items() if k != "one_layer"}  # (what bounds each pass)
+                    for key in ("profile_1", "profile_16_tree") if key in passes}
         section[name] = {"backend": backend, **{k: passes[k] for k in keep if k in passes},
-                         "kernels_1": profile.get("kernels_per_pass"), **({"profile_1": profile} if profile else {})}
+                         "kernels_1": profiles.get("profile_1", {}).get("kernels_per_pass"), **profiles}
         if "pass_ms" not in passes:
             section[name]["error"] = run.stderr[-2000:]
         print(name, section[name], flush=True)
@@ -645,8 +646,10 @@ def fold_ab_markdown(section: dict) -> list[str]:
         same = run.get("plain_tokens_sha1") == base.get("plain_tokens_sha1") is not None
         lines.append(f"| {name} | " + " | ".join(cell(v, r) for v, r in values) + f" | {run.get('kernels_1')} | "
                      + ("yes" if same else "no") + " |")
-    # (the 1-node pass of each option set, a column each)
-    return lines + profile_markdown({name: run["profile_1"] for name, run in section.items() if "profile_1" in run}, 2.93 / 4.2)
+    for key, what in (("profile_1", "the 1-node pass"), ("profile_16_tree", "the 16-node tree pass")):
+        table = profile_markdown({name: run[key] for name, run in section.items() if key in run}, 2.93 / 4.2)
+        lines += table[:2] + [f"Of {what}, an option set a column:"] + table[2:] if table else []
+    return lines
 
 
 def fla_profile(args, results: dict) -> None:

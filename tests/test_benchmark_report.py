@@ -84,7 +84,9 @@ def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios
         passes = {"plain_ms_per_token": 1.5 * speed, "plain_tokens_sha1": "ab" if len(options) < 3 else "cd",
                   "pass_ms": {"1": 1.4 * speed, "16": 1.75},
                   "pass_ms_tree": {"16": 1.75, "32": 2.0}, "profile_1": {"kernels_per_pass": 258.0, "busy_ms": 1.2 * speed, "span_ms": 1.3,
-                                                                "by_kind_ms": {"gemm": 0.8 * speed, "inductor": 0.3}, "one_layer": []}}
+                                                                "by_kind_ms": {"gemm": 0.8 * speed, "inductor": 0.3}, "one_layer": []},
+                  "profile_16_tree": {"kernels_per_pass": 300.0, "busy_ms": 1.6, "span_ms": 1.7,
+                                      "by_kind_ms": {"gemm": 0.9, "recurrence": 0.25 * speed}, "one_layer": [["k", 1.0]]}}
         Path(out, "e2e_gpu.json").write_text(json.dumps({"fla_passes": passes}))
         return argparse.Namespace(stdout="", stderr="")
 
@@ -99,7 +101,9 @@ def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios
     assert "| without_fold_swiglu | 1.650 (1.100) | 1.540 (1.100) | 1.750 (1.000) | 1.750 (1.000) | 2.000 (1.000) | 258.0 | yes |" in table
     assert "| fold_convs | failed: see the JSON |" in table and "| 258.0 | no |" in table  # (both)
     assert "| gemm | 0.800 | 0.880 |" in table and "| busy (sum of kernels) | 1.200 | 1.320 |" in table  # (a column a set)
+    assert "Of the 16-node tree pass, an option set a column:" in table and "| recurrence | 0.250 | 0.275 |" in table
     assert "one_layer" not in results["fold_ab"]["defaults"]["profile_1"]
+    assert "one_layer" not in results["fold_ab"]["defaults"]["profile_16_tree"]
 
 
 def test_sampling_section_reaches_the_report(tmp_path):
