@@ -117,10 +117,11 @@ def time_prologues() -> dict:
     """What each fold of the one-token twin leaves against the CUDA GEMV doing that work in its prologue, 24 distinct
     weights in one graph, PDL on both sides as in the pass: down with the MLP's ``silu(gate) * up`` (``fold_swiglu``'s
     Triton GEMV, ``"swiglu"``), o_proj with the gated output norm of 8 heads of 256 (``fold_gated_norms``',
-    ``"gated_norm"``), and q/k/v/gates and gate/up with the residual add and RMS norm before them (inductor's kernel of
-    them, then the CUDA GEMV; ``fold_row_norms``, ``"add_norm"``). Each side's outputs are checked against the op's
-    reference first."""
-    cases = (("down", "swiglu"), ("o_proj", "gated_norm"), ("qkvg", "add_norm"), ("gate_up", "add_norm"))
+    ``"gated_norm"``), and q/k/v/gates, gate/up and the LM head with the residual add and RMS norm before them
+    (inductor's kernel of them, then the CUDA GEMV; ``fold_row_norms``, ``"add_norm"``). Each side's outputs are
+    checked against the op's reference first."""
+    cases = (("down", "swiglu"), ("o_proj", "gated_norm"), ("qkvg", "add_norm"), ("gate_up", "add_norm"),
+             ("lm_head", "add_norm"))  # (the LM head's 4,000 blocks each form x again: the most prologues of a pass)
     return {f"{name}_{prologue}": time_prologue(name, prologue) for name, prologue in cases}
 
 
@@ -220,7 +221,8 @@ def write_report(results: dict, out_dir: str) -> None:
         labels = {"down_swiglu": "down with silu(gate) * up (fold's Triton GEMV)",
                   "o_proj_gated_norm": "o_proj with the gated norm (fold's Triton GEMV)",
                   "qkvg_add_norm": "q/k/v/gates with the add and norm (inductor's kernel, then the CUDA GEMV)",
-                  "gate_up_add_norm": "gate/up with the add and norm (inductor's kernel, then the CUDA GEMV)"}
+                  "gate_up_add_norm": "gate/up with the add and norm (inductor's kernel, then the CUDA GEMV)",
+                  "lm_head_add_norm": "LM head with the add and norm (inductor's kernel, then the CUDA GEMV)"}
         for name, row in prologues.items():
             old, cuda = row["before"], row["cuda_gemv"]
             matches = "yes" if old["matches"] and cuda["matches"] else "no: its time does not count"
