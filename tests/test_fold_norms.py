@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -133,6 +134,9 @@ def test_generation_through_cuda_gemvs_equals_plain_decoding(monkeypatch, caplog
     # the attention norms but the first (of the embedding), the MLP norms and the final norm with the adds before them
     assert f"{2 * LAYERS} residual adds and norms folded into the CUDA C GEMV" in log
     assert f"{2 * LAYERS + 1} GEMMs routed to the CUDA C GEMV" in log  # the first q/k/v/gates, o_proj, down
+    # regional compilation still shares one program between the middle layers (1 and 2 of 4): the embedding's norm,
+    # layer 0, layers 1-2, layer 3 with the final norm and the head
+    assert re.search(r"\(1,\)'s 5 regions: 4 compiled in [0-9.]+ s, 1 calling an earlier region's program", log)
 
 
 @pytest.mark.parametrize("fold_norms", [False, True])
@@ -158,8 +162,11 @@ def test_every_gemm_of_a_folded_one_token_twin_routes_to_the_cuda_gemv_and_the_o
     prologues = [n.args[2] for n in gm.graph.nodes if _calls_node(n, SPECLA.row_gemv.default)]
     plain = 1 if fold_norms else 2 * LAYERS + 1
     assert {p: prologues.count(p) for p in set(prologues)} == {"none": plain, "swiglu": LAYERS, "gated_norm": LAYERS}
-    rounded = [n.args[5] for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)]
-    assert sorted(rounded) == ([False] * LAYERS + [True] * LAYERS if fold_norms else [])
+    folded = [n for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)]
+    assert sorted(n.args[5] for n in folded) == ([False] * LAYERS + [True] * LAYERS if fold_norms else [])
+    # (each in its norm's module: a layer's input norm starts its region of the regional compile)
+    modules = [list(n.meta["nn_module_stack"].values())[-1][0].rsplit(".", 1)[-1] for n in folded]
+    assert sorted(modules) == (["attn_norm"] * (LAYERS - 1) + ["mlp_norm"] * LAYERS + ["norm"] if fold_norms else [])
     assert _calls(gm, *folding.NORMS) == (1 if fold_norms else 2 * LAYERS + 1)
     assert sum(folding.linear_parts(n) is not None for n in gm.graph.nodes) == 0
     for g, e in zip(got, expected):

@@ -352,6 +352,8 @@ def fold_row_norms(gm: fx.GraphModule) -> int:
             pair = graph.call_function(ops.add_norm_row_gemv._opoverload, (*added, norm_weight, eps, weight, residual is None))
             out = graph.call_function(operator.getitem, (pair, 0))
             total = graph.call_function(operator.getitem, (pair, 1))
+        for node in (pair, out, total):  # (the norm's module: a layer's input norm starts its region, lowering/regions.py)
+            node.meta["nn_module_stack"] = dict(norm.meta.get("nn_module_stack") or {})
         _fold_norm(graph, norm, linear, out, sums, total)
         fill_example_values(graph, fake_mode)
         folded += 1
