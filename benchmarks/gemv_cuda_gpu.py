@@ -13,7 +13,7 @@ configuration, against cuBLAS: a bound on what the pass could gain (back to back
 between them). Every configuration's output is checked against ``F.linear`` before it is timed, and the best ones'
 captured graphs after. Last, what the one-token twin's folds leave (down with the MLP's product and o_proj with the
 gated norm in Triton GEMVs; the residual add and norm before q/k/v/gates and gate/up in inductor's kernel) against
-the CUDA GEMV doing that work in its prologue. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, about 15 s; the backend's ``cuda_gemvs``
+the CUDA GEMV doing that work in its prologue. The library is built with the machine's ``nvcc`` (``-arch=sm_90``, about 30 s; the backend's ``cuda_gemvs``
 option runs the same kernels in the plain step).
 
     python benchmarks/gemv_cuda_gpu.py --out benchmarks/results          # H200, about a minute

@@ -50,7 +50,7 @@ def build(directory: str | None = None) -> ctypes.CDLL:
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"cuda_gemv_{digest}.so")
     if not os.path.exists(path):
-        log.info("specla: building the CUDA GEMV with nvcc into %s (once per source and compiler, about 15 s)", path)
+        log.info("specla: building the CUDA GEMV with nvcc into %s (once per source and compiler, about 30 s)", path)
         partial = f"{path}.{os.getpid()}.tmp"  # (per process: pytest-xdist's workers build at once)
         subprocess.run([compiler, *FLAGS, "-o", partial, SOURCE], check=True)
         os.replace(partial, path)
