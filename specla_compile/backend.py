@@ -315,6 +315,8 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
     if switches["cuda_gemvs"] and cuda_gemv.nvcc() is None:
         raise ValueError("specla option 'cuda_gemvs' builds its GEMV with nvcc, which is neither on the PATH nor in "
                          "$CUDA_HOME/bin")
+    if switches["cuda_gemvs"] and torch.cuda.is_available():
+        cuda_gemv.prebuild()  # (nvcc's half minute beside the compilation of the twins, not before the first pass)
     compile_inner = _inner_compiler(options.get("inner", "inductor"), mode, switches["combo_kernels"])
     verify_kernel = options.get("verify_kernel", "auto")
     if verify_kernel != "auto" and verify_kernel not in dispatch.ROUTES:

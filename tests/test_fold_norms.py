@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import pytest
 import torch
@@ -193,6 +194,36 @@ def test_the_cuda_gemvs_fold_takes_the_weights_its_kernel_has_instances_for():
     assert folding.cuda_gemv.weight_fits(weight, bf16, 2048, "add_norm", 2048, row_norm)  # (one head: the row)
     assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "add_norm", 256, norm)
     assert not folding.cuda_gemv.weight_fits(weight, bf16, 2048, "add_norm", 2048, row_norm[:1024])
+
+
+def test_cuda_gemvs_build_the_gemv_once_in_the_background_and_its_failure_is_raised_where_it_is_used(monkeypatch, caplog):
+    """With ``cuda_gemvs`` on a CUDA machine the backend starts the library's build in a thread (nvcc's half minute
+    beside the twins' compilation); every later call of ``library()`` waits for that one build. A build that fails
+    in the thread is logged there and raised by the launch's own call."""
+    import specla_compile.backend as backend
+
+    builds, started = [], []
+    monkeypatch.setattr(folding.cuda_gemv, "_built", [])
+    monkeypatch.setattr(folding.cuda_gemv, "build", lambda: (time.sleep(0.2), builds.append(1), "library")[-1])
+    monkeypatch.setattr(folding.cuda_gemv, "nvcc", lambda: "nvcc")
+    monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
+    prebuild = folding.cuda_gemv.prebuild
+    monkeypatch.setattr(folding.cuda_gemv, "prebuild", lambda: started.append(prebuild()))
+    linear = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    backend.specla_backend(linear, [torch.randn(1, 2)], options={"inner": "eager", "cuda_gemvs": True})
+    assert len(started) == 1 and folding.cuda_gemv.library() == folding.cuda_gemv.library() == "library"
+    assert builds == [1]  # (one build, the thread's or the first call's: the others waited for it)
+
+    def fail():
+        raise RuntimeError("nvcc: no such architecture")
+
+    monkeypatch.setattr(folding.cuda_gemv, "_built", [])
+    monkeypatch.setattr(folding.cuda_gemv, "build", fail)
+    with caplog.at_level(logging.WARNING, logger="specla_compile"):
+        prebuild().join()
+    assert "building the CUDA GEMV in the background failed: nvcc: no such architecture" in caplog.text
+    with pytest.raises(RuntimeError, match="no such architecture"):
+        folding.cuda_gemv.library()
 
 
 def test_cuda_gemvs_without_nvcc_fail_before_compiling(monkeypatch):

@@ -12,13 +12,13 @@ layer's four GEMMs of the GDN-1.3B shape took 33.7 us against cuBLAS's 42.3 (``b
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import torch
 
@@ -60,10 +60,32 @@ def build(directory: str | None = None) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
+_built: list[ctypes.CDLL] = []  # (the process's library, once built)
+_building = threading.Lock()
+
+
 def library() -> ctypes.CDLL:
-    """The process's library (built at the first call)."""
-    return build()
+    """The process's library: built at the first call, which later calls (from any thread) wait for."""
+    with _building:
+        if not _built:
+            _built.append(build())
+        return _built[0]
+
+
+def prebuild() -> threading.Thread:
+    """Start :func:`library`'s build in a background thread, so that nvcc's half minute overlaps what the caller
+    compiles meanwhile (the backend's ``cuda_gemvs``: its verification twins); the first launch waits for it. A failed
+    build is logged here and raised again by the launch's own call of :func:`library`."""
+
+    def build_now() -> None:
+        try:
+            library()
+        except Exception as error:  # (the launch's call builds again and raises it there)
+            log.warning("specla: building the CUDA GEMV in the background failed: %s", error)
+
+    thread = threading.Thread(target=build_now, name="specla-cuda-gemv-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def depth_fits(k: int) -> bool:
