@@ -200,7 +200,7 @@ def test_cuda_gemvs_build_the_gemv_once_in_the_background_and_its_failure_is_rai
     """With ``cuda_gemvs`` on a CUDA machine the backend starts the library's build in a thread (nvcc's half minute
     beside the twins' compilation); every later call of ``library()`` waits for that one build. A build that fails
     in the thread is logged there and raised by the launch's own call."""
-    import specla_compile.backend as backend
+    from specla_compile import backend
 
     builds, started = [], []
     monkeypatch.setattr(folding.cuda_gemv, "_built", [])

@@ -80,7 +80,7 @@ def prebuild() -> threading.Thread:
     def build_now() -> None:
         try:
             library()
-        except Exception as error:  # (the launch's call builds again and raises it there)
+        except Exception as error:  # noqa: BLE001 (any failure: the launch's call builds again and raises it)
             log.warning("specla: building the CUDA GEMV in the background failed: %s", error)
 
     thread = threading.Thread(target=build_now, name="specla-cuda-gemv-build", daemon=True)
