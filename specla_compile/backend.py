@@ -38,7 +38,7 @@ which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); 
 runs, on CUDA, the one-token twin's (B=1) bf16 GEMMs, with the gated norms, MLP products and the residual adds and
 RMS norms before them folded into them, as a one-row GEMV in CUDA C that issues its weight loads before it waits for
 the kernel before (:func:`.lowering.fold_norms.fold_row_norms`, :func:`.lowering.fold_norms.route_row_gemvs`,
-``kernels/cuda_gemv.cu``, built with the machine's ``nvcc`` at the first call); ``regional`` — True (default):
+``kernels/cuda_gemv.cu``, built with the machine's ``nvcc`` in a background thread while the twins compile); ``regional`` — True (default):
 compiles each static twin one decoder layer at a time, one program per distinct layer reused down the stack
 (:mod:`.lowering.regions`: on an H200 the 1.3B shape's cold start 127.6 -> 89.6 s, passes as fast; regions cut
 after the next layer's input norm, so the residual add and that norm still fuse); False compiles each twin whole. A
