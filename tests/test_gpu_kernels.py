@@ -670,6 +670,8 @@ def test_add_norm_row_gemv_op_matches_its_reference(n, k, round_sum):
     wide = ops.add_norm_row_gemv._init_fn(x.double(), skip.double(), norm_weight.double(), 1e-6, w.double(), round_sum)[0]
     assert (y.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item(), "against the reference"
     assert (y.double() - wide).abs().max().item() <= 1e-2 * wide.abs().max().item(), "against fp64"
+    with pytest.raises(ValueError, match="prologue must be one of"):  # (two outputs: not row_gemv's)
+        ops.row_gemv(x, w, "add_norm", skip, norm_weight, 1e-6)
     with pytest.raises(ValueError, match="the outputs apart from x and the gate"):  # (block 0 would overwrite x)
         cuda_gemv.gemv(w, x.view(-1), y.view(-1), *cuda_gemv.config(n, k), prologue="add_norm", gate=skip.view(-1),
                        norm_weight=norm_weight, eps=1e-6, sum_out=x.view(-1))

@@ -266,7 +266,8 @@ def _gated_norm_linear(x, gate, norm_weight, eps, weight):
 def _row_gemv(x, weight, prologue, gate=None, norm_weight=None, eps=0.0):
     """The CUDA C GEMV where it takes the shapes and addresses (16-byte loads); else the reference."""
     x, gate = x.contiguous(), None if gate is None else gate.contiguous()  # (a row of a few KB)
-    if not cuda_gemv.fits(x, weight, prologue, gate, norm_weight):
+    if prologue not in ops.ROW_GEMV_PROLOGUES or not cuda_gemv.fits(x, weight, prologue, gate, norm_weight):
+        # (the reference raises the op's error for a prologue it does not take)
         return _reference_of(ops.row_gemv)(x, weight, prologue, gate, norm_weight, eps)
     return cuda_gemv.row_gemv(x, weight, prologue, pdl.enabled(x.device), gate, norm_weight, eps)
 
