@@ -348,27 +348,46 @@ def replay_costs(graph, replays: int = 32) -> dict:
     return {"launch_ms": 1000 * (launched - started) / replays, "wall_ms_per_replay": 1000 * (done - started) / replays}
 
 
+def kernel_kind(event: dict) -> str:
+    """A trace event's kind (``KERNEL_KINDS``: the first fragment its name holds), else ``"other"``."""
+    return next((k for frag, k in KERNEL_KINDS if frag in event.get("name", "").lower()), "other")
+
+
 def summarize_kernels(trace_events: list[dict], replays: int) -> dict:
     """A chrome trace's GPU events (kernels, copies, fills) per replay: count, busy time, first-start to
-    last-end span, time by kind (``KERNEL_KINDS``) and the costliest kernels with their calls."""
+    last-end span, time by kind (``KERNEL_KINDS``) and on the critical path by kind, and the costliest kernels with
+    their calls."""
     events = [e for e in trace_events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     kinds, names, calls = {}, {}, {}
     for e in events:
-        kind = next((k for frag, k in KERNEL_KINDS if frag in e.get("name", "").lower()), "other")
+        kind = kernel_kind(e)
         name = e.get("name", "")[:80]
         kinds[kind] = kinds.get(kind, 0.0) + e["dur"] / 1000 / replays
         names[name] = names.get(name, 0.0) + e["dur"] / 1000 / replays
         calls[name] = calls.get(name, 0) + 1 / replays
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1000 / replays if events else 0.0
     top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
-    # one layer's kernels in launch order: from one recurrence kernel to the next
     ordered = sorted(events, key=lambda e: e["ts"])
+    # what each kernel adds to its replay's span: its end past every end before it. Under PDL a kernel starts early
+    # and waits (its duration counts the wait); these increments sum to the span and say what the pass waits for.
+    critical: dict[str, float] = {}
+    per_replay = len(ordered) // replays if replays and len(ordered) % replays == 0 else len(ordered)
+    for first in range(0, len(ordered), per_replay or 1):
+        last_end = None
+        for e in ordered[first : first + per_replay]:
+            end = e["ts"] + e["dur"]
+            added = e["dur"] if last_end is None else max(0.0, end - last_end)
+            last_end = end if last_end is None else max(last_end, end)
+            kind = kernel_kind(e)
+            critical[kind] = critical.get(kind, 0.0) + added / 1000 / replays
+    # one layer's kernels in launch order: from one recurrence kernel to the next
     marks = [i for i, e in enumerate(ordered) if any(f in e.get("name", "") for f in RECURRENCE_KERNELS)]
     layer = ordered[marks[0] : marks[1]] if len(marks) > 1 else []
     return {
         "one_layer": [[e.get("name", "")[:60], round(e["dur"], 2)] for e in layer],
         "kernels_per_pass": len(events) / replays, "busy_ms": sum(kinds.values()), "span_ms": span,
         "by_kind_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "critical_by_kind_ms": {k: round(v, 4) for k, v in sorted(critical.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: round(v, 4) for k, v in top},
         "top_kernels_calls": {k: round(calls[k]) for k, _ in top},
     }
@@ -1029,6 +1048,10 @@ def profile_markdown(profile: dict | None, floor_ms: float) -> list[str]:
     lines = ["", f"What one captured pass spends on the GPU (ms; profiler, bf16, B=1; weight-streaming floor {floor_ms:.2f} ms):", "",
              "| | " + " | ".join(passes) + " |", "| --- |" + " --- |" * len(passes)]
     lines += [f"| {k} | " + " | ".join(f"{profile[p]['by_kind_ms'].get(k, 0):.3f}" for p in passes) + " |" for k in kinds]
+    if any("critical_by_kind_ms" in p for p in profile.values()):  # (older runs have no critical path)
+        lines += [f"| {k}, on the critical path | " + " | ".join(
+            f"{profile[p]['critical_by_kind_ms'].get(k, 0):.3f}" if "critical_by_kind_ms" in profile[p] else "-"
+            for p in passes) + " |" for k in kinds]
     for key, name in (("busy_ms", "busy (sum of kernels)"), ("span_ms", "first kernel start to last kernel end"), ("kernels_per_pass", "kernels")):
         lines.append(f"| {name} | " + " | ".join(f"{profile[p][key]:.3f}" if key != "kernels_per_pass" else f"{profile[p][key]:.0f}" for p in passes) + " |")
     return lines

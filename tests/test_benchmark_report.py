@@ -170,6 +170,25 @@ def test_kernel_summary_counts_time_and_calls_per_replay():
                                             "Memcpy DtoD": 1}
 
 
+def test_the_critical_path_counts_what_each_kernel_adds_to_the_span():
+    """Under PDL a kernel starts before the one before it ends and waits (its duration counts the wait): the critical
+    path gives each kernel only its end past every end before it, so that the kinds sum to the span of each replay
+    (the gap between replays not counted), and the report tables it under the kernels' time."""
+    def kernel(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = []
+    for start in (0, 100):  # a GEMM, a norm launched early (ends 4 us after it), a conv inside the norm's time
+        events += [kernel("nvjet_gemm", start, 10), kernel("triton_red_norm", start + 2, 12),
+                   kernel("_three_tree_convs_kernel", start + 5, 3), kernel("nvjet_gemm", start + 14, 6)]
+    summary = e2e_gpu.summarize_kernels(events, replays=2)
+    assert summary["by_kind_ms"] == {"gemm": 0.016, "inductor": 0.012, "conv": 0.003}
+    assert summary["critical_by_kind_ms"] == {"gemm": 0.016, "inductor": 0.004, "conv": 0.0}
+    assert sum(summary["critical_by_kind_ms"].values()) == pytest.approx(0.020)  # (0 to 20 us, each replay)
+    lines = e2e_gpu.profile_markdown({"1_chain": summary}, 0.7)
+    assert "| inductor, on the critical path | 0.004 |" in lines and "| inductor | 0.012 |" in lines
+
+
 def test_one_layer_is_the_launch_order_from_one_recurrence_kernel_to_the_next(tmp_path):
     """The trace lists kernels out of order; ``one_layer`` is sorted by start time and spans one layer,
     and the report prints it under the operator table."""
