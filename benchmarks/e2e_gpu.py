@@ -371,6 +371,7 @@ def summarize_kernels(trace_events: list[dict], replays: int) -> dict:
     # what each kernel adds to its replay's span: its end past every end before it. Under PDL a kernel starts early
     # and waits (its duration counts the wait); these increments sum to the span and say what the pass waits for.
     critical: dict[str, float] = {}
+    adds: dict[int, float] = {}  # (each event's own increment, us)
     per_replay = len(ordered) // replays if replays and len(ordered) % replays == 0 else len(ordered)
     for first in range(0, len(ordered), per_replay or 1):
         last_end = None
@@ -378,13 +379,14 @@ def summarize_kernels(trace_events: list[dict], replays: int) -> dict:
             end = e["ts"] + e["dur"]
             added = e["dur"] if last_end is None else max(0.0, end - last_end)
             last_end = end if last_end is None else max(last_end, end)
-            kind = kernel_kind(e)
-            critical[kind] = critical.get(kind, 0.0) + added / 1000 / replays
+            adds[id(e)] = added
+            critical[kernel_kind(e)] = critical.get(kernel_kind(e), 0.0) + added / 1000 / replays
     # one layer's kernels in launch order: from one recurrence kernel to the next
     marks = [i for i, e in enumerate(ordered) if any(f in e.get("name", "") for f in RECURRENCE_KERNELS)]
     layer = ordered[marks[0] : marks[1]] if len(marks) > 1 else []
     return {
         "one_layer": [[e.get("name", "")[:60], round(e["dur"], 2)] for e in layer],
+        "one_layer_added_us": [round(adds[id(e)], 2) for e in layer],
         "kernels_per_pass": len(events) / replays, "busy_ms": sum(kinds.values()), "span_ms": span,
         "by_kind_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "critical_by_kind_ms": {k: round(v, 4) for k, v in sorted(critical.items(), key=lambda kv: -kv[1])},
@@ -633,7 +635,7 @@ def fold_ab(args, results: dict) -> None:
                 with open(path) as f:
                     passes = json.load(f).get("fla_passes", {})
         keep = ("plain_ms_per_token", "plain_tokens_sha1", "pass_ms", "pass_ms_tree")
-        profiles = {key: {k: v for k, v in passes[key].items() if k != "one_layer"}  # (what bounds each pass)
+        profiles = {key: {k: v for k, v in passes[key].items() if not k.startswith("one_layer")}  # (what bounds each pass)
                     for key in ("profile_1", "profile_16_tree") if key in passes}
         section[name] = {"backend": backend, **{k: passes[k] for k in keep if k in passes},
                          "kernels_1": profiles.get("profile_1", {}).get("kernels_per_pass"), **profiles}
@@ -728,7 +730,7 @@ def fla_batch(args, results: dict) -> None:
         # the same passes committing 4 records a row first (p=0.8 L=8 accepts 3.2 drafts a pass, plus the pending token)
         figures["pass_ms_4_pending"] = {str(n): pass_ms(gen, n, pending=4) for n in (9, 16)}
         wide = next(iter(gen._engines.values())).buckets[bucket_key(16)]  # what a pass of batch x 16 nodes spends its time on
-        figures["profile_16"] = {k: v for k, v in kernel_profile(wide.graph).items() if k != "one_layer"}
+        figures["profile_16"] = {k: v for k, v in kernel_profile(wide.graph).items() if not k.startswith("one_layer")}
 
 
 def qwen(args, results: dict) -> None:
@@ -1074,12 +1076,15 @@ def op_profile_markdown(section: dict) -> list[str]:
 def layer_markdown(results: dict) -> list[str]:
     """One GDN layer of the 1-node pass, kernel by kernel: ``fla_b1``'s profile, else ``fla_profile``'s."""
     for section in ("fla_b1", "fla_profile"):
-        layer = results.get(section, {}).get("profile", {}).get("1_chain", {}).get("one_layer")
+        profile = results.get(section, {}).get("profile", {}).get("1_chain", {})
+        layer, added = profile.get("one_layer"), profile.get("one_layer_added_us")
         if layer:
             lines = ["", f"One GDN layer of the 1-node pass (`{section}`), kernels in launch order (from one recurrence kernel "
-                         f"to the next; {len(layer)} kernels, {sum(us for _, us in layer):.1f} us of kernel time):", "",
-                     "| kernel | us |", "| --- | --- |"]
-            return lines + [f"| `{name}` | {us:.2f} |" for name, us in layer]
+                         f"to the next; {len(layer)} kernels, {sum(us for _, us in layer):.1f} us of kernel time"
+                         + (f", {sum(added):.1f} us of the pass's span" if added else "") + "):", "",
+                     "| kernel | us | adds to the span, us |", "| --- | --- | --- |"]
+            return lines + [f"| `{name}` | {us:.2f} | " + (f"{added[i]:.2f}" if added else "-") + " |"
+                            for i, (name, us) in enumerate(layer)]
     return []
 
 

@@ -187,6 +187,12 @@ def test_the_critical_path_counts_what_each_kernel_adds_to_the_span():
     assert sum(summary["critical_by_kind_ms"].values()) == pytest.approx(0.020)  # (0 to 20 us, each replay)
     lines = e2e_gpu.profile_markdown({"1_chain": summary}, 0.7)
     assert "| inductor, on the critical path | 0.004 |" in lines and "| inductor | 0.012 |" in lines
+    events.append(kernel("_recurrent_kernel", 200, 2))  # (a layer: from one recurrence kernel to the next)
+    events.insert(0, kernel("_recurrent_kernel", -2, 2))
+    summary = e2e_gpu.summarize_kernels(events, replays=1)
+    assert summary["one_layer_added_us"][:5] == [2, 10, 4, 0, 6]
+    table = "\n".join(e2e_gpu.layer_markdown({"fla_b1": {"profile": {"1_chain": summary}}}))
+    assert "| `triton_red_norm` | 12.00 | 4.00 |" in table
 
 
 def test_one_layer_is_the_launch_order_from_one_recurrence_kernel_to_the_next(tmp_path):
