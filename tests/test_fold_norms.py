@@ -157,7 +157,7 @@ def test_every_gemm_of_a_folded_one_token_twin_routes_to_the_cuda_gemv_and_the_o
         assert folding.fold_gated_norms(gm) == LAYERS
         assert folding.fold_swiglu(gm) == LAYERS
         if fold_norms:
-            assert folding.fold_row_norms(gm) == 2 * LAYERS
+            assert folding.fold_row_norms(gm, rounds_sums=True) == 2 * LAYERS
         assert folding.route_row_gemvs(gm) == (2 * LAYERS + 1 if fold_norms else 4 * LAYERS + 1)
         got = gm(*example_inputs)
     prologues = [n.args[2] for n in gm.graph.nodes if _calls_node(n, SPECLA.row_gemv.default)]
@@ -224,6 +224,16 @@ def test_cuda_gemvs_build_the_gemv_once_in_the_background_and_its_failure_is_rai
     assert "building the CUDA GEMV in the background failed: nvcc: no such architecture" in caplog.text
     with pytest.raises(RuntimeError, match="no such architecture"):
         folding.cuda_gemv.library()
+
+
+def test_the_folds_read_an_added_sum_as_the_inner_compiler_does(monkeypatch):
+    """Inductor keeps a bf16 sum in fp32 for the norm fused after it; eager PyTorch, and inductor told to emulate its
+    casts, round it first: the backend's folds of the plain step follow the inner compiler."""
+    from specla_compile import backend
+
+    assert not backend._rounds_sums("inductor") and backend._rounds_sums("aot_eager") and backend._rounds_sums("eager")
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    assert backend._rounds_sums("inductor")
 
 
 def test_cuda_gemvs_without_nvcc_fail_before_compiling(monkeypatch):
@@ -411,7 +421,8 @@ def test_what_folds_and_what_stays(fn):
         assert (g - e).abs().max() <= 1e-5 * e.abs().max()
 
 
-ROW_FOLD_CASES = {  # function: the round_sum of the one add_norm_row_gemv it becomes, or None where nothing folds
+ROW_FOLD_CASES = {  # function: whether the one add_norm_row_gemv it becomes reads its sum rounded where the inner compiler
+    # rounds sums (False: fla's fused prenorm, unrounded everywhere), or None where nothing folds
     _prenorm: False, _after_an_add: True, _gated: True, _gate_of_the_wrong_half: True,
     _broadcast_add: None, _sum_read_before_the_gemm: None,  # (no add folds: the CUDA GEMV leaves no norm alone)
     _written_in_place_before_the_gemm: None, _eps_by_keyword: None, _two_gemms: None,
@@ -422,19 +433,21 @@ ROW_FOLD_CASES = {  # function: the round_sum of the one add_norm_row_gemv it be
 @pytest.mark.parametrize("fn", ROW_FOLD_CASES, ids=lambda fn: fn.__name__.strip("_"))
 def test_what_folds_into_the_cuda_gemv_and_what_stays(fn, monkeypatch):
     """``fold_row_norms`` (made to fold here: CPU, fp32) on each pattern around a norm: a norm after a residual add
-    folds with its add, reading the sum as the graph did (fla's fused prenorm: unrounded); the same outputs."""
+    folds with its add, reading the sum as the compiled graph would (fla's fused prenorm: unrounded; an add, then a
+    norm: rounded only for an inner compiler that rounds it, not inductor); the same outputs."""
     monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
     monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda *args: True)
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randn(2, 3, 32, generator=gen), torch.randn(2, 3, 32, generator=gen)
     w, W = 1 + 0.2 * torch.randn(32, generator=gen), torch.randn(16, 32, generator=gen)
-    gm, example_inputs = _dynamo_graph(fn, a, b, w, W)
     expected = fn(a, b, w, W)
     round_sum = ROW_FOLD_CASES[fn]
-    assert folding.fold_row_norms(gm) == (round_sum is not None)
-    assert [n.args[5] for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)] == (
-        [] if round_sum is None else [round_sum])
-    got = gm(*[x.clone() for x in example_inputs])
-    for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
-        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+    for rounds_sums in (False, True):  # (inductor's kernel keeps an add's sum in fp32; eager rounds it)
+        gm, example_inputs = _dynamo_graph(fn, a, b, w, W)
+        assert folding.fold_row_norms(gm, rounds_sums) == (round_sum is not None)
+        assert [n.args[5] for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)] == (
+            [] if round_sum is None else [round_sum and rounds_sums])
+        got = gm(*[x.clone() for x in example_inputs])
+        for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
+            assert (g - e).abs().max() <= 1e-5 * e.abs().max()
 

@@ -327,13 +327,14 @@ def _weight_input(weight: fx.Node) -> bool:
     return _graph_weight(weight.args[0] if packed else weight)
 
 
-def fold_row_norms(gm: fx.GraphModule) -> int:
+def fold_row_norms(gm: fx.GraphModule, rounds_sums: bool = False) -> int:
     """Fold, in place, every ``specla.rms_norm`` of one bf16 row whose input is a residual add (fla's fused prenorm's
     pair, or an ``a + b`` read after the GEMM only) and whose only reader is a bias-free ``linear`` of a graph-input
     weight the CUDA C GEMV takes into ``specla.add_norm_row_gemv``, whose sum replaces the add's: the backend's
     ``cuda_gemvs`` option, in the one-token twin of a batch of one (before :func:`route_row_gemvs`). The norm reads the
-    sum as the graph did: unrounded for the fused prenorm, rounded after an add. A norm without an add (the first
-    layer's, of the embedding) stays. Returns the number of norms folded."""
+    sum as the compiled graph would: fla's fused prenorm unrounded; after an add, rounded to bf16 as eager PyTorch
+    does when ``rounds_sums``, else unrounded as inductor's kernel of the add and norm does (it elides the round trip).
+    A norm without an add (the first layer's, of the embedding) stays. Returns the number of norms folded."""
     graph = gm.graph
     fake_mode = graph_fake_mode(graph)
     fill_example_values(graph, fake_mode)  # (the packed weights' views have none yet)
@@ -349,7 +350,8 @@ def fold_row_norms(gm: fx.GraphModule) -> int:
                 w, x.dtype, x.shape[-1], "add_norm", x.shape[-1], example_value(norm_weight)):
             continue
         with graph.inserting_before(linear):
-            pair = graph.call_function(ops.add_norm_row_gemv._opoverload, (*added, norm_weight, eps, weight, residual is None))
+            rounded = rounds_sums and residual is None
+            pair = graph.call_function(ops.add_norm_row_gemv._opoverload, (*added, norm_weight, eps, weight, rounded))
             out = graph.call_function(operator.getitem, (pair, 0))
             total = graph.call_function(operator.getitem, (pair, 1))
         for node in (pair, out, total):  # (the norm's module: a layer's input norm starts its region, lowering/regions.py)
