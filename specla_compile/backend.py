@@ -345,7 +345,7 @@ def _rounds_sums(inner: str) -> bool:
     """Whether the ``inner`` compiler rounds a bf16 sum to bf16 before the norm that reads it, as eager PyTorch does:
     inductor fuses the two and keeps the sum in fp32 (it elides the round trip unless told to emulate eager's casts).
     The plain step's folds read it so, as the drafts' compiled twins do."""
-    return inner != "inductor" or bool(torch._inductor.config.emulate_precision_casts)
+    return inner != "inductor" or bool(getattr(torch._inductor.config, "emulate_precision_casts", False))
 
 
 def _cuda_device(example_inputs: Sequence) -> torch.device | None:

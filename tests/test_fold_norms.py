@@ -226,14 +226,15 @@ def test_cuda_gemvs_build_the_gemv_once_in_the_background_and_its_failure_is_rai
         folding.cuda_gemv.library()
 
 
-def test_the_folds_read_an_added_sum_as_the_inner_compiler_does(monkeypatch):
+def test_the_folds_read_an_added_sum_as_the_inner_compiler_does():
     """Inductor keeps a bf16 sum in fp32 for the norm fused after it; eager PyTorch, and inductor told to emulate its
     casts, round it first: the backend's folds of the plain step follow the inner compiler."""
     from specla_compile import backend
 
     assert not backend._rounds_sums("inductor") and backend._rounds_sums("aot_eager") and backend._rounds_sums("eager")
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
-    assert backend._rounds_sums("inductor")
+    with torch._inductor.config.patch(emulate_precision_casts=True):  # (monkeypatch's undo deletes a config entry)
+        assert backend._rounds_sums("inductor")
+    assert not backend._rounds_sums("inductor")
 
 
 def test_cuda_gemvs_without_nvcc_fail_before_compiling(monkeypatch):
