@@ -369,18 +369,23 @@ def summarize_kernels(trace_events: list[dict], replays: int) -> dict:
     top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
     ordered = sorted(events, key=lambda e: e["ts"])
     # what each kernel adds to its replay's span: its end past every end before it. Under PDL a kernel starts early
-    # and waits (its duration counts the wait); these increments sum to the span and say what the pass waits for.
+    # and waits (its duration counts the wait); these increments sum to each replay's span (first start to last end)
+    # and say what the pass waits for. Replays are told apart at the widest idle gaps (the host launching the next).
     critical: dict[str, float] = {}
     adds: dict[int, float] = {}  # (each event's own increment, us)
-    per_replay = len(ordered) // replays if replays and len(ordered) % replays == 0 else len(ordered)
-    for first in range(0, len(ordered), per_replay or 1):
-        last_end = None
-        for e in ordered[first : first + per_replay]:
-            end = e["ts"] + e["dur"]
-            added = e["dur"] if last_end is None else max(0.0, end - last_end)
-            last_end = end if last_end is None else max(last_end, end)
-            adds[id(e)] = added
-            critical[kernel_kind(e)] = critical.get(kernel_kind(e), 0.0) + added / 1000 / replays
+    last_end, idle = None, []
+    for i, e in enumerate(ordered):
+        if last_end is not None and e["ts"] > last_end:
+            idle.append((e["ts"] - last_end, i))
+        last_end = e["ts"] + e["dur"] if last_end is None else max(last_end, e["ts"] + e["dur"])
+    starts = {i for _, i in sorted(idle, reverse=True)[: max(replays - 1, 0)]}
+    last_end = None
+    for i, e in enumerate(ordered):
+        end = e["ts"] + e["dur"]
+        added = e["dur"] if last_end is None or i in starts else max(0.0, end - last_end)
+        last_end = end if last_end is None or i in starts else max(last_end, end)
+        adds[id(e)] = added
+        critical[kernel_kind(e)] = critical.get(kernel_kind(e), 0.0) + added / 1000 / replays
     # one layer's kernels in launch order: from one recurrence kernel to the next
     marks = [i for i, e in enumerate(ordered) if any(f in e.get("name", "") for f in RECURRENCE_KERNELS)]
     layer = ordered[marks[0] : marks[1]] if len(marks) > 1 else []

@@ -130,7 +130,7 @@ def time_prologue(name: str, prologue: str) -> dict:
     the configuration the op picks (``cuda_gemv.config``) and with the best of every (rows per warp, warps, streaming)
     it has an instance of, PDL on: every block forms x again, so fewer, larger blocks may pay (they take more
     registers)."""
-    from specla_compile.kernels import ops, triton_gemv
+    from specla_compile.kernels import ops, pdl, triton_gemv
     from specla_compile.kernels import reference as ref
     from specla_compile.kernels.cuda_gemv import config, row_gemv
 
@@ -141,7 +141,9 @@ def time_prologue(name: str, prologue: str) -> dict:
     extras = ()
     if prologue != "swiglu":  # (the gate, or the skip; the norm weight; eps)
         extras = (torch.randn_like(x), 1 + torch.randn(x.shape[-1], device="cuda", dtype=torch.bfloat16) / 4, 1e-6)
-    add_norm = torch.compile(lambda a, b: (a + b, ref.rms_norm_reference(a, b, extras[1], 1e-6)))  # (fla's prenorm)
+    # (fla's prenorm, compiled as the pass compiles it: its kernel launched with PDL)
+    add_norm = torch.compile(lambda a, b: (a + b, ref.rms_norm_reference(a, b, extras[1], 1e-6)),
+                             options=pdl.launch_bound_inductor_options(x.device))
     y, summed = torch.empty(n, device="cuda", dtype=torch.bfloat16), torch.empty(k, device="cuda", dtype=torch.bfloat16)
 
     def before(w: torch.Tensor) -> torch.Tensor:

@@ -343,8 +343,9 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
 
 def _rounds_sums(inner: str) -> bool:
     """Whether the ``inner`` compiler rounds a bf16 sum to bf16 before the norm that reads it, as eager PyTorch does:
-    inductor fuses the two and keeps the sum in fp32 (it elides the round trip unless told to emulate eager's casts).
-    The plain step's folds read it so, as the drafts' compiled twins do."""
+    on CUDA, inductor's Triton kernel of the two keeps the sum in fp32 (it elides the round trip unless told to emulate
+    eager's casts; ``test_gpu_kernels`` pins it; its C++ code on the CPU rounds, but the folds run on CUDA only). The
+    plain step's folds read it so, as the drafts' compiled twins do."""
     return inner != "inductor" or bool(getattr(torch._inductor.config, "emulate_precision_casts", False))
 
 

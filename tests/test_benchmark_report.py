@@ -185,6 +185,9 @@ def test_the_critical_path_counts_what_each_kernel_adds_to_the_span():
     assert summary["by_kind_ms"] == {"gemm": 0.016, "inductor": 0.012, "conv": 0.003}
     assert summary["critical_by_kind_ms"] == {"gemm": 0.016, "inductor": 0.004, "conv": 0.0}
     assert sum(summary["critical_by_kind_ms"].values()) == pytest.approx(0.020)  # (0 to 20 us, each replay)
+    uneven = e2e_gpu.summarize_kernels([*events, {"cat": "gpu_memset", "name": "Memset", "ts": 21, "dur": 1}], replays=2)
+    # (a stray memset 1 us after the first replay adds its 2 us there; the gap before the next replay still counts not)
+    assert uneven["critical_by_kind_ms"] == {"gemm": 0.016, "inductor": 0.004, "copy": 0.001, "conv": 0.0}
     lines = e2e_gpu.profile_markdown({"1_chain": summary}, 0.7)
     assert "| inductor, on the critical path | 0.004 |" in lines and "| inductor | 0.012 |" in lines
     events.append(kernel("_recurrent_kernel", 200, 2))  # (a layer: from one recurrence kernel to the next)

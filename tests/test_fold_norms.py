@@ -198,23 +198,30 @@ def test_the_cuda_gemvs_fold_takes_the_weights_its_kernel_has_instances_for():
 
 def test_cuda_gemvs_build_the_gemv_once_in_the_background_and_its_failure_is_raised_where_it_is_used(monkeypatch, caplog):
     """With ``cuda_gemvs`` on a CUDA machine the backend starts the library's build in a thread (nvcc's half minute
-    beside the twins' compilation); every later call of ``library()`` waits for that one build. A build that fails
-    in the thread is logged there and raised by the launch's own call."""
+    beside the twins' compilation), once however many graphs it compiles; every later call of ``library()`` waits for
+    that one build. A build that fails in the thread is logged there, raised by the launch's own call, and not tried
+    again (every graph would wait another half minute)."""
     from specla_compile import backend
 
     builds, started = [], []
     monkeypatch.setattr(folding.cuda_gemv, "_built", [])
+    monkeypatch.setattr(folding.cuda_gemv, "_failed", [])
+    monkeypatch.setattr(folding.cuda_gemv, "_prebuilding", [])
     monkeypatch.setattr(folding.cuda_gemv, "build", lambda: (time.sleep(0.2), builds.append(1), "library")[-1])
     monkeypatch.setattr(folding.cuda_gemv, "nvcc", lambda: "nvcc")
     monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
     prebuild = folding.cuda_gemv.prebuild
     monkeypatch.setattr(folding.cuda_gemv, "prebuild", lambda: started.append(prebuild()))
     linear = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    backend.specla_backend(linear, [torch.randn(1, 2)], options={"inner": "eager", "cuda_gemvs": True})
-    assert len(started) == 1 and folding.cuda_gemv.library() == folding.cuda_gemv.library() == "library"
-    assert builds == [1]  # (one build, the thread's or the first call's: the others waited for it)
+    for _ in range(2):  # (two graphs: one build)
+        backend.specla_backend(linear, [torch.randn(1, 2)], options={"inner": "eager", "cuda_gemvs": True})
+    assert started[0] is not None and started[1] is None
+    assert folding.cuda_gemv.library() == folding.cuda_gemv.library() == "library"
+    started[0].join()
+    assert builds == [1] and prebuild() is None  # (one build, the thread's or the first call's; none once built)
 
     def fail():
+        builds.append("failed")
         raise RuntimeError("nvcc: no such architecture")
 
     monkeypatch.setattr(folding.cuda_gemv, "_built", [])
@@ -222,8 +229,10 @@ def test_cuda_gemvs_build_the_gemv_once_in_the_background_and_its_failure_is_rai
     with caplog.at_level(logging.WARNING, logger="specla_compile"):
         prebuild().join()
     assert "building the CUDA GEMV in the background failed: nvcc: no such architecture" in caplog.text
-    with pytest.raises(RuntimeError, match="no such architecture"):
-        folding.cuda_gemv.library()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="failed earlier in this process: nvcc: no such architecture"):
+            folding.cuda_gemv.library()
+    assert builds == [1, "failed"] and prebuild() is None  # (not tried again)
 
 
 def test_the_folds_read_an_added_sum_as_the_inner_compiler_does():
@@ -445,10 +454,25 @@ def test_what_folds_into_the_cuda_gemv_and_what_stays(fn, monkeypatch):
     round_sum = ROW_FOLD_CASES[fn]
     for rounds_sums in (False, True):  # (inductor's kernel keeps an add's sum in fp32; eager rounds it)
         gm, example_inputs = _dynamo_graph(fn, a, b, w, W)
+        adds = _calls(gm, *folding.ADDS)
         assert folding.fold_row_norms(gm, rounds_sums) == (round_sum is not None)
         assert [n.args[5] for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)] == (
             [] if round_sum is None else [round_sum and rounds_sums])
+        assert _calls(gm, *folding.ADDS) == (adds if round_sum is None else 0)  # (the op's sum stands for the add)
         got = gm(*[x.clone() for x in example_inputs])
         for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
             assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+
+
+def test_a_norm_whose_weights_the_cuda_gemv_does_not_take_stays(monkeypatch):
+    """``fold_row_norms`` asks ``cuda_gemv.weight_fits`` (unpatched here; the fold's dtype test made to pass float32):
+    float32 weights, which the kernel does not take, leave the norm and its add as they are."""
+    monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(1, 1, 256, generator=gen), torch.randn(1, 1, 256, generator=gen)
+    w, W = 1 + 0.2 * torch.randn(256, generator=gen), torch.randn(16, 256, generator=gen)
+    gm, _ = _dynamo_graph(_after_an_add, a, b, w, W)
+    assert folding.fold_row_norms(gm) == 0 and _calls(gm, *folding.NORMS) == 1 and _calls(gm, *folding.ADDS) == 1
+    monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda *args: True)  # (what the kernel would take: folds)
+    assert folding.fold_row_norms(gm) == 1
 

@@ -680,3 +680,27 @@ def test_add_norm_row_gemv_op_matches_its_reference(n, k, round_sum):
     for got, want in zip(ops.add_norm_row_gemv(rows, skips, norm_weight, 1e-6, w, round_sum),
                          ops.add_norm_row_gemv._init_fn(rows, skips, norm_weight, 1e-6, w, round_sum)):
         torch.testing.assert_close(got, want)
+
+
+def test_inductor_keeps_an_added_bf16_sum_in_fp32_for_the_norm_fused_after_it():
+    """The premise of ``fold_row_norms``' reading under inductor (``backend._rounds_sums("inductor")`` is False): on
+    CUDA, inductor's kernel of ``h = a + b`` (bf16) and the RMS norm of h, as a twin's graph has them, normalises the
+    float32 sum rather than h rounded to bf16 (it elides the round trip between fused ops), so its output is closer to
+    the unrounded reading. (On the CPU, inductor's C++ code rounds.)"""
+    from specla_compile import backend
+
+    def add_then_norm(a, b, w):
+        h = a + b
+        return h, torch.ops.specla.rms_norm(h, None, w, 1e-6)
+
+    compiled = torch.compile(add_then_norm)
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    unrounded = rounded = 0
+    for _ in range(8):
+        a, b = (torch.randn(1, 2048, device="cuda", generator=generator).to(torch.bfloat16) for _ in range(2))
+        w = (1 + torch.randn(2048, device="cuda", generator=generator) / 4).to(torch.bfloat16)
+        h, y = compiled(a, b, w)
+        assert torch.equal(h, a + b)
+        unrounded += (y != ref.rms_norm_reference(a, b, w, 1e-6)).sum().item()
+        rounded += (y != ref.rms_norm_reference(a + b, None, w, 1e-6)).sum().item()
+    assert unrounded < rounded and not backend._rounds_sums("inductor"), (unrounded, rounded)

@@ -61,29 +61,42 @@ def build(directory: str | None = None) -> ctypes.CDLL:
 
 
 _built: list[ctypes.CDLL] = []  # (the process's library, once built)
+_failed: list[Exception] = []  # (or why its build failed: not tried again in this process)
 _building = threading.Lock()
+_prebuilding: list[threading.Thread] = []
 
 
 def library() -> ctypes.CDLL:
-    """The process's library: built at the first call, which later calls (from any thread) wait for."""
+    """The process's library: built at the first call, which later calls (from any thread) wait for. A build that
+    failed is not tried again (nvcc's half minute on every call): later calls raise its error."""
     with _building:
+        if _failed:
+            raise RuntimeError(f"building the CUDA GEMV failed earlier in this process: {_failed[0]}") from _failed[0]
         if not _built:
-            _built.append(build())
+            try:
+                _built.append(build())
+            except Exception as error:
+                _failed.append(error)
+                raise
         return _built[0]
 
 
-def prebuild() -> threading.Thread:
+def prebuild() -> threading.Thread | None:
     """Start :func:`library`'s build in a background thread, so that nvcc's half minute overlaps what the caller
-    compiles meanwhile (the backend's ``cuda_gemvs``: its verification twins); the first launch waits for it. A failed
-    build is logged here and raised again by the launch's own call of :func:`library`."""
+    compiles meanwhile (the backend's ``cuda_gemvs``: its verification twins); the first launch waits for it. Nothing
+    to do (None) where the library is built, its build failed, or a background build is under way. A failed build is
+    logged here and raised by the launch's call of :func:`library`."""
+    if _built or _failed or any(thread.is_alive() for thread in _prebuilding):
+        return None
 
     def build_now() -> None:
         try:
             library()
-        except Exception as error:  # noqa: BLE001 (any failure: the launch's call builds again and raises it)
+        except Exception as error:  # noqa: BLE001 (any failure: logged here, raised by the launch's call)
             log.warning("specla: building the CUDA GEMV in the background failed: %s", error)
 
     thread = threading.Thread(target=build_now, name="specla-cuda-gemv-build", daemon=True)
+    _prebuilding[:] = [thread]
     thread.start()
     return thread
 
@@ -125,7 +138,8 @@ def gemv(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 2, warps
                                           for t in tensors)
             and x.shape == (width,) and y.shape == (n,) and (not extras or gate.shape == (k,))
             and (prologue != "add_norm" or norm_weight.shape == sum_out.shape == (k,))
-            and not any(_overlap(out, t) for out in (y, sum_out) if out is not None for t in (x, gate) if t is not None)
+            and not any(_overlap(out, t) for out in (y, sum_out) if out is not None
+                        for t in (x, gate, sum_out if out is y else None) if t is not None)
             and all(t.data_ptr() % 16 == 0 for t in (w, x, *extras))):
         raise ValueError(f"gemv takes contiguous, 16-byte aligned bf16 CUDA tensors w [N, K], x [{width}] and y [N] (and "
                          f"for the norms a gate or skip [K], a norm weight, and for the add a sum [K]), the outputs apart "

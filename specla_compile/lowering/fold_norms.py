@@ -26,7 +26,8 @@ The one-row twin (plain decoding's step at B=1) folds more into one-row GEMVs (`
 :func:`fold_gated_norms` a GDN layer's gated output norm into its o_proj, :func:`fold_swiglu` the MLP's
 ``silu(gate) * up`` into its down projection. With the backend's ``cuda_gemvs``, :func:`fold_row_norms` folds each
 residual add and RMS norm into the CUDA C GEMV after it (``kernels/cuda_gemv.cu``; unlike :func:`fold_norms`, the
-norm reads the sum as the graph did), and :func:`route_row_gemvs` routes its other GEMMs, and the folded ones, there.
+norm reads the sum as the compiled graph would), and :func:`route_row_gemvs` routes the GEMMs left, with the other
+folds' work as their prologue, there.
 """
 
 from __future__ import annotations
