@@ -385,7 +385,8 @@ def summarize_kernels(trace_events: list[dict], replays: int) -> dict:
         added = e["dur"] if last_end is None or i in starts else max(0.0, end - last_end)
         last_end = end if last_end is None or i in starts else max(last_end, end)
         adds[id(e)] = added
-        critical[kernel_kind(e)] = critical.get(kernel_kind(e), 0.0) + added / 1000 / replays
+        kind = kernel_kind(e)
+        critical[kind] = critical.get(kind, 0.0) + added / 1000 / replays
     # one layer's kernels in launch order: from one recurrence kernel to the next
     marks = [i for i, e in enumerate(ordered) if any(f in e.get("name", "") for f in RECURRENCE_KERNELS)]
     layer = ordered[marks[0] : marks[1]] if len(marks) > 1 else []

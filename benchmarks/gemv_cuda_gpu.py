@@ -143,7 +143,7 @@ def time_prologue(name: str, prologue: str) -> dict:
         extras = (torch.randn_like(x), 1 + torch.randn(x.shape[-1], device="cuda", dtype=torch.bfloat16) / 4, 1e-6)
     # (fla's prenorm, compiled as the pass compiles it: its kernel launched with PDL)
     add_norm = torch.compile(lambda a, b: (a + b, ref.rms_norm_reference(a, b, extras[1], 1e-6)),
-                             options=pdl.launch_bound_inductor_options(x.device))
+                             options=pdl.launch_bound_inductor_options(x.device)) if prologue == "add_norm" else None
     y, summed = torch.empty(n, device="cuda", dtype=torch.bfloat16), torch.empty(k, device="cuda", dtype=torch.bfloat16)
 
     def before(w: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,17 @@ __device__ __forceinline__ float2 norm_input(__nv_bfloat162 a, __nv_bfloat162 b,
     return round_sum ? __bfloat1622float2(__floats2bfloat162_rn(h.x, h.y)) : h;
 }
 
+// Chunks base + j * blockDim.x (j < 4, those below ``chunks``) of two arrays of 16-byte chunks into registers, their
+// loads in flight together.
+__device__ __forceinline__ void load_four(const uint4* a, const uint4* b, int base, int chunks, uint4 (&ra)[4],
+                                          uint4 (&rb)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = base + j * blockDim.x;
+        if (i < chunks) ra[j] = a[i], rb[j] = b[i];
+    }
+}
+
 // The block's x into ``staged`` (K / 8 chunks of 16 bytes), formed by PROLOGUE from ``x`` (and ``gate``,
 // ``norm_weight``); ``scratch`` holds K / 8 + K / D floats. Each thread handles chunks threadIdx.x + j * blockDim.x,
 // four at a time so that their loads are in flight together.
@@ -71,11 +82,7 @@ __device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __n
     if (PROLOGUE == SWIGLU) {
         for (int base = threadIdx.x; base < chunks; base += 4 * blockDim.x) {
             uint4 g[4], u[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int i = base + j * blockDim.x;
-                if (i < chunks) g[j] = xs[i], u[j] = xs[i + chunks];
-            }
+            load_four(xs, xs + chunks, base, chunks, g, u);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int i = base + j * blockDim.x;
@@ -102,11 +109,7 @@ __device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __n
     float* scale = scratch + chunks;
     for (int base = threadIdx.x; base < chunks; base += 4 * blockDim.x) {
         uint4 r[4], g[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int i = base + j * blockDim.x;
-            if (i < chunks) r[j] = xs[i], g[j] = gs[i];
-        }
+        load_four(xs, gs, base, chunks, r, g);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int i = base + j * blockDim.x;
@@ -120,10 +123,7 @@ __device__ __forceinline__ void stage_x(uint4* staged, float* scratch, const __n
             for (int e = 0; e < 4; ++e) {
                 const float2 v = norm_input<PROLOGUE>(rp[e], gp[e], round_sum);
                 sum = fmaf(v.x, v.x, fmaf(v.y, v.y, sum));
-                if (PROLOGUE == ADD_NORM) {
-                    const float2 a = __bfloat1622float2(rp[e]), b = __bfloat1622float2(gp[e]);
-                    sp[e] = __floats2bfloat162_rn(a.x + b.x, a.y + b.y);
-                }
+                if (PROLOGUE == ADD_NORM) sp[e] = __floats2bfloat162_rn(v.x, v.y);  // (h, rounded or not: rounds alike)
             }
             squares[i] = sum, staged[i] = r[j], paired[i] = g[j];
             if (PROLOGUE == ADD_NORM && blockIdx.x == 0) reinterpret_cast<uint4*>(p.sum_out)[i] = summed;
