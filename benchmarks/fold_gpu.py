@@ -14,6 +14,11 @@ Outputs are checked against the unfolded ones (bf16 rounding apart).
 ``bare``: the same kernels without a norm, against cuBLAS (and inductor's ``silu(gate) * up``), at every GEMM
 of a layer: whether the Triton kernel alone pays where the norm's fold did not.
 
+``gated_norm`` (not in the default): a GDN layer's gated output norm and o_proj (8 heads of 256 -> 2048), inductor's
+norm kernel then cuBLAS against ``specla::gated_norm_linear``'s few-row kernel (``triton_linear.gated_norm_linear``,
+the backend's ``fold_gated_norms_drafted``) over its program widths and warps, and at one row its one-row GEMV (the
+plain step's ``fold_gated_norms``).
+
 ``head`` (not in the default): the norm GEMMs of an EAGLE head sized for the GDN-1.3B target (q/k/v, gate/up with
 ``silu(gate) * up``; a norm, no skip) at a draft level's rows (``--head-rows``), as ``folded``; ``head_bare``: the
 same weights without a norm, against cuBLAS. (A third sweep, the norm's weight folded into W beforehand and only
@@ -36,7 +41,7 @@ import triton
 from gemv_gpu import graph_ms, save_results, start_run
 
 from specla_compile.kernels import reference as ref
-from specla_compile.kernels import triton_linear
+from specla_compile.kernels import triton_gemv, triton_linear
 
 SITES = {  # weight [N, K] of each folded GEMM, and whether silu(gate) * up follows it
     "qkvg": ((8208, 2048), False), "gate_up": ((11264, 2048), True), "lm_head": ((32000, 2048), False)}
@@ -91,6 +96,42 @@ def sweep_site(name: str, rows: int, kind: str = "folded") -> dict:
         timings[tiles] = 1000 * graph_ms(lambda: [run(w) for w in weights], 10) / copies
     best = min((t for t in timings if t is not None), key=timings.get)
     row.update(default_us=timings[None], default_tiles=list(triton_linear._tiles(n, k, gated, normed=norm is not None)), best_us=timings[best], best_tiles=list(best))
+    return row
+
+
+GATED_NORM_HEADS, GATED_NORM_OUT = (8, 256), 2048  # the GDN-1.3B layer's output heads and o_proj's columns
+GATED_NORM_CONFIGS = list(itertools.product((16, 32, 64), (4, 8)))  # the few-row kernel's (BLOCK_N, warps)
+
+
+def unfolded_gated_norm(x, gate, norm, weight):
+    """The pass without the fold: the gated norm (inductor's kernel, compiled) flattened into o_proj (cuBLAS)."""
+    return torch.nn.functional.linear(ref.rms_norm_gated_reference(x, gate, norm, EPS).flatten(-2), weight)
+
+
+def sweep_gated_norm(rows: int) -> dict:
+    """The gated norm and o_proj at ``rows`` rows over ``LAYERS`` distinct weights: unfolded (inductor and cuBLAS)
+    against the few-row kernel over ``GATED_NORM_CONFIGS`` and, at one row, the one-row GEMV."""
+    heads, dim = GATED_NORM_HEADS
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device="cuda")).bfloat16()
+    weights = [make(GATED_NORM_OUT, heads * dim, scale=(heads * dim) ** -0.5) for _ in range(LAYERS)]
+    x, gate, norm = make(rows, heads, dim), make(rows, heads, dim), 1 + make(dim, scale=0.2)
+    compiled = torch.compile(unfolded_gated_norm, dynamic=False)
+    want = compiled(x, gate, norm, weights[0]).float()
+    us = lambda fn: 1000 * graph_ms(lambda: [fn(w) for w in weights], 10) / LAYERS
+    row = {"unfolded_us": us(lambda w: compiled(x, gate, norm, w)), "configs_us": {}}
+    runs = {f"{block_n}x{warps}": lambda w, b=block_n, n=warps: triton_linear.gated_norm_linear(
+        x, gate, norm, EPS, w, block_n=b, warps=n) for block_n, warps in GATED_NORM_CONFIGS}
+    if rows == 1:
+        runs["gemv"] = lambda w: triton_gemv.gated_norm_gemv(x, gate, norm, EPS, w)
+    for name, run in runs.items():
+        error = (run(weights[0]).float() - want).abs().max().item() / want.abs().max().item()
+        if error > 2e-2:
+            row.setdefault("wrong", []).append([name, error])
+            continue
+        row["configs_us"][name] = us(run)
+    row["default_us"] = us(lambda w: triton_linear.gated_norm_linear(x, gate, norm, EPS, w))
+    few_row = {k: v for k, v in row["configs_us"].items() if k != "gemv"}
+    row["best"] = min(few_row, key=few_row.get)
     return row
 
 
@@ -185,6 +226,16 @@ def write_report(results: dict, out_dir: str) -> None:
         lines += ["", "The EAGLE head's norm GEMMs (q/k/v [3072, 1024] with its norm, gate/up [8192, 1024] with its norm and "
                   "silu(gate) * up; us per call):", "", "| weight, rows | norm | norm, prefetch |", "| --- | --- | --- |"]
         lines += [f"| {k[5:]} | {r['norm_prefetch0']:.2f} | {r['norm_prefetch1']:.2f} |" for k, r in head.items()]
+    gated = results.get("gated_norm", {})
+    if gated:
+        lines += ["", "A GDN layer's gated output norm and o_proj (8 heads of 256 -> 2048; `gated_norm`"
+                  + (f", `{results['command_gated_norm']}`" if "command_gated_norm" in results else "") + "), us per call:",
+                  "", "| rows | inductor norm, cuBLAS | few-row kernel, default | best (BLOCK_N x warps) | one-row GEMV |",
+                  "| --- | --- | --- | --- | --- |"]
+        for rows, r in gated.items():
+            gemv = r["configs_us"].get("gemv")
+            lines.append(f"| {rows} | {r['unfolded_us']:.2f} | {r['default_us']:.2f} | {r['configs_us'][r['best']]:.2f} "
+                         f"({r['best']}) | {'-' if gemv is None else f'{gemv:.2f}'} |")
     with open(os.path.join(out_dir, "fold_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -194,9 +245,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--head-rows", type=int, nargs="+", default=[1, 4, 16], help="rows of the head section")
-    parser.add_argument("--sections", nargs="+", choices=("probe", *KINDS), default=["probe", "folded", "bare"],
+    parser.add_argument("--sections", nargs="+", choices=("probe", *KINDS, "gated_norm"),
+                        default=["probe", "folded", "bare"],
                         help="head, head_bare: the norm GEMMs of an EAGLE head at hidden 2048, with the norm and "
-                             "without it (not in the default)")
+                             "without it; gated_norm: a GDN layer's gated output norm and o_proj (not in the default)")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     args = parser.parse_args()
     results = start_run(parser, args, write_report)
@@ -205,6 +257,12 @@ def main() -> None:
     started = time.perf_counter()
     if "probe" in args.sections:
         results["probe"] = probe()
+    if "gated_norm" in args.sections:
+        section = results.setdefault("gated_norm", {})
+        for rows in sorted({1, 9, *args.rows}):  # (9: the chain-of-9 pass's rows)
+            section[str(rows)] = sweep_gated_norm(rows)
+            print("gated_norm", rows, json.dumps(section[str(rows)]), f"{time.perf_counter() - started:.0f} s", flush=True)
+            write_report(results, args.out)
     for kind in (kind for kind in KINDS if kind in args.sections):
         prefix = PREFIXES.get(kind, "")
         for name in KINDS[kind]:

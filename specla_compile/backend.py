@@ -23,9 +23,10 @@ the GEMM after it, with the residual add before it (:mod:`.lowering.fold_norms`;
 cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``); ``fold_gated_norms`` — True (default): on
 CUDA, the one-token twin's (the plain step at B=1) gated output norms of a bf16 GDN layer run inside its o_proj, one
 launch of a one-row GEMV where the heads fit it (:func:`.lowering.fold_norms.fold_gated_norms`,
-``kernels/triton_gemv.py``); ``fold_gates`` — True (default): on CUDA, the gate and beta of each fla GDN layer are
-computed inside the recurrence's launch in the static twins of one node a row (plain decoding's step;
-:mod:`.lowering.fold_gates`). The two cut the 1.3B shape's 1-node pass on an H200 from 1.503-1.513 to 1.420 ms
+``kernels/triton_gemv.py``); ``fold_gated_norms_drafted`` — False (default; built, not yet timed on a GPU): those of
+the twins of 2-32 tokens too, one launch of a few-row kernel (``kernels/triton_linear.py``); ``fold_gates`` — True
+(default): on CUDA, the gate and beta of each fla GDN layer are computed inside the recurrence's launch in the
+static twins of one node a row (plain decoding's step; :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's 1-node pass on an H200 from 1.503-1.513 to 1.420 ms
 (``e2e_gpu.md``, ``fold_ab_327f184``); ``fold_convs`` — False (default; no faster on an H200: plain decoding 1.455
 against 1.450 ms/token, ``fold_ab``): True also runs the q/k/v short convs inside that launch
 (:func:`.lowering.fold_gates.fold_convs`); ``fold_gates_drafted`` — False (default; built, not yet timed on a GPU):
@@ -226,8 +227,8 @@ class SpeculativeGraph:
             gm = fx.GraphModule(program, copy.deepcopy(program.graph))
             gathers_as_slices(gm)
             on = {name for name, value in self.switches.items() if value} if _on_cuda(inputs) else set()  # (CUDA only)
-            if tokens == 1 and "fold_gated_norms" in on:  # (its kernel takes one row: the plain step)
-                log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm))
+            if ("fold_gated_norms" if tokens == 1 else "fold_gated_norms_drafted") in on:  # (a kernel for each)
+                log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm, rows=tokens))
             if tokens == 1 and "fold_swiglu" in on:  # (the same one-row kernel)
                 log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", fold_swiglu(gm))
             if tokens == 1 and "cuda_gemvs" in on:  # (its kernel takes one row)

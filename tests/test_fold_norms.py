@@ -281,6 +281,25 @@ def test_every_gated_output_norm_folds_into_its_o_proj_and_the_outputs_stay(monk
     assert folding.fold_gated_norms(gm, dtypes=(torch.float32,)) == LAYERS - 1
 
 
+def test_the_gated_output_norms_of_a_drafted_twin_fold_where_the_few_row_kernel_takes_them(monkeypatch):
+    """In a twin of 5 rows, each layer's gated output norm and o_proj become one ``specla.gated_norm_linear`` where
+    its few-row kernel takes the heads (the tiny model's 4 x 16), in fp32 on the CPU (its PyTorch reference), the
+    outputs unchanged; not as a one-row twin (the one-row GEMV takes no such heads), nor in a twin of 33 rows (more
+    than the kernel takes), nor for heads it does not take."""
+    gm, example_inputs = _static_twin_graph(seed=7, tokens=5)
+    with torch.no_grad():
+        expected = gm(*example_inputs)
+        assert folding.fold_gated_norms(gm, dtypes=(torch.float32,)) == 0  # (the one-row GEMV's K chunks: not filled)
+        assert folding.fold_gated_norms(gm, dtypes=(torch.float32,), rows=5) == LAYERS
+        got = gm(*example_inputs)
+    assert _calls(gm, *folding.GATED_NORMS) == 0 and _calls(gm, SPECLA.gated_norm_linear.default) == LAYERS
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+    assert folding.fold_gated_norms(_static_twin_graph(seed=7, tokens=33)[0], dtypes=(torch.float32,), rows=33) == 0
+    monkeypatch.setattr(folding.ops, "GATED_NORM_ROWS_DIMS", (32, 64))
+    assert folding.fold_gated_norms(_static_twin_graph(seed=7, tokens=5)[0], dtypes=(torch.float32,), rows=5) == 0
+
+
 def test_plain_decoding_through_folded_gated_norms_equals_eager_decoding(monkeypatch, caplog):
     """With ``fold_gated_norms`` (made to fold here: CPU, fp32), the one-token twin of plain decoding folds each
     layer's gated norm into its o_proj while the drafted passes' twins keep theirs; drafted and plain decoding
@@ -288,6 +307,15 @@ def test_plain_decoding_through_folded_gated_norms_equals_eager_decoding(monkeyp
     monkeypatch.setattr(folding, "GEMV_BLOCK_K", 32)  # (the tiny model's 2 x 32 heads)
     log = _decode_on_cpu_as_on_cuda("fold_gated_norms", SpecConfig(mode="chain", depth=5, bucket=8), 4, monkeypatch, caplog)
     assert log.count(f"{LAYERS} gated norms folded") == 1  # the 1-token twin's, not the draft bucket's
+
+
+def test_drafted_decoding_through_folded_gated_norms_equals_eager_decoding(monkeypatch, caplog):
+    """With ``fold_gated_norms_drafted`` (made to fold here: CPU, fp32), the draft bucket's twin folds each layer's
+    gated norm into its o_proj (the few-row kernel's heads) while the one-token twin keeps its own (the tiny model's
+    heads fill no K chunk of the one-row kernel); drafted and plain decoding both equal eager decoding."""
+    log = _decode_on_cpu_as_on_cuda("fold_gated_norms_drafted", SpecConfig(mode="chain", depth=5, bucket=8), 4,
+                                    monkeypatch, caplog)
+    assert log.count(f"{LAYERS} gated norms folded") == 1 and log.count("0 gated norms folded") == 1
 
 
 def test_every_mlp_product_folds_into_its_down_projection_and_the_outputs_stay():

@@ -264,3 +264,29 @@ def test_plain_decoding_through_cuda_gemvs_gives_the_defaults_tokens(caplog):
     assert "4 residual adds and norms folded into the CUDA C GEMV" in caplog.text  # (2 MLPs, layer 2, the LM head)
     assert "5 GEMMs routed to the CUDA C GEMV" in caplog.text  # (the first q/k/v/gates, 2 o_proj, 2 down)
     assert outs["cuda_gemvs"] == outs["defaults"]
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_drafted_decoding_through_folded_gated_norms_gives_the_defaults_tokens(mode, monkeypatch):
+    """The backend's ``fold_gated_norms_drafted`` at the GDN-1.3B shape (2 layers, bf16, the peaked output of
+    ``e2e_gpu.build``): the draft bucket's twin runs each layer's gated output norm and o_proj as one launch of the
+    few-row kernel (its launches, before and while the graphs are captured, counted by their rows), and graphed
+    drafted decoding gives the tokens of graphed plain decoding with the defaults."""
+    from e2e_gpu import build
+
+    from specla_compile.kernels import triton_linear
+
+    prompts = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(26)).cuda()
+    expected = SpeculativeGenerator(build("fla", torch.bfloat16, layers=2), OracleDrafter([[0] * 40]),
+                                    SpecConfig(mode="chain", depth=4)).decode(prompts, max_new_tokens=32).sequences
+    config = SpecConfig(mode=mode, depth=7 if mode == "chain" else 4, tree_top_k=2, budget=15,
+                        bucket=8 if mode == "chain" else 16)
+    drafter = OracleDrafter([expected[0, 8:].tolist() + [0] * 16], error_rate=0.25, seed=5)
+    gen = SpeculativeGenerator(build("fla", torch.bfloat16, layers=2), drafter, config,
+                               compile_options={"fold_gated_norms_drafted": True})
+    rows, kernel = [], triton_linear.gated_norm_linear
+    monkeypatch.setattr(triton_linear, "gated_norm_linear",
+                        lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw))
+    drafted = gen.generate(prompts, max_new_tokens=32).sequences
+    assert rows and set(rows) == {config.bucket}  # (two layers' launches in each call of the bucket's twin)
+    assert drafted.tolist() == expected.tolist()

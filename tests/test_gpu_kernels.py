@@ -477,22 +477,25 @@ def test_folded_norm_ops_at_the_target_shapes(rows, gated, monkeypatch):
     assert len(launches) == (1 if rows <= triton_linear.MAX_ROWS else 0)
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 32, 33])
 def test_gated_norm_linear_at_the_target_shape(rows, monkeypatch):
     """A GDN-1.3B layer's gated output norm and o_proj as one op, bf16 [1, R, 8, 256] heads against fp64 PyTorch: one
-    row in one launch of the one-row GEMV (the plain step), two rows through the reference."""
+    row in one launch of the one-row GEMV (the plain step), 2-32 rows in one launch of the few-row kernel (a drafted
+    pass's), 33 through the reference."""
     gen = torch.Generator().manual_seed(rows)
     make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
     x, gate, norm, weight = make(1, rows, 8, 256), make(1, rows, 8, 256), 1 + make(256, scale=0.2), make(2048, 2048, scale=2048**-0.5)
     launches = []
-    kernel = triton_gemv.gated_norm_gemv
-    monkeypatch.setattr(triton_gemv, "gated_norm_gemv", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    for module, name in ((triton_gemv, "gated_norm_gemv"), (triton_linear, "gated_norm_linear")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, kernel=kernel, name=name, **kw: launches.append(name) or kernel(*a, **kw))
     with poisoned_allocations():
         y = ops.gated_norm_linear(x, gate, norm, 1e-6, weight)
     d = lambda t: t.double()
     assert y.shape == (1, rows, 2048)
     assert rel_err(y, ref.gated_norm_linear_reference(d(x), d(gate), d(norm), 1e-6, d(weight))) <= 1e-2
-    assert len(launches) == (1 if rows == 1 else 0)
+    assert launches == (["gated_norm_gemv"] if rows == 1 else ["gated_norm_linear"] if rows <= 32 else [])
 
 
 @pytest.mark.parametrize("rows", [1, 2])

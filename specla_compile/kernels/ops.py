@@ -529,6 +529,28 @@ def gated_norm_gemv_fits(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch
             and norm_weight.numel() == dim and gated_norm_gemv_heads_fit(heads, dim, weight, block_k))
 
 
+GATED_NORM_ROWS_DIMS = (16, 32, 64, 128, 256)  # head sizes the few-row kernel normalises a step at a time (triton_linear)
+
+
+def gated_norm_rows_heads_fit(heads: int, dim: int, weight: torch.Tensor) -> bool:
+    """Whether the few-row kernel takes ``heads`` x ``dim`` heads (a power of two from 16 to 256 values: one step of
+    its loop, the norm's whole extent) and the contiguous ``weight`` with that many columns (the fold's test, on a
+    graph's example values)."""
+    return (dim in GATED_NORM_ROWS_DIMS and weight.dim() == 2 and weight.shape[1] == heads * dim
+            and weight.is_contiguous())
+
+
+def gated_norm_rows_fit(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gated_norm_linear``'s few-row CUDA kernel takes these: 1 to ``LINEAR_MAX_ROWS`` rows of ``[..., H,
+    D]`` heads (:func:`gated_norm_rows_heads_fit`), the gate alike, a norm weight of D values, and a weight of the
+    rows' dtype."""
+    if x.dim() < 2 or x.numel() == 0:
+        return False
+    heads, dim = x.shape[-2:]
+    return (x.numel() <= LINEAR_MAX_ROWS * heads * dim and gate.shape == x.shape
+            and gate.dtype == x.dtype == weight.dtype and norm_weight.numel() == dim and gated_norm_rows_heads_fit(heads, dim, weight))
+
+
 @torch.library.custom_op("specla::gated_norm_linear", mutates_args=())
 def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       weight: torch.Tensor) -> torch.Tensor:

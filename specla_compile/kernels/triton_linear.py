@@ -15,7 +15,10 @@ same weight), and the elementwise work around the GEMM happens in the same launc
   ``eagle_profile.md``: eight dependent reads of the rows before the weight's loop starts);
 - after it, a bias and a residual, the residual's rows optionally gathered from a table by index (the fuse's
   token table: one kernel fewer);
-- or, for a packed gate/up weight ``[2I, K]``, ``silu(gate) * up`` of the two halves (one kernel fewer).
+- or, for a packed gate/up weight ``[2I, K]``, ``silu(gate) * up`` of the two halves (one kernel fewer);
+- or, before a GDN layer's o_proj, its gated output norm (``gated_norm_linear``: a drafted pass's rows, where the
+  backend's ``fold_gated_norms_drafted`` folds it), one head a step: a head is the norm's whole extent, so no
+  first pass over the rows.
 
 A deep, narrow weight (``ops.linear_split``: a draft head's down projection) gives too few column blocks to
 stream it well, one program per block over the whole depth (``gemv_gpu_eagle_head.md``: [1024, 4096] 9.2 us
@@ -35,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import LINEAR_MAX_ROWS, linear_split
+from .ops import LINEAR_MAX_ROWS, gated_norm_rows_fit, linear_split
 from .pdl import launch_args, wait_upstream
 
 MAX_ROWS = LINEAR_MAX_ROWS  # rows the kernels take: tensor cores need 16 (32 past 16), missing rows load as zeros
@@ -198,6 +201,49 @@ def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, scale_ptr, norm_ptr, y_ptr, M
     out = gate * tl.sigmoid(gate) * up
     inside = (offs_m[:, None] < M) & in_n[None, :]
     tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _heads_of(x_ptr, gate_ptr, offs_m, in_m, k0, K, D: tl.constexpr):
+    """The rows' head at columns ``k0 : k0 + D`` and its gate, as stored (zeros past the rows and past K)."""
+    offs_k = k0 + tl.arange(0, D)
+    offs = offs_m[:, None] * K + offs_k[None, :]
+    inside = in_m[:, None] & (offs_k < K)[None, :]
+    return tl.load(x_ptr + offs, mask=inside, other=0.0), tl.load(gate_ptr + offs, mask=inside, other=0.0)
+
+
+@triton.jit
+def _gated_norm_kernel(x_ptr, gate_ptr, norm_ptr, w_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    """Grid: (output column blocks,). ``y = rms_norm_gated(x, gate) @ W^T`` of rows of D-wide heads: one head a step,
+    normalised and gated in the step (a head is the norm's whole extent), rounded to the rows' dtype as the norm's
+    output is. The weight's first step loads before the wait for the kernel before (a parameter: no kernel writes
+    it); each step loads the next head and the weight's next step before it works on its own (loads that feed no
+    ``tl.dot`` directly are not pipelined, ``_rows_ahead``)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, D)
+    in_n, in_m = offs_n < N, offs_m < M
+    w_rows = w_ptr + (offs_n[:, None].to(tl.int64) if WIDE else offs_n[:, None]) * K
+    w = tl.load(w_rows + offs_d[None, :], mask=in_n[:, None], other=0.0)
+    wait_upstream(USE_PDL)
+    norm = tl.load(norm_ptr + offs_d).to(tl.float32)
+    x, gate = _heads_of(x_ptr, gate_ptr, offs_m, in_m, 0, K, D)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, D):
+        next_k = k0 + D + offs_d
+        w_next = tl.load(w_rows + next_k[None, :], mask=in_n[:, None] & (next_k < K)[None, :], other=0.0)
+        x_next, gate_next = _heads_of(x_ptr, gate_ptr, offs_m, in_m, k0 + D, K, D)
+        wide, g = x.to(tl.float32), gate.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(wide * wide, 1) / D + eps)
+        z = (wide * scale[:, None] * norm[None, :] * (g * tl.sigmoid(g))).to(x.dtype)
+        if IEEE:
+            acc += tl.dot(z, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(z, tl.trans(w))
+        w, x, gate = w_next, x_next, gate_next
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=in_m[:, None] & in_n[None, :])
 
 
 @triton.jit
@@ -368,6 +414,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1], int8=weight_scale is not None), x, skip, skip_sum,
             weight, weight_scale, norm_weight, bias, residual, residual_rows, y, rows, n, x.shape[1], eps,
             prefetch=norm_weight is not None or skip is not None, warps=warps)
+    return y
+
+
+def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      block_n: int | None = None, warps: int = 4) -> torch.Tensor:
+    """``x [M, H, D]`` heads and their ``gate`` (M up to ``MAX_ROWS``) -> ``rms_norm_gated(x, gate)`` flattened ``@
+    weight^T`` ``[M, N]`` (``reference.gated_norm_linear_reference``: a GDN layer's output norm and o_proj) in one
+    launch (``ops.gated_norm_rows_fit``; contiguous rows and gate). ``block_n`` (output columns a program, 16 up to
+    1,024 of them, else 32) and ``warps``: a benchmark's choice."""
+    if not (x.dim() == 3 and gated_norm_rows_fit(x, gate, norm_weight, weight) and x.is_contiguous()
+            and gate.is_contiguous() and norm_weight.is_contiguous()):
+        raise ValueError(f"gated_norm_linear takes up to {MAX_ROWS} contiguous rows of heads [M, H, D] (D a power of "
+                         f"two from 16 to 256), their gate alike, a norm weight [D] and a contiguous weight [N, H * D] of "
+                         f"their dtype; got x {tuple(x.shape)} {x.dtype}, gate {tuple(gate.shape)}, norm weight "
+                         f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} {weight.dtype}")
+    rows, n = x.shape[0], weight.shape[0]
+    block_n = block_n or (16 if n <= 1024 else 32)
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _gated_norm_kernel[(triton.cdiv(n, block_n),)](x, gate, norm_weight, weight, y, rows, n, weight.shape[1], eps,
+                                                   BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=block_n, D=x.shape[2],
+                                                   IEEE=x.dtype == torch.float32, WIDE=weight.numel() >= 2**31,
+                                                   num_warps=warps, **launch_args(x.device))
     return y
 
 

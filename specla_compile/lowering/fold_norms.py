@@ -256,32 +256,38 @@ def _heads_flattened(node: fx.Node, heads: fx.Node) -> bool:
     return shape is not None and flat is not None and tuple(flat.shape) == (*shape.shape[:-2], shape.shape[-2] * shape.shape[-1])
 
 
-def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
+def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None, rows: int = 1) -> int:
     """Fold, in place, every ``specla.rms_norm_gated`` of a ``dtypes`` input (a GDN layer's output norm) whose only
     reader is the reshape of its heads into one row and then a bias-free ``linear`` (o_proj) of a weight the graph
-    takes as an input into ``specla.gated_norm_linear`` (default ``FOLDED_DTYPES``), where its CUDA kernel takes the
-    heads (``ops.gated_norm_gemv_heads_fit``). The kernel takes one row: the backend folds the one-token twin of a
-    batch of one alone.
+    takes as an input into ``specla.gated_norm_linear`` (default ``FOLDED_DTYPES``), where its CUDA kernel for the
+    graph's ``rows`` (batch rows times nodes: the example values' sizes may be symbolic) takes the heads: for one
+    row, the one-row GEMV (``ops.gated_norm_gemv_heads_fit``: the plain step at B=1); for up to 32, the few-row
+    kernel (``ops.gated_norm_rows_heads_fit``: a drafted pass's, where the backend's ``fold_gated_norms_drafted``
+    asks for it).
     Returns the number of norms folded."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
+    if rows > ops.LINEAR_MAX_ROWS:
+        return 0
+    kernel_takes = (lambda heads, dim, weight: ops.gated_norm_gemv_heads_fit(heads, dim, weight, GEMV_BLOCK_K)) if (
+        rows == 1) else ops.gated_norm_rows_heads_fit
     graph = gm.graph
     fake_mode = graph_fake_mode(graph)
     folded = 0
     for norm in _norm_calls(graph, GATED_NORMS):
-        rows, gate, norm_weight, eps = norm.args
+        x, gate, norm_weight, eps = norm.args
         flat = _only_user(norm)
         linear = _only_user(flat) if flat is not None and _heads_flattened(flat, norm) else None
         parts = linear_parts(linear) if linear is not None else None
-        if parts is None or parts[0] is not flat or _dtype(rows) not in dtypes or any(
-                _dtype(t) != _dtype(rows) for t in (gate, parts[1])):
+        if parts is None or parts[0] is not flat or _dtype(x) not in dtypes or any(
+                _dtype(t) != _dtype(x) for t in (gate, parts[1])):
             continue
-        heads, weight = example_value(rows), example_value(parts[1])
-        if heads is None or weight is None or not ops.gated_norm_gemv_heads_fit(*heads.shape[-2:], weight, GEMV_BLOCK_K):
-            continue  # (where the kernel does not take it, the op's reference would be slower than the unfolded norm)
+        heads, weight = example_value(x), example_value(parts[1])
+        if heads is None or weight is None or not kernel_takes(*heads.shape[-2:], weight):
+            continue  # (where no kernel takes it, the op's reference would be slower than the unfolded norm)
         if not _graph_weight(parts[1]) or _writes_between(graph, norm, linear):
             continue  # (the op reads the heads later than the norm did)
         with graph.inserting_before(linear):
-            out = graph.call_function(ops.gated_norm_linear._opoverload, (rows, gate, norm_weight, eps, parts[1]))
+            out = graph.call_function(ops.gated_norm_linear._opoverload, (x, gate, norm_weight, eps, parts[1]))
         linear.replace_all_uses_with(out)
         for node in (linear, flat, norm):
             graph.erase_node(node)
