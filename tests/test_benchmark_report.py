@@ -456,17 +456,21 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
 
 
 def test_gated_norm_fold_report_from_partial_results(tmp_path):
-    """fold_gpu's gated-norm table from a run cut after two row counts: the one-row GEMV's column only at one row,
-    the best few-row configuration named."""
+    """fold_gpu's gated-norm table from partial results: the one-row GEMV's column only at one row, the best few-row
+    configuration named, a row count whose configurations were all wrong or out of resources shown as dashes and
+    the wrong ones listed."""
     import fold_gpu as F
 
     results = {"device": "test", "torch": "x", "triton": "y", "command": "python fold_gpu.py", "results": {},
-               "gated_norm": {"1": {"unfolded_us": 10.0, "default_us": 9.0, "configs_us": {"16x4": 9.0, "32x8": 8.5,
-                                                                                         "gemv": 7.25}, "best": "32x8"},
-                              "9": {"unfolded_us": 15.5, "default_us": 8.0, "configs_us": {"16x4": 8.0}, "best": "16x4"}}}
+               "gated_norm": {"1": {"unfolded_us": 10.0, "configs_us": {"default": 9.0, "16x4": 9.0, "32x8": 8.5,
+                                                                        "gemv": 7.25}, "best": "32x8"},
+                              "9": {"unfolded_us": 15.5, "configs_us": {"16x4": 8.0}, "best": "16x4",
+                                    "wrong": [["default", 0.5]]},
+                              "16": {"unfolded_us": 16.0, "configs_us": {}, "best": None}}}
     F.write_report(results, str(tmp_path))
     text = (tmp_path / "fold_gpu.md").read_text()
-    assert "| 1 | 10.00 | 9.00 | 8.50 (32x8) | 7.25 |" in text and "| 9 | 15.50 | 8.00 | 8.00 (16x4) | - |" in text
+    assert "| 1 | 10.00 | 9.00 | 8.50 (32x8) | 7.25 |" in text and "| 9 | 15.50 | - | 8.00 (16x4) | - |" in text
+    assert "| 16 | 16.00 | - | - | - |" in text and "{'9': [['default', 0.5]]}" in text
 
 
 @pytest.mark.skipif(__import__("specla_compile.kernels.cuda_gemv").kernels.cuda_gemv.nvcc() is None, reason="needs nvcc")

@@ -269,12 +269,14 @@ def test_plain_decoding_through_cuda_gemvs_gives_the_defaults_tokens(caplog):
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_drafted_decoding_through_folded_gated_norms_gives_the_defaults_tokens(mode, monkeypatch):
     """The backend's ``fold_gated_norms_drafted`` at the GDN-1.3B shape (2 layers, bf16, the peaked output of
-    ``e2e_gpu.build``): the draft bucket's twin runs each layer's gated output norm and o_proj as one launch of the
-    few-row kernel (its launches, before and while the graphs are captured, counted by their rows), and graphed
-    drafted decoding gives the tokens of graphed plain decoding with the defaults."""
+    ``e2e_gpu.build``): the draft bucket's twin (and the engine's 16-node prefill pass) runs each layer's gated output
+    norm and o_proj as one launch of the few-row kernel (its launches, before and while the graphs are captured,
+    counted by their rows), and graphed drafted decoding gives the tokens of graphed plain decoding with the
+    defaults."""
     from e2e_gpu import build
 
     from specla_compile.kernels import triton_linear
+    from specla_compile.runtime.engine import PREFILL_NODES
 
     prompts = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(26)).cuda()
     expected = SpeculativeGenerator(build("fla", torch.bfloat16, layers=2), OracleDrafter([[0] * 40]),
@@ -288,5 +290,5 @@ def test_drafted_decoding_through_folded_gated_norms_gives_the_defaults_tokens(m
     monkeypatch.setattr(triton_linear, "gated_norm_linear",
                         lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw))
     drafted = gen.generate(prompts, max_new_tokens=32).sequences
-    assert rows and set(rows) == {config.bucket}  # (two layers' launches in each call of the bucket's twin)
+    assert config.bucket in rows and set(rows) <= {config.bucket, PREFILL_NODES}  # (the prompt: one 16-node pass)
     assert drafted.tolist() == expected.tolist()

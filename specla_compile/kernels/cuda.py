@@ -253,18 +253,23 @@ ops.add_norm_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_linear
 ops.add_norm_gated_linear.register_kernel("cuda")(_add_norm_linear(ops.add_norm_gated_linear, "gated_linear"))
 
 
+def _head_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., H, D]`` heads as ``[M, H, D]`` rows, each row's heads contiguous, the rows at any one stride: a view
+    where one does (a slice of a packed projection's output), else a copy."""
+    rows = x.reshape(-1, *x.shape[-2:])
+    return rows if rows.stride()[1:] == (x.shape[-1], 1) else rows.contiguous()
+
+
 @ops.gated_norm_linear.register_kernel("cuda")
 def _gated_norm_linear(x, gate, norm_weight, eps, weight):
-    """One bf16 row in one launch of the one-row GEMV (the plain step at B=1, where the backend folds the norm); a
-    few half-precision rows in one launch of the few-row kernel (a drafted pass's, ``fold_gated_norms_drafted``);
+    """One bf16 row in one launch of the one-row GEMV (the plain step at B=1, where the backend folds the norm); up to
+    32 half-precision rows in one launch of the few-row kernel (the twins of more tokens, ``fold_gated_norms_drafted``);
     else the reference."""
-    # (rows and gates that lie otherwise are copied: a few KB each; the weight never is)
     if x.dtype == torch.bfloat16 and ops.gated_norm_gemv_fits(x, gate, norm_weight, weight):
+        # (a row and gate that lie otherwise are copied: a few KB; the weight never is)
         return triton_gemv.gated_norm_gemv(x.contiguous(), gate.contiguous(), norm_weight, eps, weight)
     if x.dtype in (torch.bfloat16, torch.float16) and ops.gated_norm_rows_fit(x, gate, norm_weight, weight):
-        heads = (-1, *x.shape[-2:])
-        y = triton_linear.gated_norm_linear(x.reshape(heads).contiguous(), gate.reshape(heads).contiguous(),
-                                            norm_weight.contiguous(), eps, weight)
+        y = triton_linear.gated_norm_linear(_head_rows(x), _head_rows(gate), norm_weight.contiguous(), eps, weight)
         return y.view(*x.shape[:-2], weight.shape[0])
     return _reference_of(ops.gated_norm_linear)(x, gate, norm_weight, eps, weight)
 

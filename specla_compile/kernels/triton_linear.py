@@ -204,16 +204,17 @@ def _gated_kernel(x_ptr, skip_ptr, sum_ptr, w_ptr, scale_ptr, norm_ptr, y_ptr, M
 
 
 @triton.jit
-def _heads_of(x_ptr, gate_ptr, offs_m, in_m, k0, K, D: tl.constexpr):
-    """The rows' head at columns ``k0 : k0 + D`` and its gate, as stored (zeros past the rows and past K)."""
+def _heads_of(x_ptr, gate_ptr, offs_m, in_m, k0, SX, SG, K, D: tl.constexpr):
+    """The rows' head at columns ``k0 : k0 + D`` and its gate, as stored (rows ``SX`` and ``SG`` apart; zeros past the
+    rows and past K)."""
     offs_k = k0 + tl.arange(0, D)
-    offs = offs_m[:, None] * K + offs_k[None, :]
     inside = in_m[:, None] & (offs_k < K)[None, :]
-    return tl.load(x_ptr + offs, mask=inside, other=0.0), tl.load(gate_ptr + offs, mask=inside, other=0.0)
+    return (tl.load(x_ptr + offs_m[:, None] * SX + offs_k[None, :], mask=inside, other=0.0),
+            tl.load(gate_ptr + offs_m[:, None] * SG + offs_k[None, :], mask=inside, other=0.0))
 
 
 @triton.jit
-def _gated_norm_kernel(x_ptr, gate_ptr, norm_ptr, w_ptr, y_ptr, M, N, K, eps, BLOCK_M: tl.constexpr,
+def _gated_norm_kernel(x_ptr, gate_ptr, norm_ptr, w_ptr, y_ptr, M, N, K, SX, SG, eps, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr,
                        USE_PDL: tl.constexpr):
     """Grid: (output column blocks,). ``y = rms_norm_gated(x, gate) @ W^T`` of rows of D-wide heads: one head a step,
@@ -228,12 +229,12 @@ def _gated_norm_kernel(x_ptr, gate_ptr, norm_ptr, w_ptr, y_ptr, M, N, K, eps, BL
     w = tl.load(w_rows + offs_d[None, :], mask=in_n[:, None], other=0.0)
     wait_upstream(USE_PDL)
     norm = tl.load(norm_ptr + offs_d).to(tl.float32)
-    x, gate = _heads_of(x_ptr, gate_ptr, offs_m, in_m, 0, K, D)
+    x, gate = _heads_of(x_ptr, gate_ptr, offs_m, in_m, 0, SX, SG, K, D)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, D):
         next_k = k0 + D + offs_d
         w_next = tl.load(w_rows + next_k[None, :], mask=in_n[:, None] & (next_k < K)[None, :], other=0.0)
-        x_next, gate_next = _heads_of(x_ptr, gate_ptr, offs_m, in_m, k0 + D, K, D)
+        x_next, gate_next = _heads_of(x_ptr, gate_ptr, offs_m, in_m, k0 + D, SX, SG, K, D)
         wide, g = x.to(tl.float32), gate.to(tl.float32)
         scale = tl.rsqrt(tl.sum(wide * wide, 1) / D + eps)
         z = (wide * scale[:, None] * norm[None, :] * (g * tl.sigmoid(g))).to(x.dtype)
@@ -421,21 +422,23 @@ def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Te
                       block_n: int | None = None, warps: int = 4) -> torch.Tensor:
     """``x [M, H, D]`` heads and their ``gate`` (M up to ``MAX_ROWS``) -> ``rms_norm_gated(x, gate)`` flattened ``@
     weight^T`` ``[M, N]`` (``reference.gated_norm_linear_reference``: a GDN layer's output norm and o_proj) in one
-    launch (``ops.gated_norm_rows_fit``; contiguous rows and gate). ``block_n`` (output columns a program, 16 up to
-    1,024 of them, else 32) and ``warps``: a benchmark's choice."""
-    if not (x.dim() == 3 and gated_norm_rows_fit(x, gate, norm_weight, weight) and x.is_contiguous()
-            and gate.is_contiguous() and norm_weight.is_contiguous()):
-        raise ValueError(f"gated_norm_linear takes up to {MAX_ROWS} contiguous rows of heads [M, H, D] (D a power of "
-                         f"two from 16 to 256), their gate alike, a norm weight [D] and a contiguous weight [N, H * D] of "
-                         f"their dtype; got x {tuple(x.shape)} {x.dtype}, gate {tuple(gate.shape)}, norm weight "
-                         f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} {weight.dtype}")
+    launch (``ops.gated_norm_rows_fit``). Each row's heads lie contiguously, the rows at any stride (the gate is a
+    slice of the packed projections' output: read where it lies, no copy). ``block_n`` (output columns a program:
+    16, 32 or 64; by default 16 up to 1,024 columns, else 32) and ``warps``: a benchmark's choice."""
+    if not (x.dim() == 3 and gated_norm_rows_fit(x, gate, norm_weight, weight) and norm_weight.is_contiguous()
+            and all(t.stride()[1:] == (x.shape[2], 1) for t in (x, gate)) and block_n in (None, 16, 32, 64)):
+        raise ValueError(f"gated_norm_linear takes up to {MAX_ROWS} rows of heads [M, H, D] (D a power of two from 16 to "
+                         f"256, each row's heads contiguous), their gate alike, a norm weight [D], a contiguous weight "
+                         f"[N, H * D] of their dtype and 16, 32 or 64 columns a program; got x {tuple(x.shape)} "
+                         f"{x.dtype} strides {x.stride()}, gate {tuple(gate.shape)} strides {gate.stride()}, norm weight "
+                         f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} {weight.dtype}, block_n {block_n}")
     rows, n = x.shape[0], weight.shape[0]
     block_n = block_n or (16 if n <= 1024 else 32)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _gated_norm_kernel[(triton.cdiv(n, block_n),)](x, gate, norm_weight, weight, y, rows, n, weight.shape[1], eps,
-                                                   BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=block_n, D=x.shape[2],
-                                                   IEEE=x.dtype == torch.float32, WIDE=weight.numel() >= 2**31,
-                                                   num_warps=warps, **launch_args(x.device))
+    _gated_norm_kernel[(triton.cdiv(n, block_n),)](x, gate, norm_weight, weight, y, rows, n, weight.shape[1],
+                                                   x.stride(0), gate.stride(0), eps, BLOCK_M=16 if rows <= 16 else 32,
+                                                   BLOCK_N=block_n, D=x.shape[2], IEEE=x.dtype == torch.float32,
+                                                   WIDE=weight.numel() >= 2**31, num_warps=warps, **launch_args(x.device))
     return y
 
 

@@ -281,8 +281,9 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
         if parts is None or parts[0] is not flat or _dtype(x) not in dtypes or any(
                 _dtype(t) != _dtype(x) for t in (gate, parts[1])):
             continue
-        heads, weight = example_value(x), example_value(parts[1])
-        if heads is None or weight is None or not kernel_takes(*heads.shape[-2:], weight):
+        heads, gates, norm_weights, weight = (example_value(n) for n in (x, gate, norm_weight, parts[1]))
+        if any(v is None for v in (heads, gates, norm_weights, weight)) or gates.shape != heads.shape or (
+                norm_weights.numel() != heads.shape[-1]) or not kernel_takes(*heads.shape[-2:], weight):
             continue  # (where no kernel takes it, the op's reference would be slower than the unfolded norm)
         if not _graph_weight(parts[1]) or _writes_between(graph, norm, linear):
             continue  # (the op reads the heads later than the norm did)
