@@ -194,6 +194,29 @@ def test_fused_parallel_launch_configs(config):
     assert rel_err(o, ref_o) <= O_TOL
 
 
+@pytest.mark.parametrize("case, config", [("chain16", KernelConfig(16, 4, 64, ut_commit_from=1)),
+                                          ("tree16_padded", KernelConfig(16, 4, 64, ut_commit_from=4)),
+                                          ("tree16_padded", KernelConfig(64, 4, 32, ut_commit_from=1))])
+def test_the_parallel_route_commits_records_in_ut_form(case, config):
+    """The fused commit in UT form at the 1.3B shape's heads (K = V = 256), tf32x3 products: the committed state as
+    exact as the record-at-a-time commit's (against fp64) for a row's path of 13 records, a second row's 2 (under the
+    threshold of 4: one at a time in the same launch)."""
+    from specla_compile.kernels import triton_verify
+
+    parents, x = inputs(case, seed=16)
+    rows = parents.shape[0]
+    paths = [accepted_records(*reversed(inputs("chain16", seed=17 + r)), max_accepted=13, seed=18)[0] for r in range(rows)]
+    records = ref.FactorRecords(*(torch.cat(fields) for fields in zip(*paths)))  # (a 13-record path a row)
+    num = torch.tensor([13, 2][:rows], device="cuda")
+    state = x["state"].clone()
+    with poisoned_allocations():
+        o, _ = triton_verify.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, True, route="parallel",
+                                         config=config, pending=triton_verify.Pending(*records, num))
+    ref_o, _, ref_state = reference_verify(x, parents, SCALE, True, pending=(records, num))
+    assert rel_err(state, ref_state) <= EXACT_TOL
+    assert rel_err(o, ref_o) <= O_TOL
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_cuda_graph_replay(route):
     """Topology and inputs are device tensors read inside the kernels: a captured graph replays new
