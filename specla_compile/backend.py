@@ -26,8 +26,8 @@ launch of a one-row GEMV where the heads fit it (:func:`.lowering.fold_norms.fol
 ``kernels/triton_gemv.py``); ``fold_gated_norms_drafted`` — False (default; built, not yet timed on a GPU): those of
 the twins of 2-32 tokens too, one launch of a few-row kernel (``kernels/triton_linear.py``); ``fold_gates`` — True
 (default): on CUDA, the gate and beta of each fla GDN layer are computed inside the recurrence's launch in the
-static twins of one node a row (plain decoding's step; :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's 1-node pass on an H200 from 1.503-1.513 to 1.420 ms
-(``e2e_gpu.md``, ``fold_ab_327f184``); ``fold_convs`` — False (default; no faster on an H200: plain decoding 1.455
+static twins of one node a row (plain decoding's step; :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's
+1-node pass on an H200 from 1.503-1.513 to 1.420 ms (``e2e_gpu.md``, ``fold_ab_327f184``); ``fold_convs`` — False (default; no faster on an H200: plain decoding 1.455
 against 1.450 ms/token, ``fold_ab``): True also runs the q/k/v short convs inside that launch
 (:func:`.lowering.fold_gates.fold_convs`); ``fold_gates_drafted`` — False (default; built, not yet timed on a GPU):
 the gates of the twins of more nodes whose passes all take the parallel route (by the default cost model, more than

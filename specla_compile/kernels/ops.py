@@ -547,8 +547,8 @@ def gated_norm_rows_fit(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.
     if x.dim() < 2 or x.numel() == 0:
         return False
     heads, dim = x.shape[-2:]
-    return (x.numel() <= LINEAR_MAX_ROWS * heads * dim and gate.shape == x.shape
-            and gate.dtype == x.dtype == weight.dtype and norm_weight.numel() == dim and gated_norm_rows_heads_fit(heads, dim, weight))
+    return (x.numel() <= LINEAR_MAX_ROWS * heads * dim and gate.shape == x.shape and gate.dtype == x.dtype == weight.dtype
+            and norm_weight.numel() == dim and gated_norm_rows_heads_fit(heads, dim, weight))
 
 
 @torch.library.custom_op("specla::gated_norm_linear", mutates_args=())

@@ -32,6 +32,7 @@ folds' work as their prologue, there.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -266,10 +267,12 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
     asks for it).
     Returns the number of norms folded."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
-    if rows > ops.LINEAR_MAX_ROWS:
+    if rows == 1:
+        kernel_takes = functools.partial(ops.gated_norm_gemv_heads_fit, block_k=GEMV_BLOCK_K)
+    elif rows <= ops.LINEAR_MAX_ROWS:
+        kernel_takes = ops.gated_norm_rows_heads_fit
+    else:
         return 0
-    kernel_takes = (lambda heads, dim, weight: ops.gated_norm_gemv_heads_fit(heads, dim, weight, GEMV_BLOCK_K)) if (
-        rows == 1) else ops.gated_norm_rows_heads_fit
     graph = gm.graph
     fake_mode = graph_fake_mode(graph)
     folded = 0
