@@ -137,7 +137,8 @@ def _apply_records_ut(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, 
     num = tl.minimum(tl.load(num_ptr + b).to(tl.int32), A)
     ra = tl.arange(0, BA)
     ma = ra < num
-    kr = tl.load(pk + ((b * A + ra[:, None]) * H + h) * K + rk[None, :], mask=ma[:, None] & mk[None, :], other=0.0)
+    kr = tl.load(pk + ((b * A + ra[:, None]) * H + h) * K + rk[None, :], mask=ma[:, None] & mk[None, :],
+                 other=0.0).to(tl.float32)
     vr = tl.load(pv + ((b * A + ra[:, None]) * HV + hv) * V + rv[None, :], mask=ma[:, None] & mv[None, :],
                  other=0.0).to(tl.float32)
     gr = tl.load(pg + (b * A + ra) * HV + hv, mask=ma, other=0.0).to(tl.float32)
