@@ -181,10 +181,14 @@ def test_launch_configs(route, config):
 @pytest.mark.parametrize("config", [KernelConfig(32, 4, 64), KernelConfig(64, 4, 32), KernelConfig(16, 4, 64),
                                     *(dispatch.kernel_config("parallel", 16, pending=True, batch=b) for b in (4, 16))])
 def test_fused_parallel_launch_configs(config):
+    parents, x = inputs("tree16_padded", seed=14)
+    _check_parallel_commit_verify(parents, x, *accepted_records(x, parents, max_accepted=6, seed=15), config)
+
+
+def _check_parallel_commit_verify(parents, x, records, num, config: KernelConfig) -> None:
+    """The parallel route's fused commit and verify under ``config`` against fp64: the committed state, the outputs."""
     from specla_compile.kernels import triton_verify
 
-    parents, x = inputs("tree16_padded", seed=14)
-    records, num = accepted_records(x, parents, max_accepted=6, seed=15)
     state = x["state"].clone()
     with poisoned_allocations():
         o, _ = triton_verify.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, True, route="parallel",
@@ -201,20 +205,11 @@ def test_the_parallel_route_commits_records_in_ut_form(case, config):
     """The fused commit in UT form at the 1.3B shape's heads (K = V = 256), tf32x3 products: the committed state as
     exact as the record-at-a-time commit's (against fp64) for a row's path of 13 records, a second row's 2 (under the
     threshold of 4: one at a time in the same launch)."""
-    from specla_compile.kernels import triton_verify
-
     parents, x = inputs(case, seed=16)
     rows = parents.shape[0]
     paths = [accepted_records(*reversed(inputs("chain16", seed=17 + r)), max_accepted=13, seed=18)[0] for r in range(rows)]
     records = ref.FactorRecords(*(torch.cat(fields) for fields in zip(*paths)))  # (a 13-record path a row)
-    num = torch.tensor([13, 2][:rows], device="cuda")
-    state = x["state"].clone()
-    with poisoned_allocations():
-        o, _ = triton_verify.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, True, route="parallel",
-                                         config=config, pending=triton_verify.Pending(*records, num))
-    ref_o, _, ref_state = reference_verify(x, parents, SCALE, True, pending=(records, num))
-    assert rel_err(state, ref_state) <= EXACT_TOL
-    assert rel_err(o, ref_o) <= O_TOL
+    _check_parallel_commit_verify(parents, x, records, torch.tensor([13, 2][:rows], device="cuda"), config)
 
 
 @pytest.mark.parametrize("route", ROUTES)
