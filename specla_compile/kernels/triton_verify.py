@@ -143,12 +143,10 @@ def _apply_records_ut(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, 
                  other=0.0).to(tl.float32)
     gr = tl.load(pg + (b * A + ra) * HV + hv, mask=ma, other=0.0).to(tl.float32)
     br = tl.load(pb + (b * A + ra) * HV + hv, mask=ma, other=0.0).to(tl.float32)
-    incl = ra[:, None] >= ra[None, :]
+    incl = ra[:, None] >= ra[None, :]  # (a chain: every earlier record is an ancestor)
     gamma = tl.sum(tl.where(incl, gr[None, :], 0.0), 1)
-    decay = tl.where(incl, tl.exp(tl.where(incl, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
     kk = tl.dot(kr, tl.trans(kr), input_precision="tf32x3")
-    t_inv = _unit_lower_inverse(tl.where(ra[:, None] > ra[None, :], br[:, None] * decay * kk, 0.0), ra, LOG2BA,
-                                "tf32x3")
+    _, t_inv = _ut_inverse(incl, gamma, br, kk, ra, LOG2BA, "tf32x3")
     ks = tl.dot(kr, s, input_precision="tf32x3")
     u = tl.dot(t_inv, br[:, None] * (vr - tl.exp(gamma)[:, None] * ks), input_precision="tf32x3")
     total = tl.sum(gr, 0)  # (gamma at the last record: those past it add nothing)
@@ -195,6 +193,16 @@ def _heavy_light(prow, incl, rn, N):
     head = tl.max(tl.where(incl & is_start[None, :], rn[None, :], -1), 1)
     depth = tl.sum(incl.to(tl.int32), 1) - 1
     return is_start, head, depth
+
+
+@triton.jit
+def _ut_inverse(incl, gamma, beta, kk, rt, LOG2BT: tl.constexpr, PREC: tl.constexpr):
+    """The UT form's ``(decay, (I + A)^-1)`` for nodes whose ancestors (themselves included) are ``incl``, with running
+    log decays ``gamma`` and raw key products ``kk``: ``decay[j, m] = e^(gamma_j - gamma_m)`` for m an ancestor of j,
+    ``A[j, m] = beta_j decay[j, m] kk[j, m]`` for a strict one (the verify's tree, a commit's chain of records)."""
+    decay = tl.where(incl, tl.exp(tl.where(incl, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+    a = tl.where(incl & (rt[:, None] != rt[None, :]), beta[:, None] * decay * kk, 0.0)
+    return decay, _unit_lower_inverse(a, rt, LOG2BT, PREC)
 
 
 @triton.jit
@@ -348,7 +356,6 @@ def _parallel_kernel(
     mt = rt < N
     prow = tl.load(parents + b * N + rt, mask=mt, other=_PAD)
     incl = _ancestor_matrix(prow, rt, LOG2BT)
-    strict = incl & (rt[:, None] != rt[None, :])
     if not GATES:
         gt = tl.load(g + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
         bt = tl.load(beta + (b * N + rt) * HV + hv, mask=mt, other=0.0).to(tl.float32)
@@ -391,9 +398,7 @@ def _parallel_kernel(
             tl.store(g + (b * N + rt) * HV + hv, gt, mask=mt)
             tl.store(beta + (b * N + rt) * HV + hv, bt, mask=mt)
         gamma = tl.sum(tl.where(incl, gt[None, :], 0.0), 1)
-    decay = tl.where(incl, tl.exp(tl.where(incl, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-    a = tl.where(strict, bt[:, None] * decay * kk, 0.0)
-    t_inv = _unit_lower_inverse(a, rt, LOG2BT, PREC)
+    decay, t_inv = _ut_inverse(incl, gamma, bt, kk, rt, LOG2BT, PREC)
     val_off = ((b * N + rt[:, None]) * HV + hv) * V + rv[None, :]
     val_mask = mt[:, None] & mv[None, :]
     vt = tl.load(v + val_off, mask=val_mask, other=0.0).to(tl.float32)
