@@ -103,9 +103,12 @@ def trained_shape_target(vocab: int, dtype: torch.dtype, device: str = "cuda", *
     return model.to(device, dtype).eval()
 
 
-def loop_target(name: str, vocab: int, dtype: torch.dtype) -> torch.nn.Module:
-    """The loop section's target: the trained study's shape, or e2e_gpu.py's GDN-1.3B shape (random weights)."""
-    return trained_shape_target(vocab, dtype) if name == "trained" else build("fla", dtype)
+def loop_target(name: str, vocab: int, dtype: torch.dtype, layers: int | None = None) -> torch.nn.Module:
+    """The loop section's target: the trained study's shape (``layers`` deep where given), or e2e_gpu.py's
+    GDN-1.3B shape (random weights)."""
+    if name == "trained":
+        return trained_shape_target(vocab, dtype, **({"num_hidden_layers": layers} if layers else {}))
+    return build("fla", dtype, layers)
 
 
 def target_hidden(name: str) -> int:
@@ -153,7 +156,7 @@ def loop_section(args, results: dict) -> None:
     from specla_compile import SpeculativeGenerator
 
     dtype = getattr(torch, args.dtype)
-    model = loop_target(args.target, args.vocab, dtype)
+    model = loop_target(args.target, args.vocab, dtype, args.target_layers)
     hidden = model.config.hidden_size
     head = EagleHead(head_config(model, args)).to("cuda", dtype)
     head.set_token_ranking(torch.randperm(args.vocab, generator=torch.Generator().manual_seed(0)))
@@ -267,6 +270,9 @@ def main() -> None:
                         "and each --draft-vocab tree")
     p.add_argument("--target", choices=("trained", "gdn-1.3b"), default="trained",
                    help="the loop section's target: the trained study's shape, or the GDN-1.3B shape of e2e_gpu.py")
+    p.add_argument("--target-layers", type=int, default=None,
+                   help="the loop section's target depth (default: the trained study's, or 24 for gdn-1.3b): the drafting "
+                        "ratio of a deeper trained target, whose verify pass costs more and whose head costs the same")
     p.add_argument("--hidden", type=int, default=None, help="the propose section's head width (default: the target's)")
     p.add_argument("--heads", type=int, default=None, help="the head's attention heads (default: the target's)")
     p.add_argument("--intermediate", type=int, default=None,
@@ -308,6 +314,8 @@ def main() -> None:
         p.error(str(err))
     if args.target == "gdn-1.3b" and args.vocab != FLA_1P3B["vocab_size"]:
         p.error(f"--target gdn-1.3b has a vocabulary of {FLA_1P3B['vocab_size']}, not --vocab {args.vocab}")
+    if args.target_layers is not None and args.target_layers < 1:
+        p.error(f"--target-layers must be >= 1, got {args.target_layers}")
     args.hidden = args.hidden or target_hidden(args.target)
     if not torch.cuda.is_available():
         sys.exit("error: eagle_profile.py needs a CUDA GPU")
