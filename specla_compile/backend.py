@@ -169,10 +169,9 @@ class SpeculativeGraph:
     attention length every pass) keep one dynamic twin."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence, compile_inner: Callable, verify_kernel: str = "auto",
-                 plain: str = "compiled", switches: dict[str, bool] | None = None, rounds_sums: bool = False):
+                 plain: str = "compiled", switches: dict[str, bool] | None = None):
         self.verify_kernel = verify_kernel
         self.switches = {**SWITCHES, **(switches or {})}
-        self.rounds_sums = rounds_sums  # (whether the inner compiler rounds a bf16 sum before the norm that reads it)
         started = time.perf_counter()
         self.plain = compile_inner(gm, example_inputs) if plain == "compiled" else gm.forward
         self.compile_seconds = {"plain": time.perf_counter() - started}
@@ -232,7 +231,7 @@ class SpeculativeGraph:
             if tokens == 1 and "fold_swiglu" in on:  # (the same one-row kernel)
                 log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", fold_swiglu(gm))
             if tokens == 1 and "cuda_gemvs" in on:  # (its kernel takes one row)
-                folded = fold_row_norms(gm, self.rounds_sums)
+                folded = fold_row_norms(gm)
                 log.info("specla: %d residual adds and norms folded into the CUDA C GEMV after them", folded)
                 log.info("specla: %d GEMMs routed to the CUDA C GEMV", route_row_gemvs(gm))
             nodes = inputs[self.program.num_model_inputs].shape[1]  # (the first input the rewrite added: parents [B, N])
@@ -338,16 +337,7 @@ def specla_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | Non
             # over its first part's graph input, at that part's size, and fails minutes into the compile)
             raise ValueError(f"specla: mode={mode!r} cannot autotune the fused projection GEMMs on CUDA; pass "
                              "options={'fuse_projections': False} to tune the unfused ones, or another mode")
-    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, switches,
-                            _rounds_sums(options.get("inner", "inductor")))
-
-
-def _rounds_sums(inner: str) -> bool:
-    """Whether the ``inner`` compiler rounds a bf16 sum to bf16 before the norm that reads it, as eager PyTorch does:
-    on CUDA, inductor's Triton kernel of the two keeps the sum in fp32 (it elides the round trip unless told to emulate
-    eager's casts; ``test_gpu_kernels`` pins it; its C++ code on the CPU rounds, but the folds run on CUDA only). The
-    plain step's folds read it so, as the drafts' compiled twins do."""
-    return inner != "inductor" or bool(getattr(torch._inductor.config, "emulate_precision_casts", False))
+    return SpeculativeGraph(gm, example_inputs, compile_inner, verify_kernel, plain, switches)
 
 
 def _cuda_device(example_inputs: Sequence) -> torch.device | None:

@@ -157,7 +157,7 @@ def test_every_gemm_of_a_folded_one_token_twin_routes_to_the_cuda_gemv_and_the_o
         assert folding.fold_gated_norms(gm) == LAYERS
         assert folding.fold_swiglu(gm) == LAYERS
         if fold_norms:
-            assert folding.fold_row_norms(gm, rounds_sums=True) == 2 * LAYERS
+            assert folding.fold_row_norms(gm) == 2 * LAYERS
         assert folding.route_row_gemvs(gm) == (2 * LAYERS + 1 if fold_norms else 4 * LAYERS + 1)
         got = gm(*example_inputs)
     prologues = [n.args[2] for n in gm.graph.nodes if _calls_node(n, SPECLA.row_gemv.default)]
@@ -233,17 +233,6 @@ def test_cuda_gemvs_build_the_gemv_once_in_the_background_and_its_failure_is_rai
         with pytest.raises(RuntimeError, match="failed earlier in this process: nvcc: no such architecture"):
             folding.cuda_gemv.library()
     assert builds == [1, "failed"] and prebuild() is None  # (not tried again)
-
-
-def test_the_folds_read_an_added_sum_as_the_inner_compiler_does():
-    """Inductor keeps a bf16 sum in fp32 for the norm fused after it; eager PyTorch, and inductor told to emulate its
-    casts, round it first: the backend's folds of the plain step follow the inner compiler."""
-    from specla_compile import backend
-
-    assert not backend._rounds_sums("inductor") and backend._rounds_sums("aot_eager") and backend._rounds_sums("eager")
-    with torch._inductor.config.patch(emulate_precision_casts=True):  # (monkeypatch's undo deletes a config entry)
-        assert backend._rounds_sums("inductor")
-    assert not backend._rounds_sums("inductor")
 
 
 def test_cuda_gemvs_without_nvcc_fail_before_compiling(monkeypatch):
@@ -459,8 +448,8 @@ def test_what_folds_and_what_stays(fn):
         assert (g - e).abs().max() <= 1e-5 * e.abs().max()
 
 
-ROW_FOLD_CASES = {  # function: whether the one add_norm_row_gemv it becomes reads its sum rounded where the inner compiler
-    # rounds sums (False: fla's fused prenorm, unrounded everywhere), or None where nothing folds
+ROW_FOLD_CASES = {  # function: whether the one add_norm_row_gemv it becomes reads its sum rounded (an add, then a norm,
+    # as compiled; False: fla's fused prenorm, unrounded), or None where nothing folds
     _prenorm: False, _after_an_add: True, _gated: True, _gate_of_the_wrong_half: True,
     _broadcast_add: None, _sum_read_before_the_gemm: None,  # (no add folds: the CUDA GEMV leaves no norm alone)
     _written_in_place_before_the_gemm: None, _eps_by_keyword: None, _two_gemms: None,
@@ -472,7 +461,7 @@ ROW_FOLD_CASES = {  # function: whether the one add_norm_row_gemv it becomes rea
 def test_what_folds_into_the_cuda_gemv_and_what_stays(fn, monkeypatch):
     """``fold_row_norms`` (made to fold here: CPU, fp32) on each pattern around a norm: a norm after a residual add
     folds with its add, reading the sum as the compiled graph would (fla's fused prenorm: unrounded; an add, then a
-    norm: rounded only for an inner compiler that rounds it, not inductor); the same outputs."""
+    norm: rounded); the same outputs."""
     monkeypatch.setattr(folding, "FOLDED_DTYPES", (torch.float32,))
     monkeypatch.setattr(folding.cuda_gemv, "weight_fits", lambda *args: True)
     gen = torch.Generator().manual_seed(2)
@@ -480,16 +469,15 @@ def test_what_folds_into_the_cuda_gemv_and_what_stays(fn, monkeypatch):
     w, W = 1 + 0.2 * torch.randn(32, generator=gen), torch.randn(16, 32, generator=gen)
     expected = fn(a, b, w, W)
     round_sum = ROW_FOLD_CASES[fn]
-    for rounds_sums in (False, True):  # (inductor's kernel keeps an add's sum in fp32; eager rounds it)
-        gm, example_inputs = _dynamo_graph(fn, a, b, w, W)
-        adds = _calls(gm, *folding.ADDS)
-        assert folding.fold_row_norms(gm, rounds_sums) == (round_sum is not None)
-        assert [n.args[5] for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)] == (
-            [] if round_sum is None else [round_sum and rounds_sums])
-        assert _calls(gm, *folding.ADDS) == (adds if round_sum is None else 0)  # (the op's sum stands for the add)
-        got = gm(*[x.clone() for x in example_inputs])
-        for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
-            assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+    gm, example_inputs = _dynamo_graph(fn, a, b, w, W)
+    adds = _calls(gm, *folding.ADDS)
+    assert folding.fold_row_norms(gm) == (round_sum is not None)
+    assert [n.args[5] for n in gm.graph.nodes if _calls_node(n, SPECLA.add_norm_row_gemv.default)] == (
+        [] if round_sum is None else [round_sum])
+    assert _calls(gm, *folding.ADDS) == (adds if round_sum is None else 0)  # (the op's sum stands for the add)
+    got = gm(*[x.clone() for x in example_inputs])
+    for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, tuple) else [expected]):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
 
 
 def test_a_norm_whose_weights_the_cuda_gemv_does_not_take_stays(monkeypatch):

@@ -703,12 +703,11 @@ def test_add_norm_row_gemv_op_matches_its_reference(n, k, round_sum):
         torch.testing.assert_close(got, want)
 
 
-def test_inductor_keeps_an_added_bf16_sum_in_fp32_for_the_norm_fused_after_it():
-    """The premise of ``fold_row_norms``' reading under inductor (``backend._rounds_sums("inductor")`` is False): on
-    CUDA, inductor's kernel of ``h = a + b`` (bf16) and the RMS norm of h, as a twin's graph has them, normalises the
-    float32 sum rather than h rounded to bf16 (it elides the round trip between fused ops), so its output is closer to
-    the unrounded reading. (On the CPU, inductor's C++ code rounds.)"""
-    from specla_compile import backend
+def test_inductor_rounds_an_added_bf16_sum_before_the_norm_fused_after_it():
+    """The premise of ``fold_row_norms``' reading of an add, then a norm: inductor's code of ``h = a + b`` (bf16) and
+    the RMS norm of h, as a twin's graph has them, normalises h rounded to bf16, as eager PyTorch does, so its output
+    is closer to the rounded reading (an H100, torch 2.11: 277 of 16,384 values differ from it, 3,194 from the float32
+    sum's; the CPU's C++ code rounds too)."""
 
     def add_then_norm(a, b, w):
         h = a + b
@@ -724,4 +723,4 @@ def test_inductor_keeps_an_added_bf16_sum_in_fp32_for_the_norm_fused_after_it():
         assert torch.equal(h, a + b)
         unrounded += (y != ref.rms_norm_reference(a, b, w, 1e-6)).sum().item()
         rounded += (y != ref.rms_norm_reference(a + b, None, w, 1e-6)).sum().item()
-    assert unrounded < rounded and not backend._rounds_sums("inductor"), (unrounded, rounded)
+    assert rounded < unrounded, (rounded, unrounded)

@@ -338,14 +338,14 @@ def _weight_input(weight: fx.Node) -> bool:
     return _graph_weight(weight.args[0] if packed else weight)
 
 
-def fold_row_norms(gm: fx.GraphModule, rounds_sums: bool = False) -> int:
+def fold_row_norms(gm: fx.GraphModule) -> int:
     """Fold, in place, every ``specla.rms_norm`` of one bf16 row whose input is a residual add (fla's fused prenorm's
     pair, or an ``a + b`` read after the GEMM only) and whose only reader is a bias-free ``linear`` of a graph-input
     weight the CUDA C GEMV takes into ``specla.add_norm_row_gemv``, whose sum replaces the add's: the backend's
     ``cuda_gemvs`` option, in the one-token twin of a batch of one (before :func:`route_row_gemvs`). The norm reads the
-    sum as the compiled graph would: fla's fused prenorm unrounded; after an add, rounded to bf16 as eager PyTorch
-    does when ``rounds_sums``, else unrounded as inductor's kernel of the add and norm does (it elides the round trip).
-    A norm without an add (the first layer's, of the embedding) stays. Returns the number of norms folded."""
+    sum as the compiled graph would: fla's fused prenorm unrounded; after an add, rounded to bf16, as eager PyTorch
+    and inductor both do (on CUDA too: ``test_gpu_kernels``' add-then-norm test, measured on an H100). A norm without
+    an add (the first layer's, of the embedding) stays. Returns the number of norms folded."""
     graph = gm.graph
     fake_mode = graph_fake_mode(graph)
     fill_example_values(graph, fake_mode)  # (the packed weights' views have none yet)
@@ -361,7 +361,7 @@ def fold_row_norms(gm: fx.GraphModule, rounds_sums: bool = False) -> int:
                 w, x.dtype, x.shape[-1], "add_norm", x.shape[-1], example_value(norm_weight)):
             continue
         with graph.inserting_before(linear):
-            rounded = rounds_sums and residual is None
+            rounded = residual is None  # (an add, then a norm; fla's fused prenorm reads the fp32 sum)
             pair = graph.call_function(ops.add_norm_row_gemv._opoverload, (*added, norm_weight, eps, weight, rounded))
             out = graph.call_function(operator.getitem, (pair, 0))
             total = graph.call_function(operator.getitem, (pair, 1))
