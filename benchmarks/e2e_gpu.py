@@ -1013,9 +1013,11 @@ ALL_TARGETS = (  # every target of the benchmark, so that the ones a run did not
 
 
 def targets_markdown(targets: list[dict]) -> list[str]:
-    """The ``targets`` list as markdown table lines (also used by ``e2e_trained.py``)."""
+    """The ``targets`` list as markdown table lines (also used by ``e2e_trained.py`` and ``tp_gpu.py``); a target
+    this run did not measure reads "not measured" and "-", not "no"."""
     return ["| target | measured | goal | met |", "| --- | --- | --- | --- |"] + [
-        f"| {t['name']} | {'not measured' if t['measured'] is None else t['measured']} | {t['goal']} | {'yes' if t['met'] else 'no'} |"
+        f"| {t['name']} | {'not measured' if t['measured'] is None else t['measured']} | {t['goal']} | "
+        f"{'-' if t['measured'] is None else 'yes' if t['met'] else 'no'} |"
         for t in targets
     ]
 
@@ -1041,10 +1043,11 @@ def differs(route: dict) -> str:
     return "" if route.get("identical", True) else " (output differs from plain decoding's)"
 
 
-def write_report(results: dict, out_dir: str) -> None:
+def write_report(results: dict, out_dir: str, stem: str = "e2e_gpu") -> None:
+    """``{stem}.json``, ``.md`` and ``.png`` under ``out_dir``."""
     results["targets"] = targets(results)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "e2e_gpu.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     lines = ["# End-to-end speed, static CUDA-graphed engine", "", f"device: {results.get('device')}, torch {results.get('torch')}",
              f"command: `{results.get('command')}`", ""]
@@ -1093,9 +1096,9 @@ def write_report(results: dict, out_dir: str) -> None:
         for k, n in TREES:
             cells = [b1["tree"].get(f"k{k}_n{n}_p{p}") for p in P_VALUES]
             lines.append(f"| k={k}, {n} nodes | " + " | ".join(f"{c['speedup']:.2f}" if c else "-" for c in cells) + " |")
-    with open(os.path.join(out_dir, "e2e_gpu.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(results, os.path.join(out_dir, "e2e_gpu.png"))
+    plot(results, os.path.join(out_dir, f"{stem}.png"))
     print("\n".join(lines))
 
 
@@ -1253,7 +1256,7 @@ def main() -> None:
     parser.add_argument("--oracle", choices=("device", "host"), default="device",
                         help="where the controlled routes' oracle drafts after a call's first pass (default: the device, "
                              "as a GPU drafter does; fla_batch also times the host's at its target route)")
-    parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON")
+    parser.add_argument("--plot", metavar="JSON", help="only write markdown and PNG from an earlier JSON, beside it under its name")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     ORACLE["device"] = args.oracle == "device"
@@ -1265,9 +1268,9 @@ def main() -> None:
                                               f"the specla backend's options {sorted(OPTIONS)}"))
     except ValueError as err:
         parser.error(str(err))
-    if args.plot:
+    if args.plot:  # (beside the JSON, under its name: another run's JSON never overwrites --out's)
         with open(args.plot) as f:
-            write_report(json.load(f), args.out)
+            write_report(json.load(f), os.path.dirname(args.plot) or ".", os.path.splitext(os.path.basename(args.plot))[0])
         return
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")

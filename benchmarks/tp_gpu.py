@@ -40,6 +40,7 @@ from e2e_gpu import (
     prompts_for,
     run_route,
     run_sections,
+    targets_markdown,
     truth_of,
 )
 
@@ -110,9 +111,7 @@ def write_report(results: dict, out_dir: str) -> None:
         json.dump(results, f, indent=1, default=str)
     lines = ["# Tensor-parallel speculative decoding (Qwen3.5, 9B shape, random weights, bf16)", "",
              f"device: {results.get('device')} x {results.get('world')}, torch {results.get('torch')}",
-             f"command: `{results.get('command')}`", "", "| target | measured | goal | met |", "| --- | --- | --- | --- |"]
-    lines += [f"| {t['name']} | {'not measured' if t['measured'] is None else t['measured']} | {t['goal']} | {'yes' if t['met'] else 'no'} |"
-              for t in results["targets"]]
+             f"command: `{results.get('command')}`", "", *targets_markdown(results["targets"])]
     rows = [(f"TP={results.get('world')}" if section == "tp2" else "TP=1", key, value)
             for section in ("tp1", "tp2") for key, value in results.get(section, {}).items() if isinstance(value, dict)]
     if rows:
