@@ -23,19 +23,21 @@ the GEMM after it, with the residual add before it (:mod:`.lowering.fold_norms`;
 cuBLAS at the 1.3B shape on an H200 so far, ``fold_gpu.md``); ``fold_gated_norms`` — True (default): on
 CUDA, the one-token twin's (the plain step at B=1) gated output norms of a bf16 GDN layer run inside its o_proj, one
 launch of a one-row GEMV where the heads fit it (:func:`.lowering.fold_norms.fold_gated_norms`,
-``kernels/triton_gemv.py``); ``fold_gated_norms_drafted`` — False (default; built, not yet timed on a GPU): those of
+``kernels/triton_gemv.py``); ``fold_gated_norms_drafted`` — False (default; slower: on an H100 the 16-node passes 1.11x the defaults' with
+the gates' fold below, ``e2e_gpu_fold_ab_h100.md``): those of
 the twins of 2-32 tokens too, one launch of a few-row kernel (``kernels/triton_linear.py``); ``fold_gates`` — True
 (default): on CUDA, the gate and beta of each fla GDN layer are computed inside the recurrence's launch in the
 static twins of one node a row (plain decoding's step; :mod:`.lowering.fold_gates`). The two cut the 1.3B shape's
 1-node pass on an H200 from 1.503-1.513 to 1.420 ms (``e2e_gpu.md``, ``fold_ab_327f184``); ``fold_convs`` — False (default; no faster on an H200: plain decoding 1.455
 against 1.450 ms/token, ``fold_ab``): True also runs the q/k/v short convs inside that launch
-(:func:`.lowering.fold_gates.fold_convs`); ``fold_gates_drafted`` — False (default; built, not yet timed on a GPU):
+(:func:`.lowering.fold_gates.fold_convs`); ``fold_gates_drafted`` — False (default; slower, as the drafted norms' fold above: the 32-node tree 1.32x):
 the gates of the twins of more nodes whose passes all take the parallel route (by the default cost model, more than
 6 nodes) computed inside its launch; ``fold_swiglu`` — True (default): on CUDA, the one-token twin's (B=1) bf16 MLP
 ``silu(gate) * up`` runs inside its down projection, one launch of the same one-row
 GEMV (:func:`.lowering.fold_norms.fold_swiglu`; on an H200 plain decoding 1.450 -> 1.357 ms/token, ``fold_ab``); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
-which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``cuda_gemvs`` — False (default): True
+which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``cuda_gemvs`` — False (default; on an H100 plain decoding 0.968x the defaults' time a token, drafted passes
+unchanged, ``e2e_gpu_fold_ab_h100.md``; not yet timed so on an H200, and its library is built for sm_90 only): True
 runs, on CUDA, the one-token twin's (B=1) bf16 GEMMs, with the gated norms, MLP products and the residual adds and
 RMS norms before them folded into them, as a one-row GEMV in CUDA C that issues its weight loads before it waits for
 the kernel before (:func:`.lowering.fold_norms.fold_row_norms`, :func:`.lowering.fold_norms.route_row_gemvs`,
