@@ -281,6 +281,36 @@ def test_plain_torch_fla_calls_no_fla_kernel_and_gives_the_model_forward(monkeyp
     assert not torch.equal(out.hidden_states[-1], out.hidden_states[0])  # (the layers did something)
 
 
+def test_checkpointed_layers_run_twice_a_step_and_give_the_same_gradients(script):
+    """``--gradient-checkpointing``: each layer's forward runs again in the backward pass (its activations were not
+    kept), the gradients are those of the plain step, and a no-grad call runs each layer once."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    config = GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, expand_v=1.0,
+                                 vocab_size=50, fuse_cross_entropy=False)
+    torch.manual_seed(0)
+    plain = GatedDeltaNetForCausalLM(config).train()
+    checkpointed = GatedDeltaNetForCausalLM(config).train()
+    checkpointed.load_state_dict(plain.state_dict())
+    script.checkpoint_layers(checkpointed)
+    block = torch.randint(0, 50, (2, 25))
+    grads, calls = {}, {}
+    for name, model in (("plain", plain), ("checkpointed", checkpointed)):
+        calls[name] = []
+        for layer in model.model.layers:
+            layer.attn.register_forward_hook(lambda *args, name=name: calls[name].append(1))
+        with torch_chunk_gdn(chunk_size=8):
+            script.lm_loss(model, block).backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+    assert (len(calls["plain"]), len(calls["checkpointed"])) == (2, 4)  # (each layer recomputed once)
+    for n, g in grads["plain"].items():
+        torch.testing.assert_close(grads["checkpointed"][n], g, rtol=1e-5, atol=1e-7)
+    calls["checkpointed"].clear()
+    with torch.no_grad():
+        script.lm_loss(checkpointed, block)
+    assert len(calls["checkpointed"]) == 2
+
+
 # --- the training script -----------------------------------------------------------------------------
 
 
@@ -338,6 +368,28 @@ def test_resume_continues_from_the_saved_step(trained, script):
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
     assert resumed["steps"] == straight["steps"] == 12
+
+
+def test_gradient_checkpointing_trains_the_same_weights(trained, script, corpus_dir):
+    """The option through the script: the 12 steps give the plain run's weights, and the report says it was on."""
+    base, straight, _, _ = trained
+    report = script.main(train_args(corpus_dir, base / "checkpointed", 12, "--gradient-checkpointing"))
+    assert report["gradient_checkpointing"] and not straight["gradient_checkpointing"]
+    a, b = load_file(base / "straight" / "model.safetensors"), load_file(base / "checkpointed" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_out_of_gpu_memory_stops_with_one_line_of_advice(script, corpus_dir, tmp_path, monkeypatch):
+    def out_of_memory(model, block):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.95 GiB.")
+
+    monkeypatch.setattr(script, "lm_loss", out_of_memory)
+    with pytest.raises(SystemExit, match=r"^error: step 1 ran out of GPU memory \(1 layers at hidden 32, --batch-size 4 "
+                       r"x --seq-len 32\): pass --gradient-checkpointing or a smaller --batch-size$"):
+        script.main(train_args(corpus_dir, tmp_path / "out", 3))
+    with pytest.raises(SystemExit, match=r"pass a smaller --batch-size$"):
+        script.main(train_args(corpus_dir, tmp_path / "out", 3, "--gradient-checkpointing"))
 
 
 def test_save_pretrained_output_loads_with_identical_logits(trained, script):
