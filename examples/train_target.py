@@ -492,10 +492,10 @@ def main(argv: list[str] | None = None) -> dict:
                     loss = lm_loss(model, batch)
                 loss.backward()
             except torch.OutOfMemoryError:  # (one line that says what to change, not the allocator's page)
-                checkpointing = "a smaller --batch-size" if args.gradient_checkpointing else "--gradient-checkpointing or a smaller --batch-size"
+                advice = ("" if args.gradient_checkpointing else "--gradient-checkpointing or ") + "a smaller --batch-size"
                 raise SystemExit(f"error: step {step + 1} ran out of GPU memory ({args.num_layers} layers at hidden "
                                  f"{args.hidden_size}, --batch-size {args.batch_size} x --seq-len {args.seq_len}): pass "
-                                 f"{checkpointing}") from None
+                                 f"{advice}") from None
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
             schedule.step()
