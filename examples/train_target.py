@@ -334,7 +334,9 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def checkpoint_layers(model: torch.nn.Module) -> None:
     """Make each decoder layer of ``model`` keep only its input for the backward pass, which recomputes the layer
-    (``torch.utils.checkpoint``, non-reentrant); no-grad calls (evaluation) run it once, as before."""
+    (``torch.utils.checkpoint``, non-reentrant); no-grad calls (evaluation) run it once, as before. PyTorch's own
+    call rather than transformers' switch, which the versions met here name apart (``gradient_checkpointing_enable``
+    in 5.17 on the GPU machine, deprecated for ``activation_checkpointing_enable`` in 5.25)."""
     for layer in model.model.layers:
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
 
