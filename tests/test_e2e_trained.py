@@ -66,10 +66,10 @@ def test_bootstrap_ratio_is_the_ratio_of_sums_with_a_covering_interval():
 
 def _record(key: str, suites: list[str], category: str, speed: dict[str, float], accepted: float = 3.0, same: bool = True,
             draft: float = 0.1) -> dict:
-    routes = {"plain": {"seconds": 1.0, "tokens": 65, "hash": "h"}}
+    routes = {"plain": {"seconds": 1.0, "tokens": 65, "hash": key}}  # (each prompt its own output)
     for route, s in speed.items():
         passes = round(64 / accepted)
-        routes[route] = {"seconds": 1.0 / s, "tokens": 65, "hash": "h" if same else "x", "passes": passes,
+        routes[route] = {"seconds": 1.0 / s, "tokens": 65, "hash": key if same else "x", "passes": passes,
                          "first_hits": passes // 2, "draft_s": draft / s, "verify_s": 0.5 / s}
     return {"prompt": key, "suites": suites, "category": category, "routes": routes}
 
@@ -115,7 +115,7 @@ def test_summary_and_targets_from_records():
 
     results["mismatches"] = results["mismatches"][:1] + results["mismatches"][2:]  # the eager loop's mismatch does not count
     for r in records:
-        r["routes"]["eagle_chain"]["hash"] = "h"
+        r["routes"]["eagle_chain"]["hash"] = r["prompt"]
     results["summary"], _ = E.summaries(results)
     assert {t["name"]: t for t in E.targets(results)}[exact["name"]]["met"]  # the one mismatch left is a near-tie
 
@@ -154,6 +154,44 @@ def test_drafting_time_splits_into_a_cost_per_pass_and_one_per_prompt():
     assert "draft_fit_ms" not in results["summary"]["mixed"]["plain"]
     results["targets"] = E.targets(results)
     assert "eagle_tree 0.50 ms per pass + 3.0 ms per prompt" in E.markdown(results)
+
+
+def test_a_narrow_spread_of_passes_gives_no_drafting_fit():
+    """Prompts whose pass counts barely differ (64 and 65) would extrapolate the per-prompt cost from far away."""
+    records = [_record(f"m{i}", ["mixed"], "qa", {"ngram_chain": 1.2}, accepted=a) for i, a in enumerate((1.0, 0.985))]
+    results = {"records": records, "bootstrap_samples": 50}
+    results["summary"], _ = E.summaries(results)
+    assert [r["routes"]["ngram_chain"]["passes"] for r in records] == [64, 65]
+    assert "draft_fit_ms" not in results["summary"]["mixed"]["ngram_chain"]
+
+
+def test_a_collapsed_target_fails_the_acceptance_targets_and_the_report_says_why():
+    """An undertrained target that repeats one continuation whatever the prompt accepts every draft: its speedups
+    measure the engine, not the drafter. Drafting over verify is a property of the shapes and still counts."""
+    records = [_record(f"{suite[0]}{i}", [suite], "qa", {"eagle_tree": 3.3, "eagle_chain": 3.0}, accepted=6.0 + (i < 2))
+               for suite in E.SUITES for i in range(4)]
+    for r in records:  # the chain accepts less than the tree
+        r["routes"]["eagle_chain"]["passes"] += 3
+    results = {"dtype": "bfloat16", "records": records, "bootstrap_samples": 50,
+               "target_routes": {"tree": "eagle_tree", "chain": "eagle_chain"}}
+    results["summary"], _ = E.summaries(results)
+    acceptance = ("speedup over", "over chain", "accepted length, mixed")
+    healthy = [t for t in E.targets(results) if any(k in t["name"] for k in acceptance)]
+    assert len(healthy) == 5 and all(t["met"] for t in healthy) and E.collapsed(results) is None
+
+    for i, r in enumerate(records):  # five distinct outputs over twelve prompts
+        for run in r["routes"].values():
+            run["hash"] = f"same{min(i, 4)}"
+    results["targets"] = E.targets(results)
+    found = {t["name"]: t for t in results["targets"]}
+    void = [t for name, t in found.items() if any(k in name for k in acceptance)]
+    assert len(void) == 5 and not any(t["met"] for t in void) and all(t["measured"] is not None for t in void)
+    assert found["EAGLE tree (eagle_tree) drafting time per iteration over one verify pass (worst suite)"]["met"]
+    assert found["exact output vs graphed plain decoding, speculative routes, all prompts (bfloat16)"]["met"]
+    assert "Collapsed target: plain decoding gave 5 distinct outputs over 12 prompts" in E.markdown(results)
+
+    records[5]["routes"]["plain"]["hash"] = records[5]["routes"]["eagle_tree"]["hash"] = "other"  # six of twelve: half
+    assert E.collapsed(results) is None
 
 
 def test_a_retired_route_of_an_earlier_study_is_still_reported():
