@@ -136,6 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="compile the torch backend's recurrence with inductor (default: on CUDA)",
     )
+    r.add_argument(
+        "--compile-scan",
+        action="store_true",
+        help="compile the torch backend's pass over chunks too (unrolled; benchmarks/target_train_speed.py times it)",
+    )
     r.add_argument("--eval-every", type=int, default=250)
     r.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source")
     r.add_argument("--save-every", type=int, default=500)
@@ -277,8 +282,12 @@ def unigram_baseline(train_ids: np.ndarray, heldout: dict[str, torch.Tensor], to
 # --- model -------------------------------------------------------------------------------------------
 
 
-def model_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> GatedDeltaNetConfig:
+def model_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | None = None) -> GatedDeltaNetConfig:
+    """The target's config from the model options; without a tokenizer (a speed check), ``--vocab-size`` tokens
+    and no special ones."""
     from fla.models import GatedDeltaNetConfig
+
+    special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id} if tokenizer else {}
 
     return GatedDeltaNetConfig(
         hidden_size=args.hidden_size,
@@ -289,11 +298,11 @@ def model_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -
         expand_v=1.0,
         conv_size=args.conv_size,
         intermediate_size=args.intermediate_size,
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) if tokenizer else args.vocab_size,
         max_position_embeddings=args.seq_len,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=special.get("eos_token_id"),
+        eos_token_id=special.get("eos_token_id"),
+        pad_token_id=special.get("pad_token_id"),
         fuse_cross_entropy=False,  # the loss is computed here; fla's fused loss is a GPU kernel
     )
 
@@ -343,6 +352,26 @@ def checkpoint_layers(model: torch.nn.Module) -> None:
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def recurrence(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """The GDN layers' training recurrence: the torch backend's chunked PyTorch (``--gdn-chunk``, ``--compile``,
+    ``--compile-scan``) swapped in, or fla's own kernels."""
+    if args.gdn_backend != "torch":
+        return contextlib.nullcontext()
+    return torch_chunk_gdn(args.gdn_chunk, args.compile, args.compile_scan)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, grad_clip: float) -> tuple:
+    """One optimizer step on ``batch [B, T + 1]`` (bf16 autocast on CUDA, gradients clipped to ``grad_clip``):
+    ``(loss, grad_norm)`` as tensors, not yet synchronised."""
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(batch.device):
+        loss = lm_loss(model, batch)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss, grad_norm
 
 
 def lm_loss(model: torch.nn.Module, block: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -472,13 +501,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"model: {params['total'] / 1e6:.1f}M parameters ({params['non_embedding'] / 1e6:.1f}M non-embedding); "
         f"{len(blocks)} training blocks ({len(blocks) * args.seq_len / 1e6:.1f}M tokens); "
-        f"gdn backend {args.gdn_backend}{' (compiled)' if args.gdn_backend == 'torch' and args.compile else ''}; "
+        f"gdn backend {args.gdn_backend}{' (compiled)' if args.gdn_backend == 'torch' and args.compile else ''}"
+        f"{' (scan compiled)' if args.gdn_backend == 'torch' and args.compile_scan else ''}; "
         f"device {device}" + (f"; resuming at step {state['step']}" if resume else "")
     )
 
-    gdn = torch_chunk_gdn(args.gdn_chunk, args.compile) if args.gdn_backend == "torch" else contextlib.nullcontext()
     done, train_seconds, last_eval, stopped_early = state["step"], state["elapsed"], None, False
-    with gdn, open(os.path.join(args.out, LOG_NAME), "a") as log:
+    with recurrence(args), open(os.path.join(args.out, LOG_NAME), "a") as log:
         # (a captured log, as on the GPU machine, gets a line every 10 s rather than a flood of updates)
         interval = 0.5 if sys.stderr.isatty() else 10.0
         bar = tqdm(initial=done, total=args.steps, desc="train target", mininterval=interval)
@@ -488,18 +517,13 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             tic = time.perf_counter()
             batch = blocks[C.batch_indices(len(blocks), step, args.batch_size, args.seed)].to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
             try:
-                with autocast(device):
-                    loss = lm_loss(model, batch)
-                loss.backward()
+                loss, grad_norm = train_step(model, optimizer, batch, args.grad_clip)
             except torch.OutOfMemoryError:  # (one line that says what to change, not the allocator's page)
                 advice = ("" if args.gradient_checkpointing else "--gradient-checkpointing or ") + "a smaller --batch-size"
                 raise SystemExit(f"error: step {step + 1} ran out of GPU memory ({args.num_layers} layers at hidden "
                                  f"{args.hidden_size}, --batch-size {args.batch_size} x --seq-len {args.seq_len}): pass "
                                  f"{advice}") from None
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
             schedule.step()
             record = {
                 "step": step + 1,

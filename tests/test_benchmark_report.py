@@ -407,6 +407,30 @@ def test_a_call_ending_at_eos_with_a_pass_queued_behind_leaves_the_engine_exact(
     assert again.sequences[0].tolist() == prompt[0].tolist() + truth and not engine.launched
 
 
+def test_target_train_speed_times_each_recurrence_variant_at_a_small_shape(tmp_path):
+    """The target-training benchmark on CPU at a tiny shape: every variant timed from the same weights and batch (so
+    the same first loss: the variants change how the recurrence is computed, not what), the recurrence's share and
+    the profile reported (the figures themselves come from the GPU)."""
+    import target_train_speed
+
+    results = target_train_speed.main(["--out", str(tmp_path), "--device", "cpu", "--num-layers", "2", "--hidden-size",
+                                       "32", "--vocab-size", "64", "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
+                                       "--steps", "1", "--profile"])
+    variants = results["variants"]
+    assert list(variants) == list(target_train_speed.VARIANTS)
+    first = variants["chunks_compiled"]["first_loss"]
+    for r in variants.values():
+        assert r["s_per_step"] > 0 and r["recurrence_s"] > 0 and r["first_loss"] == pytest.approx(first, rel=1e-4)
+        assert r["last_loss"] < r["first_loss"]  # (two steps on one batch)
+    kernels = variants["chunks_compiled"]["top_kernels"]
+    assert 0 < len(kernels) <= target_train_speed.PROFILE_ROWS and sum(k["share"] for k in kernels) <= 1 + 1e-9
+    assert all(r["top_kernels"] is None for name, r in variants.items() if name != "chunks_compiled")
+    report = (tmp_path / "target_train_speed.md").read_text()
+    assert "| scan_compiled |" in report and "each layer recomputed" in report and "Most of one step's time" in report
+    with pytest.raises(SystemExit):
+        target_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--steps", "0"])
+
+
 def test_eagle_train_speed_times_each_head_precision_at_a_small_shape(tmp_path):
     """The head-training benchmark on CPU at a tiny shape: every precision timed, its loss finite, the report
     written (the figures themselves come from the H200)."""

@@ -210,6 +210,20 @@ def test_chunked_gdn_gradients_match_reference(n, chunk):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
+def test_compiled_chunked_gdn_and_its_compiled_scan_match_the_eager_one_with_gradients():
+    """Inductor compiles the chunk-parallel part (``compile``) and the pass over chunks (``compile_scan``, unrolled):
+    the same outputs, final state and gradients in fp64 as eager PyTorch."""
+    inputs = [t.requires_grad_() for t in gdn_inputs(2, 21, 1, 2, 8, 4, seed=21)]
+    weights = torch.randn(2, 21, 2, 4, dtype=torch.float64), torch.randn(2, 2, 8, 4, dtype=torch.float64)
+    found = []
+    for options in ({}, {"compile": True}, {"compile": True, "compile_scan": True}):
+        o, final = chunked_gdn(*inputs, use_qk_l2norm=True, chunk_size=8, **options)
+        found.append((o, final, *torch.autograd.grad((o * weights[0]).sum() + (final * weights[1]).sum(), inputs)))
+    for compiled in found[1:]:
+        for got, want in zip(compiled, found[0]):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_chunked_gdn_gradcheck():
     inputs = [t.requires_grad_() for t in gdn_inputs(1, 6, 1, 2, 3, 2, seed=7)]
     assert torch.autograd.gradcheck(lambda *a: chunked_gdn(*a, use_qk_l2norm=True, chunk_size=4), inputs)

@@ -97,6 +97,22 @@ def _compiled_chunk_factors():
     return torch.compile(chunk_factors, fullgraph=True, dynamic=False)
 
 
+def sequential_pass(factors: ChunkFactors, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks in order: each one's output ``[B, HV, chunks * C, V]`` from the state entering it, then the
+    state leaving it (three matmuls a chunk)."""
+    outs = []
+    for c in range(factors.w.shape[2]):
+        u = factors.u0[:, :, c] - factors.w[:, :, c] @ state
+        outs.append(factors.q_decayed[:, :, c] @ state + factors.qk[:, :, c] @ u)
+        state = factors.end_decay[:, :, c, None, None] * state + factors.k_to_end[:, :, c].transpose(-1, -2) @ u
+    return torch.cat(outs, dim=2), state
+
+
+@functools.cache
+def _compiled_sequential_pass():
+    return torch.compile(sequential_pass, fullgraph=True, dynamic=False)
+
+
 def chunked_gdn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -109,12 +125,13 @@ def chunked_gdn(
     use_qk_l2norm: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
     compile: bool = False,
+    compile_scan: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a whole sequence, chunk by chunk: ``(o [B, N, HV, V], final state
     [B, HV, K, V])``. Shapes and arguments as :func:`gdn_chain_reference`; computes in float32
     (float64 when ``v`` or the state is float64) with autocast off, returns ``o`` in ``v``'s dtype.
     ``compile``: the chunk-parallel part through inductor (its graph does not grow with the length);
-    the short sequential pass over chunks (three matmuls each) stays eager."""
+    ``compile_scan``: the sequential pass over chunks too (unrolled: one graph per number of chunks)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     out_dtype, (batch, n, _, dk), (hv, dv) = v.dtype, q.shape, v.shape[2:]
@@ -129,16 +146,14 @@ def chunked_gdn(
         state = torch.zeros(batch, hv, dk, dv, dtype=dtype, device=q.device)
         if initial_state is not None:
             state = initial_state.to(dtype)
-        outs = []
-        for c in range(factors.w.shape[2]):
-            u = factors.u0[:, :, c] - factors.w[:, :, c] @ state
-            outs.append(factors.q_decayed[:, :, c] @ state + factors.qk[:, :, c] @ u)
-            state = factors.end_decay[:, :, c, None, None] * state + factors.k_to_end[:, :, c].transpose(-1, -2) @ u
-        o = torch.cat(outs, dim=2)[:, :, :n]
+        o, state = (_compiled_sequential_pass() if compile_scan else sequential_pass)(factors, state)
+        o = o[:, :, :n]
     return o.transpose(1, 2).to(out_dtype), state
 
 
-def fla_chunk_replacement(chunk_size: int = DEFAULT_CHUNK, compile: bool = False) -> Callable[..., tuple]:
+def fla_chunk_replacement(
+    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, compile_scan: bool = False
+) -> Callable[..., tuple]:
     """A drop-in for fla's ``chunk_gated_delta_rule`` (same arguments, via the capture adapter that
     applies fla's in-kernel gate and beta sigmoid) computed by :func:`chunked_gdn`."""
 
@@ -158,6 +173,7 @@ def fla_chunk_replacement(chunk_size: int = DEFAULT_CHUNK, compile: bool = False
             use_qk_l2norm=call.use_qk_l2norm,
             chunk_size=chunk_size,
             compile=compile,
+            compile_scan=compile_scan,
         )
         if call.state_v_first:
             final = final.transpose(-1, -2)
@@ -167,13 +183,13 @@ def fla_chunk_replacement(chunk_size: int = DEFAULT_CHUNK, compile: bool = False
 
 
 @contextlib.contextmanager
-def torch_chunk_gdn(chunk_size: int = DEFAULT_CHUNK, compile: bool = False) -> Iterator[None]:
+def torch_chunk_gdn(chunk_size: int = DEFAULT_CHUNK, compile: bool = False, compile_scan: bool = False) -> Iterator[None]:
     """Inside the block, every fla ``GatedDeltaNet`` layer computes its chunk-mode recurrence with
     :func:`chunked_gdn` instead of fla's Triton kernels (the name the layer module looks up at call
     time is swapped and restored afterwards, so models built before or after are unaffected)."""
     module = importlib.import_module(FLA_GDN_MODULE)
     saved = module.chunk_gated_delta_rule
-    module.chunk_gated_delta_rule = fla_chunk_replacement(chunk_size, compile)
+    module.chunk_gated_delta_rule = fla_chunk_replacement(chunk_size, compile, compile_scan)
     try:
         yield
     finally:

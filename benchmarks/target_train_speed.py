@@ -1,0 +1,226 @@
+"""How fast the GDN target trains, and what bounds a step: seconds per optimizer step of
+``examples/train_target.py``'s ``train_step`` (random tokens, random weights: a step's cost does not depend on
+them), by variant of the torch backend's recurrence, next to the forward alone and to the recurrence alone
+(``chunked_gdn`` forward and backward at one layer's shapes, times the layers), so that a reader sees whether the
+recurrence or the rest of the model bounds the target's training.
+
+    python benchmarks/target_train_speed.py --out DIR                   # the 24-layer target, every variant
+    python benchmarks/target_train_speed.py --out DIR --num-layers 8 --no-gradient-checkpointing
+
+Variants (``--variants``): ``chunks_compiled`` (train_target's default on CUDA: the chunk-parallel part compiled by
+inductor, the pass over chunks eager), ``scan_compiled`` (``--compile-scan``: the pass over chunks compiled too),
+``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve); each with
+``--gradient-checkpointing`` unless ``--no-gradient-checkpointing`` (a 24-layer target at the default width needs it
+on an H100: without it, batch 8 ran out of 80 GB). ``--profile`` adds, for the
+first variant, the kernels that take most of a step's GPU time (``torch.profiler``). Writes
+``DIR/target_train_speed.{json,md}`` and prints the table; a variant that fails (out of memory) is reported as
+such and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from fla.models import GatedDeltaNetForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import train_target  # noqa: E402
+
+from specla_compile.training.chunked_gdn import chunked_gdn  # noqa: E402
+
+VARIANTS = {  # train_target options of each variant, over its defaults
+    "chunks_compiled": [],
+    "scan_compiled": ["--compile-scan"],
+    "chunk_128": ["--gdn-chunk", "128"],
+}
+PROFILE_ROWS = 15
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--num-layers", type=int, default=24)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first, per variant (the first compiles)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each layer in the backward pass, in every variant")
+    p.add_argument("--profile", action="store_true", help="profile one step of the first variant")
+    args = p.parse_args(argv)
+    if min(args.num_layers, args.hidden_size, args.vocab_size, args.batch_size, args.seq_len, args.steps) < 1 or args.warmup < 0:
+        p.error("--num-layers, --hidden-size, --vocab-size, --batch-size, --seq-len and --steps must be >= 1, --warmup >= 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here (pass --device cpu for a small-shape check)")
+    return args
+
+
+def step_args(args: argparse.Namespace, variant: str) -> argparse.Namespace:
+    """train_target's options for ``variant`` at this benchmark's shape (its corpus options only pass its checks:
+    the batches here are random tokens)."""
+    return train_target.parse_args([
+        "--out", "-", "--sharegpt", "none", "--code-dirs", str(ROOT), "--exclude-prompts", "none", "--device",
+        args.device, "--gdn-backend", "torch", "--compile", "--num-layers", str(args.num_layers),
+        "--hidden-size", str(args.hidden_size), "--vocab-size", str(args.vocab_size), "--batch-size",
+        str(args.batch_size), "--seq-len", str(args.seq_len), *VARIANTS[variant],
+        *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])])
+
+
+def synchronized_seconds(call, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    tic = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - tic
+
+
+def recurrence_seconds(opts: argparse.Namespace, device: torch.device, repeats: int) -> float:
+    """One layer's ``chunked_gdn`` forward and backward at the step's shapes (median of ``repeats``)."""
+    b, n, h, d = opts.batch_size, opts.seq_len, opts.num_heads, opts.head_dim
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, device=device)).requires_grad_()
+
+    q, k, v = rand(b, n, h, d), rand(b, n, h, d), rand(b, n, h, d)
+    g = (-torch.rand(b, n, h, generator=gen, device=device)).requires_grad_()
+    beta = torch.rand(b, n, h, generator=gen, device=device).requires_grad_()
+
+    def once():
+        o, _ = chunked_gdn(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=opts.gdn_chunk, compile=opts.compile,
+                           compile_scan=opts.compile_scan)
+        o.sum().backward()
+
+    once()  # (compiles)
+    return statistics.median(synchronized_seconds(once, device) for _ in range(repeats))
+
+
+def top_kernels(model, optimizer, batch, grad_clip: float, device: torch.device) -> list[dict]:
+    """The kernels (or, on CPU, operators) with most self time in one step, and their share of the step's total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        train_target.train_step(model, optimizer, batch, grad_clip)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    total = sum(getattr(e, key) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    return [{"name": e.key[:90], "ms": getattr(e, key) / 1e3, "calls": e.count, "share": getattr(e, key) / total}
+            for e in events[:PROFILE_ROWS]]
+
+
+def measure_variant(args: argparse.Namespace, variant: str, profile: bool) -> dict:
+    opts = step_args(args, variant)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = GatedDeltaNetForCausalLM(train_target.model_config(opts)).to(device).train()
+    if opts.gradient_checkpointing:
+        train_target.checkpoint_layers(model)
+    optimizer, _ = train_target.make_optimizer(model, opts)
+    tokens = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    batch = tokens.to(device)
+    losses = []
+
+    def step():
+        loss, _ = train_target.train_step(model, optimizer, batch, opts.grad_clip)
+        losses.append(loss.item())
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with train_target.recurrence(opts):
+        first = synchronized_seconds(step, device)
+        for _ in range(args.warmup - 1):
+            step()
+        seconds = statistics.median(synchronized_seconds(step, device) for _ in range(args.steps))
+        with torch.no_grad(), train_target.autocast(device):
+            model(input_ids=batch[:, :-1])  # (without autograd the compiled parts compile again)
+            forward = statistics.median(synchronized_seconds(lambda: model(input_ids=batch[:, :-1]), device)
+                                        for _ in range(args.steps))
+        recurrence = args.num_layers * recurrence_seconds(opts, device, args.steps)
+        kernels = top_kernels(model, optimizer, batch, opts.grad_clip, device) if profile else None
+    tokens_per_step = args.batch_size * args.seq_len
+    return {"options": VARIANTS[variant], "first_step_s": first, "s_per_step": seconds,
+            "tokens_per_second": tokens_per_step / seconds, "forward_s": forward, "recurrence_s": recurrence,
+            "recurrence_share": recurrence / seconds, "first_loss": losses[0], "last_loss": losses[-1],
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            "top_kernels": kernels}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+               "command": "python benchmarks/target_train_speed.py " + " ".join(sys.argv[1:]),
+               "shape": {k: getattr(args, k) for k in ("num_layers", "hidden_size", "vocab_size", "batch_size", "seq_len",
+                                                       "gradient_checkpointing")},
+               "variants": {}}
+    for i, variant in enumerate(args.variants):
+        try:
+            r = results["variants"][variant] = measure_variant(args, variant, args.profile and i == 0)
+        except torch.OutOfMemoryError as e:  # (the others go on: a variant that does not fit is a finding too)
+            results["variants"][variant] = {"options": VARIANTS[variant], "error": f"out of memory: {str(e).splitlines()[0]}"}
+            print(f"{variant}: out of GPU memory", flush=True)
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"{variant}: {r['s_per_step']:.3f} s per step ({r['tokens_per_second']:.0f} tokens/s), forward "
+              f"{r['forward_s']:.3f} s, recurrence {r['recurrence_s']:.3f} s ({r['recurrence_share']:.0%}); first step "
+              f"{r['first_step_s']:.1f} s", flush=True)
+    return results
+
+
+def write_report(results: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    Path(out, "target_train_speed.json").write_text(json.dumps(results, indent=1))
+    s = results["shape"]
+    recompute = ", each layer recomputed in the backward pass" if s["gradient_checkpointing"] else ""
+    lines = ["# GDN target training speed", "",
+             (f"device: {results['device']}, torch {results['torch']}; random {s['num_layers']}-layer target at hidden "
+              f"{s['hidden_size']}, vocabulary {s['vocab_size']}; {s['batch_size']} blocks of {s['seq_len']} tokens a step, "
+              f"bf16 autocast, fp32 weights, AdamW{recompute}"), f"command: `{results['command']}`", "",
+             ("| variant | s per step | tokens/s | forward alone, s | recurrence fwd + bwd x layers, s (share of a step) | "
+              "first step, s | peak memory, GiB |"), "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in results["variants"].items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} | | | | | |")
+            continue
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        lines.append(f"| {name} | {r['s_per_step']:.3f} | {r['tokens_per_second']:.0f} | {r['forward_s']:.3f} | "
+                     f"{r['recurrence_s']:.3f} ({r['recurrence_share']:.0%}) | {r['first_step_s']:.1f} | {peak} |")
+    table_end = len(lines)
+    if s["gradient_checkpointing"]:
+        lines += ["", "(With each layer recomputed, a step runs the recurrence's forward twice: its share is a lower bound.)"]
+    for name, r in results["variants"].items():
+        if r.get("top_kernels"):
+            lines += ["", f"Most of one step's {'GPU ' * (results['device'] != 'cpu')}time, {name}:", "", "| kernel | ms | calls | share |", "| --- | --- | --- | --- |"]
+            lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['calls']} | {k['share']:.1%} |" for k in r["top_kernels"]]
+    Path(out, "target_train_speed.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[table_end - 2 - len(results["variants"]):table_end]))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    results = measure(args)
+    write_report(results, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
