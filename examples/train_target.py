@@ -29,7 +29,8 @@ about a third more compute a step. A step that runs out of GPU memory stops the 
 ``--gdn-backend``: ``fla`` trains with fla's chunk kernels; fla 0.6.0 refuses their backward on Hopper
 with Triton >= 3.4.0 and < 3.7.1 (wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is
 installed, and this script then stops at once with that reason. ``torch`` swaps each GDN layer's
-recurrence for ``specla_compile.training.chunked_gdn`` (PyTorch, compiled by inductor on CUDA).
+recurrence for ``specla_compile.training.chunked_gdn`` (PyTorch, its chunk-parallel part compiled by inductor on
+CUDA; ``--compile-scan`` compiles its pass over chunks too: ``benchmarks/target_train_speed.py`` times both).
 ``auto`` (default): ``fla`` where its backward runs correctly, else ``torch``.
 """
 
