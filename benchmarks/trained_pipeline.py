@@ -86,6 +86,7 @@ OVERHEAD_MINUTES = {
     "eagle": {"prepare": 0.4, "compile": 0.3, "finish": 0.2},
     "bench": {"prepare": 0.5, "compile": 1.0, "finish": 0.3},
 }
+UNDERTRAINED_SHARE = 0.8  # of the unigram's entropy: a held-out loss above it warns (the collapsed 24-layer target: 0.93)
 GRACE_MINUTES = 0.5  # past a stage's planned end before its process is killed
 RESERVE_MINUTES = 0.25  # of --minutes, kept for this driver's report at the end
 MIN_BENCH_MINUTES = 0.25  # of measuring, at the least, when the benchmark is in the plan
@@ -460,6 +461,19 @@ def stage_seconds(calls: list[dict]) -> dict[str, float]:
     return out
 
 
+def undertrained(target: dict | None) -> str | None:
+    """A warning when the target's held-out loss is still near the unigram's: such a target tends to repeat one
+    continuation whatever the prompt, and its study then measures every draft accepted (a collapsed target)."""
+    if not target or "heldout" not in target or "unigram" not in target:
+        return None
+    loss, unigram = target["heldout"]["all"]["nats_per_token"], target["unigram"]["entropy_nats_per_token"]
+    if loss <= UNDERTRAINED_SHARE * unigram:
+        return None
+    return (f"the target's held-out loss, {loss:.2f} nats/token after {target.get('steps')} steps, is {loss / unigram:.0%} "
+            f"of the unigram's {unigram:.2f}: it has barely learned, and its study will likely find it collapsed "
+            f"(one continuation for every prompt, every draft accepted); train it longer or make it smaller")
+
+
 def collect(args: argparse.Namespace, calls: list[dict]) -> dict:
     """Write ``report.json`` (and the calls in ``--work``) and copy the small artefacts into ``--out``."""
     work, out = Path(args.work), Path(args.out)
@@ -471,6 +485,8 @@ def collect(args: argparse.Namespace, calls: list[dict]) -> dict:
     report = {"command": calls[-1]["command"], "plan": calls[-1]["plan"], "stages": calls[-1]["stages"], "calls": calls,
               "target": _json(work / "target" / "report.json"), "target_log": _log(work / "target" / "train_log.jsonl"),
               "eagle": _json(work / "eagle" / "report.json"), "eagle_log": _log(work / "eagle" / "train_log.jsonl")}
+    if warning := undertrained(report["target"]):
+        report["target_warning"] = warning
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     return report
 
@@ -499,7 +515,9 @@ def main(argv: list[str] | None = None) -> dict:
             if name in args.stages and ok:
                 stages[name] = run_stage(name, stage_commands(args)[name], args.plan[name]["total"] + GRACE_MINUTES, env)
                 ok = stages[name]["returncode"] == 0 or name == "eagle"  # (without a head the benchmark runs the other routes)
-                collect(args, calls)
+                report = collect(args, calls)
+                if name == "target" and "target_warning" in report:
+                    print(f"warning: {report['target_warning']}", flush=True)
         if "warm_bench" in besides:
             stages["warm_bench"] = finish_warm_bench(args, besides["warm_bench"])
         if "fp32_check" in besides:

@@ -335,6 +335,23 @@ def test_pipeline_trains_an_earlier_head_on_with_its_own_blocks(prompt_files, tm
     assert eagle[eagle.index("--max-minutes") + 1] == "7.4"
 
 
+def test_pipeline_warns_of_a_target_whose_loss_is_still_near_the_unigrams(prompt_files, tmp_path):
+    """The forty-seventh session's 24-layer target (6.77 nats/token against the unigram's 7.31) collapsed; the
+    pipeline's report says so as soon as the target is trained, the 8-layer target's 3.85 passes."""
+    def target_report(loss: float) -> dict:
+        return {"steps": 46, "heldout": {"all": {"nats_per_token": loss}}, "unigram": {"entropy_nats_per_token": 7.31}}
+
+    warning = P.undertrained(target_report(6.77))
+    assert warning.startswith("the target's held-out loss, 6.77 nats/token after 46 steps, is 93% of the unigram's 7.31")
+    assert P.undertrained(target_report(3.85)) is None and P.undertrained(None) is None
+    args = P.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--stages", "target",
+                         "--prompts-dir", str(prompt_files), "--humaneval", str(prompt_files / "HumanEval.jsonl.gz")])
+    (tmp_path / "work" / "target").mkdir(parents=True)
+    (tmp_path / "work" / "target" / "report.json").write_text(json.dumps(target_report(6.77)))
+    assert P.collect(args, [{"command": "c", "plan": {}, "stages": {}}])["target_warning"] == warning
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["target_warning"] == warning
+
+
 def test_default_work_folder_is_git_ignored_inside_the_repository(prompt_files, tmp_path):
     import subprocess
 
