@@ -9,7 +9,9 @@ recurrence or the rest of the model bounds the target's training.
 
 Variants (``--variants``): ``chunks_compiled`` (train_target's default on CUDA: the chunk-parallel part compiled by
 inductor, the pass over chunks eager), ``scan_compiled`` (``--compile-scan``: the pass over chunks compiled too),
-``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve); each with
+``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve), ``inverse``
+(``--gdn-triangular inverse``: each chunk's triangular system by its inverse in small matmuls, no batched
+triangular solve); each with
 ``--gradient-checkpointing`` unless ``--no-gradient-checkpointing`` (a 24-layer target at the default width needs it
 on an H100: without it, batch 8 ran out of 80 GB). ``--profile`` adds, for the
 first variant, the kernels that take most of a step's GPU time (``torch.profiler``). Writes
@@ -40,6 +42,7 @@ VARIANTS = {  # train_target options of each variant, over its defaults
     "chunks_compiled": [],
     "scan_compiled": ["--compile-scan"],
     "chunk_128": ["--gdn-chunk", "128"],
+    "inverse": ["--gdn-triangular", "inverse"],
 }
 PROFILE_ROWS = 15
 
@@ -102,7 +105,7 @@ def recurrence_seconds(opts: argparse.Namespace, device: torch.device, repeats: 
 
     def once():
         o, _ = chunked_gdn(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=opts.gdn_chunk, compile=opts.compile,
-                           compile_scan=opts.compile_scan)
+                           compile_scan=opts.compile_scan, triangular=opts.gdn_triangular)
         o.sum().backward()
 
     once()  # (compiles)

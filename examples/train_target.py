@@ -30,7 +30,8 @@ about a third more compute a step. A step that runs out of GPU memory stops the 
 with Triton >= 3.4.0 and < 3.7.1 (wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is
 installed, and this script then stops at once with that reason. ``torch`` swaps each GDN layer's
 recurrence for ``specla_compile.training.chunked_gdn`` (PyTorch, its chunk-parallel part compiled by inductor on
-CUDA; ``--compile-scan`` compiles its pass over chunks too: ``benchmarks/target_train_speed.py`` times both).
+CUDA; ``--compile-scan`` compiles its pass over chunks too, ``--gdn-triangular inverse`` solves each chunk's
+triangular system in matmuls: ``benchmarks/target_train_speed.py`` times each).
 ``auto`` (default): ``fla`` where its backward runs correctly, else ``torch``.
 """
 
@@ -63,7 +64,7 @@ import specla_compile  # noqa: F401  (on CPU: routes fla's GPU-only entry points
 from specla_compile.training import TRAINER_STATE
 from specla_compile.training import corpus as C
 from specla_compile.training.budget import TimeBudget
-from specla_compile.training.chunked_gdn import torch_chunk_gdn
+from specla_compile.training.chunked_gdn import TRIANGULAR, torch_chunk_gdn
 from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
 
 LOG_NAME = "train_log.jsonl"
@@ -136,6 +137,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="compile the torch backend's recurrence with inductor (default: on CUDA)",
+    )
+    r.add_argument(
+        "--gdn-triangular",
+        choices=TRIANGULAR,
+        default="solve",
+        help="the torch backend's triangular system in each chunk: one batched solve, or its inverse in matmuls "
+        "(benchmarks/target_train_speed.py times both)",
     )
     r.add_argument(
         "--compile-scan",
@@ -357,10 +365,10 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 def recurrence(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     """The GDN layers' training recurrence: the torch backend's chunked PyTorch (``--gdn-chunk``, ``--compile``,
-    ``--compile-scan``) swapped in, or fla's own kernels."""
+    ``--compile-scan``, ``--gdn-triangular``) swapped in, or fla's own kernels."""
     if args.gdn_backend != "torch":
         return contextlib.nullcontext()
-    return torch_chunk_gdn(args.gdn_chunk, args.compile, args.compile_scan)
+    return torch_chunk_gdn(args.gdn_chunk, args.compile, args.compile_scan, args.gdn_triangular)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, grad_clip: float) -> tuple:

@@ -13,7 +13,7 @@ import specla_compile  # noqa: F401  (routes fla's GPU entry points to the refer
 from specla_compile.kernels.reference import gdn_chain_reference
 from specla_compile.training import TRAINER_STATE
 from specla_compile.training import corpus as C
-from specla_compile.training.chunked_gdn import chunked_gdn, torch_chunk_gdn
+from specla_compile.training.chunked_gdn import chunked_gdn, torch_chunk_gdn, unit_lower_inverse
 from specla_compile.training.self_distill import DISTILL_BLOCKS
 from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
 
@@ -211,17 +211,44 @@ def test_chunked_gdn_gradients_match_reference(n, chunk):
 
 
 def test_compiled_chunked_gdn_and_its_compiled_scan_match_the_eager_one_with_gradients():
-    """Inductor compiles the chunk-parallel part (``compile``) and the pass over chunks (``compile_scan``, unrolled):
-    the same outputs, final state and gradients in fp64 as eager PyTorch."""
+    """Inductor compiles the chunk-parallel part (``compile``, with either triangular form) and the pass over chunks
+    (``compile_scan``, unrolled): the same outputs, final state and gradients in fp64 as eager PyTorch."""
     inputs = [t.requires_grad_() for t in gdn_inputs(2, 21, 1, 2, 8, 4, seed=21)]
     weights = torch.randn(2, 21, 2, 4, dtype=torch.float64), torch.randn(2, 2, 8, 4, dtype=torch.float64)
     found = []
-    for options in ({}, {"compile": True}, {"compile": True, "compile_scan": True}):
+    for options in ({}, {"compile": True}, {"compile": True, "compile_scan": True}, {"compile": True, "triangular": "inverse"}):
         o, final = chunked_gdn(*inputs, use_qk_l2norm=True, chunk_size=8, **options)
         found.append((o, final, *torch.autograd.grad((o * weights[0]).sum() + (final * weights[1]).sum(), inputs)))
     for compiled in found[1:]:
         for got, want in zip(compiled, found[0]):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("c,block", [(64, 16), (24, 16), (13, 16), (5, 2)])
+def test_unit_lower_inverse_inverts_by_blocks_in_fp64(c, block):
+    """(I + L)^-1 from forward substitution in diagonal blocks and block rows joined below (a divisor of C as the
+    block: 8 for 24, the whole 13 for a prime, 1 for 5 at block 2), against the identity, in fp64."""
+    g = torch.Generator().manual_seed(c)
+    strict = torch.randn(3, 2, c, c, generator=g, dtype=torch.float64).tril(-1) * 0.5
+    eye = torch.eye(c, dtype=torch.float64)
+    inverse = unit_lower_inverse(strict, block)
+    torch.testing.assert_close(inverse @ (eye + strict), eye.expand_as(strict), rtol=0, atol=1e-10)
+    torch.testing.assert_close(inverse, torch.linalg.inv(eye + strict), rtol=1e-10, atol=1e-10)
+
+
+def test_chunked_gdn_through_the_inverse_matches_the_solve_with_gradients():
+    """``triangular="inverse"`` (matmuls) computes the same outputs, final state and gradients as the triangular
+    solve, in fp64 (chunks of 24 tokens: two diagonal blocks of 12, the second chunk's tail padded)."""
+    inputs = [t.requires_grad_() for t in gdn_inputs(2, 29, 1, 2, 8, 4, seed=29)]
+    weights = torch.randn(2, 29, 2, 4, dtype=torch.float64), torch.randn(2, 2, 8, 4, dtype=torch.float64)
+    found = []
+    for triangular in ("solve", "inverse"):
+        o, final = chunked_gdn(*inputs, use_qk_l2norm=True, chunk_size=24, triangular=triangular)
+        found.append((o, final, *torch.autograd.grad((o * weights[0]).sum() + (final * weights[1]).sum(), inputs)))
+    for got, want in zip(found[1], found[0]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="triangular must be one of"):
+        chunked_gdn(*inputs, triangular="lu")
 
 
 def test_chunked_gdn_gradcheck():

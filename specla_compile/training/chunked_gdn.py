@@ -33,6 +33,7 @@ from ..kernels.reference import l2norm
 from ..lowering.capture import fla_recurrence_adapter
 
 DEFAULT_CHUNK = 64
+TRIANGULAR = ("solve", "inverse")  # how (I + L) U = R is solved in a chunk: see chunk_factors
 FLA_GDN_MODULE = "fla.layers.gated_deltanet"
 
 
@@ -56,9 +57,12 @@ def chunk_factors(
     scale: float,
     use_qk_l2norm: bool,
     chunk_size: int,
+    triangular: str = "solve",
 ) -> ChunkFactors:
     """Everything that does not depend on the state entering a chunk, for all chunks at once (the
-    part worth compiling: elementwise work around a few batched matmuls and one triangular solve)."""
+    part worth compiling: elementwise work around a few batched matmuls and one triangular solve).
+    ``triangular``: ``"solve"``, the solve as one batched triangular solve; ``"inverse"``, as ``(I + L)^-1``
+    from :func:`unit_lower_inverse` times the right-hand sides (matmuls only, whose backward is matmuls too)."""
     heads, hv = q.shape[2], v.shape[2]
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -78,9 +82,12 @@ def chunk_factors(
     # exp only where i >= j: above the diagonal the difference is positive and could overflow
     gamma = (g[..., :, None] - g[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     strict = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * gamma).tril(-1)
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
     rhs = torch.cat([(beta * g.exp())[..., None] * k, beta[..., None] * v], dim=-1)
-    solved = torch.linalg.solve_triangular(eye + strict, rhs, upper=False, unitriangular=True)
+    if triangular == "inverse":
+        solved = unit_lower_inverse(strict) @ rhs
+    else:
+        eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+        solved = torch.linalg.solve_triangular(eye + strict, rhs, upper=False, unitriangular=True)
     dk = k.shape[-1]
     return ChunkFactors(
         w=solved[..., :dk],
@@ -90,6 +97,27 @@ def chunk_factors(
         k_to_end=k * (g[..., -1:] - g).exp()[..., None],
         end_decay=g[..., -1].exp(),
     )
+
+
+def unit_lower_inverse(strict: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """``(I + strict)^-1`` for strictly lower-triangular ``strict [..., C, C]`` in small matmuls, no triangular
+    solve: each diagonal block of up to ``block`` rows (a divisor of C) by forward substitution, row by row, then
+    each block row below the first from the inverse above it, ``X[i, :i] = -D_i^-1 L[i, :i] X[:i, :i]``."""
+    c = strict.shape[-1]
+    b = next(d for d in range(min(block, c), 0, -1) if c % d == 0)
+    eye = torch.eye(b, dtype=strict.dtype, device=strict.device)
+    diag = torch.stack([strict[..., i : i + b, i : i + b] for i in range(0, c, b)], dim=-3)  # [..., C / b, b, b]
+    rows = [eye[:1].expand(*diag.shape[:-2], 1, b)]
+    for r in range(1, b):  # row r of (I + N)^-1 is e_r - N[r, :r] times the rows above it
+        rows.append(eye[r : r + 1] - diag[..., r : r + 1, :r] @ torch.cat(rows, dim=-2))
+    inverses = torch.cat(rows, dim=-2)
+    x = inverses[..., 0, :, :]
+    for i in range(1, c // b):
+        lo = i * b
+        below = -inverses[..., i, :, :] @ (strict[..., lo : lo + b, :lo] @ x)
+        x = torch.cat([torch.cat([x, x.new_zeros(*x.shape[:-1], b)], dim=-1),
+                       torch.cat([below, inverses[..., i, :, :]], dim=-1)], dim=-2)
+    return x
 
 
 @functools.cache
@@ -126,14 +154,18 @@ def chunked_gdn(
     chunk_size: int = DEFAULT_CHUNK,
     compile: bool = False,
     compile_scan: bool = False,
+    triangular: str = "solve",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a whole sequence, chunk by chunk: ``(o [B, N, HV, V], final state
     [B, HV, K, V])``. Shapes and arguments as :func:`gdn_chain_reference`; computes in float32
     (float64 when ``v`` or the state is float64) with autocast off, returns ``o`` in ``v``'s dtype.
     ``compile``: the chunk-parallel part through inductor (its graph does not grow with the length);
-    ``compile_scan``: the sequential pass over chunks too (unrolled: one graph per number of chunks)."""
+    ``compile_scan``: the sequential pass over chunks too (unrolled: one graph per number of chunks);
+    ``triangular``: how each chunk's triangular system is solved (:func:`chunk_factors`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if triangular not in TRIANGULAR:
+        raise ValueError(f"triangular must be one of {TRIANGULAR}, got {triangular!r}")
     out_dtype, (batch, n, _, dk), (hv, dv) = v.dtype, q.shape, v.shape[2:]
     chunk_size = max(1, min(chunk_size, n))  # a shorter sequence (a decoding step) is one chunk, not padded to one
     dtype = torch.float64 if torch.float64 in (v.dtype, getattr(initial_state, "dtype", None)) else torch.float32
@@ -141,7 +173,7 @@ def chunked_gdn(
         q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
         scale = dk**-0.5 if scale is None else scale
         factors = (_compiled_chunk_factors() if compile else chunk_factors)(
-            q, k, v, g, beta, scale, use_qk_l2norm, chunk_size
+            q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, triangular
         )
         state = torch.zeros(batch, hv, dk, dv, dtype=dtype, device=q.device)
         if initial_state is not None:
@@ -152,7 +184,7 @@ def chunked_gdn(
 
 
 def fla_chunk_replacement(
-    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, compile_scan: bool = False
+    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, compile_scan: bool = False, triangular: str = "solve"
 ) -> Callable[..., tuple]:
     """A drop-in for fla's ``chunk_gated_delta_rule`` (same arguments, via the capture adapter that
     applies fla's in-kernel gate and beta sigmoid) computed by :func:`chunked_gdn`."""
@@ -174,6 +206,7 @@ def fla_chunk_replacement(
             chunk_size=chunk_size,
             compile=compile,
             compile_scan=compile_scan,
+            triangular=triangular,
         )
         if call.state_v_first:
             final = final.transpose(-1, -2)
@@ -183,13 +216,15 @@ def fla_chunk_replacement(
 
 
 @contextlib.contextmanager
-def torch_chunk_gdn(chunk_size: int = DEFAULT_CHUNK, compile: bool = False, compile_scan: bool = False) -> Iterator[None]:
+def torch_chunk_gdn(
+    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, compile_scan: bool = False, triangular: str = "solve"
+) -> Iterator[None]:
     """Inside the block, every fla ``GatedDeltaNet`` layer computes its chunk-mode recurrence with
     :func:`chunked_gdn` instead of fla's Triton kernels (the name the layer module looks up at call
     time is swapped and restored afterwards, so models built before or after are unaffected)."""
     module = importlib.import_module(FLA_GDN_MODULE)
     saved = module.chunk_gated_delta_rule
-    module.chunk_gated_delta_rule = fla_chunk_replacement(chunk_size, compile, compile_scan)
+    module.chunk_gated_delta_rule = fla_chunk_replacement(chunk_size, compile, compile_scan, triangular)
     try:
         yield
     finally:
