@@ -167,6 +167,7 @@ def measure_variant(args: argparse.Namespace, variant: str, profile: bool) -> di
 
 
 def measure(args: argparse.Namespace) -> dict:
+    """Every variant in turn; the report is written after each (a call cut by its time limit keeps what it measured)."""
     device = torch.device(args.device)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
                "command": "python benchmarks/target_train_speed.py " + " ".join(sys.argv[1:]),
@@ -183,13 +184,15 @@ def measure(args: argparse.Namespace) -> dict:
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            write_report(results, args.out, echo=False)
         print(f"{variant}: {r['s_per_step']:.3f} s per step ({r['tokens_per_second']:.0f} tokens/s), forward "
               f"{r['forward_s']:.3f} s, recurrence {r['recurrence_s']:.3f} s ({r['recurrence_share']:.0%}); first step "
               f"{r['first_step_s']:.1f} s", flush=True)
     return results
 
 
-def write_report(results: dict, out: str) -> None:
+def write_report(results: dict, out: str, echo: bool = True) -> None:
+    """``target_train_speed.{json,md}`` in ``out``; ``echo``: the table on stdout too."""
     os.makedirs(out, exist_ok=True)
     Path(out, "target_train_speed.json").write_text(json.dumps(results, indent=1))
     s = results["shape"]
@@ -215,7 +218,8 @@ def write_report(results: dict, out: str) -> None:
             lines += ["", f"Most of one step's {'GPU ' * (results['device'] != 'cpu')}time, {name}:", "", "| kernel | ms | calls | share |", "| --- | --- | --- | --- |"]
             lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['calls']} | {k['share']:.1%} |" for k in r["top_kernels"]]
     Path(out, "target_train_speed.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[table_end - 2 - len(results["variants"]):table_end]))
+    if echo:
+        print("\n".join(lines[table_end - 2 - len(results["variants"]):table_end]))
 
 
 def main(argv: list[str] | None = None) -> dict:

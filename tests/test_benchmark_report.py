@@ -407,7 +407,7 @@ def test_a_call_ending_at_eos_with_a_pass_queued_behind_leaves_the_engine_exact(
     assert again.sequences[0].tolist() == prompt[0].tolist() + truth and not engine.launched
 
 
-def test_target_train_speed_times_each_recurrence_variant_at_a_small_shape(tmp_path):
+def test_target_train_speed_times_each_recurrence_variant_at_a_small_shape(tmp_path, monkeypatch):
     """The target-training benchmark on CPU at a tiny shape: every variant timed from the same weights and batch (so
     the same first loss: the variants change how the recurrence is computed, not what), the recurrence's share and
     the profile reported (the figures themselves come from the GPU)."""
@@ -429,6 +429,17 @@ def test_target_train_speed_times_each_recurrence_variant_at_a_small_shape(tmp_p
     assert "| scan_compiled |" in report and "each layer recomputed" in report and "Most of one step's time" in report
     with pytest.raises(SystemExit):
         target_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--steps", "0"])
+
+    def out_of_memory(args, variant, profile):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    written = []  # the report after every variant (a call cut by its time limit keeps what it measured), and a
+    # variant out of memory is reported as such while the others go on
+    monkeypatch.setattr(target_train_speed, "write_report", lambda r, out, echo=True: written.append(dict(r["variants"])))
+    monkeypatch.setattr(target_train_speed, "measure_variant", out_of_memory)
+    target_train_speed.measure(target_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu"]))
+    assert [list(w) for w in written] == [list(target_train_speed.VARIANTS)[:i] for i in range(1, len(target_train_speed.VARIANTS) + 1)]
+    assert written[-1]["inverse"]["error"] == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"
 
 
 def test_eagle_train_speed_times_each_head_precision_at_a_small_shape(tmp_path):
