@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +32,10 @@ from fla.models import GatedDeltaNetForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import train_target  # noqa: E402
+from e2e_gpu import timed  # noqa: E402
+from eagle_profile import median_call  # noqa: E402
 
 from specla_compile.training.chunked_gdn import chunked_gdn  # noqa: E402
 
@@ -81,23 +82,13 @@ def step_args(args: argparse.Namespace, variant: str) -> argparse.Namespace:
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])])
 
 
-def synchronized_seconds(call, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    tic = time.perf_counter()
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - tic
-
-
 def recurrence_seconds(opts: argparse.Namespace, device: torch.device, repeats: int) -> float:
     """One layer's ``chunked_gdn`` forward and backward at the step's shapes (median of ``repeats``)."""
     b, n, h, d = opts.batch_size, opts.seq_len, opts.num_heads, opts.head_dim
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen, device=device)).requires_grad_()
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device).requires_grad_()
 
     q, k, v = rand(b, n, h, d), rand(b, n, h, d), rand(b, n, h, d)
     g = (-torch.rand(b, n, h, generator=gen, device=device)).requires_grad_()
@@ -109,7 +100,7 @@ def recurrence_seconds(opts: argparse.Namespace, device: torch.device, repeats: 
         o.sum().backward()
 
     once()  # (compiles)
-    return statistics.median(synchronized_seconds(once, device) for _ in range(repeats))
+    return median_call(once, repeats)[1]
 
 
 def top_kernels(model, optimizer, batch, grad_clip: float, device: torch.device) -> list[dict]:
@@ -148,14 +139,13 @@ def measure_variant(args: argparse.Namespace, variant: str, profile: bool) -> di
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with train_target.recurrence(opts):
-        first = synchronized_seconds(step, device)
+        first = timed(step)[1]
         for _ in range(args.warmup - 1):
             step()
-        seconds = statistics.median(synchronized_seconds(step, device) for _ in range(args.steps))
+        seconds = median_call(step, args.steps)[1]
         with torch.no_grad(), train_target.autocast(device):
             model(input_ids=batch[:, :-1])  # (without autograd the compiled parts compile again)
-            forward = statistics.median(synchronized_seconds(lambda: model(input_ids=batch[:, :-1]), device)
-                                        for _ in range(args.steps))
+            forward = median_call(lambda: model(input_ids=batch[:, :-1]), args.steps)[1]
         recurrence = args.num_layers * recurrence_seconds(opts, device, args.steps)
         kernels = top_kernels(model, optimizer, batch, opts.grad_clip, device) if profile else None
     tokens_per_step = args.batch_size * args.seq_len
