@@ -17,6 +17,14 @@ on an H100: without it, batch 8 ran out of 80 GB). ``--profile`` adds, for the
 first variant, the kernels that take most of a step's GPU time (``torch.profiler``). Writes
 ``DIR/target_train_speed.{json,md}`` and prints the table; a variant that fails (out of memory) is reported as
 such and the others go on.
+
+``--recurrence-only`` times one layer's recurrence (forward and backward) per variant instead of whole steps, and
+compares its output and gradients with the first variant's: seconds where a 24-layer step's compilation takes
+minutes. ``--pick-within TOL`` then writes ``DIR/fastest_options.txt``, the train_target options of the fastest
+variant whose difference is within TOL, so that one GPU call can measure and train with the winner::
+
+    python benchmarks/target_train_speed.py --out runs/speed --recurrence-only --pick-within 1e-2
+    python examples/train_target.py --out runs/target --num-layers 24 $(cat runs/speed/fastest_options.txt)
 """
 
 from __future__ import annotations
@@ -63,9 +71,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each layer in the backward pass, in every variant")
     p.add_argument("--profile", action="store_true", help="profile one step of the first variant")
+    p.add_argument("--recurrence-only", action="store_true",
+                   help="time only one layer's recurrence (forward and backward) per variant, and compare its output and "
+                        "gradients with the first variant's: seconds, not the minutes a step's compilation takes")
+    p.add_argument("--pick-within", type=float, default=None, metavar="TOL",
+                   help="with --recurrence-only: write the fastest variant within TOL of the first one's output and "
+                        "gradients to DIR/fastest_options.txt (its train_target options)")
     args = p.parse_args(argv)
+    if args.pick_within is not None and not args.recurrence_only:
+        p.error("--pick-within compares the recurrence's outputs: it needs --recurrence-only")
     if min(args.num_layers, args.hidden_size, args.vocab_size, args.batch_size, args.seq_len, args.steps) < 1 or args.warmup < 0:
         p.error("--num-layers, --hidden-size, --vocab-size, --batch-size, --seq-len and --steps must be >= 1, --warmup >= 0")
+    if args.recurrence_only and args.profile:
+        p.error("--profile profiles a whole step: not with --recurrence-only")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (pass --device cpu for a small-shape check)")
     return args
@@ -82,8 +100,9 @@ def step_args(args: argparse.Namespace, variant: str) -> argparse.Namespace:
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])])
 
 
-def recurrence_seconds(opts: argparse.Namespace, device: torch.device, repeats: int) -> float:
-    """One layer's ``chunked_gdn`` forward and backward at the step's shapes (median of ``repeats``)."""
+def recurrence_run(opts: argparse.Namespace, device: torch.device, repeats: int) -> tuple[float, list[torch.Tensor]]:
+    """One layer's ``chunked_gdn`` forward and backward at the step's shapes: the median seconds of ``repeats``, and
+    the output and input gradients of one clean call (the same random inputs for every variant)."""
     b, n, h, d = opts.batch_size, opts.seq_len, opts.num_heads, opts.head_dim
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -93,14 +112,25 @@ def recurrence_seconds(opts: argparse.Namespace, device: torch.device, repeats: 
     q, k, v = rand(b, n, h, d), rand(b, n, h, d), rand(b, n, h, d)
     g = (-torch.rand(b, n, h, generator=gen, device=device)).requires_grad_()
     beta = torch.rand(b, n, h, generator=gen, device=device).requires_grad_()
+    inputs = (q, k, v, g, beta)
 
     def once():
+        for x in inputs:
+            x.grad = None
         o, _ = chunked_gdn(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=opts.gdn_chunk, compile=opts.compile,
                            compile_scan=opts.compile_scan, triangular=opts.gdn_triangular)
         o.sum().backward()
+        return o
 
     once()  # (compiles)
-    return median_call(once, repeats)[1]
+    seconds = median_call(once, repeats)[1]
+    return seconds, [once().detach(), *(x.grad for x in inputs)]
+
+
+def relative_difference(results: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest difference of any output or gradient from the reference's, over that tensor's largest magnitude."""
+    return max(((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(results, reference))
 
 
 def top_kernels(model, optimizer, batch, grad_clip: float, device: torch.device) -> list[dict]:
@@ -146,7 +176,7 @@ def measure_variant(args: argparse.Namespace, variant: str, profile: bool) -> di
         with torch.no_grad(), train_target.autocast(device):
             model(input_ids=batch[:, :-1])  # (without autograd the compiled parts compile again)
             forward = median_call(lambda: model(input_ids=batch[:, :-1]), args.steps)[1]
-        recurrence = args.num_layers * recurrence_seconds(opts, device, args.steps)
+        recurrence = args.num_layers * recurrence_run(opts, device, args.steps)[0]
         kernels = top_kernels(model, optimizer, batch, opts.grad_clip, device) if profile else None
     tokens_per_step = args.batch_size * args.seq_len
     return {"options": VARIANTS[variant], "first_step_s": first, "s_per_step": seconds,
@@ -156,6 +186,14 @@ def measure_variant(args: argparse.Namespace, variant: str, profile: bool) -> di
             "top_kernels": kernels}
 
 
+def measure_recurrence(args: argparse.Namespace, variant: str, reference: list[torch.Tensor] | None) -> dict:
+    """``--recurrence-only``: one layer's recurrence, timed, and its difference from the reference variant's."""
+    opts = step_args(args, variant)
+    seconds, tensors = recurrence_run(opts, torch.device(args.device), args.steps)
+    return {"options": VARIANTS[variant], "layer_s": seconds, "recurrence_s": args.num_layers * seconds,
+            "difference": 0.0 if reference is None else relative_difference(tensors, reference), "tensors": tensors}
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Every variant in turn; the report is written after each (a call cut by its time limit keeps what it measured)."""
     device = torch.device(args.device)
@@ -163,10 +201,16 @@ def measure(args: argparse.Namespace) -> dict:
                "command": "python benchmarks/target_train_speed.py " + " ".join(sys.argv[1:]),
                "shape": {k: getattr(args, k) for k in ("num_layers", "hidden_size", "vocab_size", "batch_size", "seq_len",
                                                        "gradient_checkpointing")},
-               "variants": {}}
+               "recurrence_only": args.recurrence_only, "variants": {}}
+    reference = None
     for i, variant in enumerate(args.variants):
         try:
-            r = results["variants"][variant] = measure_variant(args, variant, args.profile and i == 0)
+            if args.recurrence_only:
+                r = results["variants"][variant] = measure_recurrence(args, variant, reference)
+                tensors = r.pop("tensors")
+                reference = tensors if reference is None else reference
+            else:
+                r = results["variants"][variant] = measure_variant(args, variant, args.profile and i == 0)
         except torch.OutOfMemoryError as e:  # (the others go on: a variant that does not fit is a finding too)
             results["variants"][variant] = {"options": VARIANTS[variant], "error": f"out of memory: {str(e).splitlines()[0]}"}
             print(f"{variant}: out of GPU memory", flush=True)
@@ -174,10 +218,17 @@ def measure(args: argparse.Namespace) -> dict:
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if args.pick_within is not None and reference is not None:
+                pick_fastest(results, args.pick_within, args.out)
             write_report(results, args.out, echo=False)
-        print(f"{variant}: {r['s_per_step']:.3f} s per step ({r['tokens_per_second']:.0f} tokens/s), forward "
-              f"{r['forward_s']:.3f} s, recurrence {r['recurrence_s']:.3f} s ({r['recurrence_share']:.0%}); first step "
-              f"{r['first_step_s']:.1f} s", flush=True)
+        if args.recurrence_only:
+            print(f"{variant}: recurrence {1e3 * r['layer_s']:.1f} ms a layer (forward and backward), "
+                  f"x{args.num_layers} = {r['recurrence_s']:.3f} s; largest difference from {args.variants[0]}: "
+                  f"{r['difference']:.1e}", flush=True)
+        else:
+            print(f"{variant}: {r['s_per_step']:.3f} s per step ({r['tokens_per_second']:.0f} tokens/s), forward "
+                  f"{r['forward_s']:.3f} s, recurrence {r['recurrence_s']:.3f} s ({r['recurrence_share']:.0%}); first step "
+                  f"{r['first_step_s']:.1f} s", flush=True)
     return results
 
 
@@ -190,18 +241,26 @@ def write_report(results: dict, out: str, echo: bool = True) -> None:
     lines = ["# GDN target training speed", "",
              (f"device: {results['device']}, torch {results['torch']}; random {s['num_layers']}-layer target at hidden "
               f"{s['hidden_size']}, vocabulary {s['vocab_size']}; {s['batch_size']} blocks of {s['seq_len']} tokens a step, "
-              f"bf16 autocast, fp32 weights, AdamW{recompute}"), f"command: `{results['command']}`", "",
-             ("| variant | s per step | tokens/s | forward alone, s | recurrence fwd + bwd x layers, s (share of a step) | "
-              "first step, s | peak memory, GiB |"), "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, r in results["variants"].items():
-        if "error" in r:
-            lines.append(f"| {name} | {r['error']} | | | | | |")
-            continue
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        lines.append(f"| {name} | {r['s_per_step']:.3f} | {r['tokens_per_second']:.0f} | {r['forward_s']:.3f} | "
-                     f"{r['recurrence_s']:.3f} ({r['recurrence_share']:.0%}) | {r['first_step_s']:.1f} | {peak} |")
+              f"bf16 autocast, fp32 weights, AdamW{recompute}"), f"command: `{results['command']}`", ""]
+    if results.get("recurrence_only"):
+        first = next(iter(results["variants"]))
+        lines += [("| variant | recurrence fwd + bwd, one layer, ms | x layers, s | largest difference of output and "
+                   f"gradients from {first}'s |"), "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {r['error']} | | |" if "error" in r else
+                  f"| {name} | {1e3 * r['layer_s']:.1f} | {r['recurrence_s']:.3f} | {r['difference']:.1e} |"
+                  for name, r in results["variants"].items()]
+    else:
+        lines += [("| variant | s per step | tokens/s | forward alone, s | recurrence fwd + bwd x layers, s (share of a step) | "
+                   "first step, s | peak memory, GiB |"), "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name, r in results["variants"].items():
+            if "error" in r:
+                lines.append(f"| {name} | {r['error']} | | | | | |")
+                continue
+            peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+            lines.append(f"| {name} | {r['s_per_step']:.3f} | {r['tokens_per_second']:.0f} | {r['forward_s']:.3f} | "
+                         f"{r['recurrence_s']:.3f} ({r['recurrence_share']:.0%}) | {r['first_step_s']:.1f} | {peak} |")
     table_end = len(lines)
-    if s["gradient_checkpointing"]:
+    if s["gradient_checkpointing"] and not results.get("recurrence_only"):
         lines += ["", "(With each layer recomputed, a step runs the recurrence's forward twice: its share is a lower bound.)"]
     for name, r in results["variants"].items():
         if r.get("top_kernels"):
@@ -212,10 +271,23 @@ def write_report(results: dict, out: str, echo: bool = True) -> None:
         print("\n".join(lines[table_end - 2 - len(results["variants"]):table_end]))
 
 
+def pick_fastest(results: dict, tolerance: float, out: str) -> None:
+    """``results["fastest"]``: the fastest variant measured so far whose output and gradients are within
+    ``tolerance`` of the first variant's; its train_target options in ``out/fastest_options.txt`` (rewritten after
+    every variant, so that a call cut by its time limit keeps the best it measured)."""
+    agreeing = {name: r for name, r in results["variants"].items() if "error" not in r and r["difference"] <= tolerance}
+    results["fastest"] = min(agreeing, key=lambda name: agreeing[name]["recurrence_s"])
+    os.makedirs(out, exist_ok=True)
+    Path(out, "fastest_options.txt").write_text(" ".join(VARIANTS[results["fastest"]]) + "\n")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as train_target.main: the recurrence's fp32 matmuls
     results = measure(args)
     write_report(results, args.out)
+    if "fastest" in results:
+        print(f"fastest within {args.pick_within:g} of {args.variants[0]}'s output and gradients: {results['fastest']}")
     return results
 
 

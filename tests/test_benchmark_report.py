@@ -442,6 +442,38 @@ def test_target_train_speed_times_each_recurrence_variant_at_a_small_shape(tmp_p
     assert written[-1]["inverse"]["error"] == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"
 
 
+def test_target_train_speed_recurrence_only_compares_each_variant_and_picks_the_fastest_that_agrees(tmp_path, monkeypatch):
+    """--recurrence-only: one layer's recurrence per variant, its output and gradients against the first variant's
+    (the variants agree; one made 2% wrong is caught), and --pick-within writes the fastest agreeing variant's
+    train_target options, never a disagreeing one however fast."""
+    import target_train_speed
+
+    real = target_train_speed.chunked_gdn
+
+    def wrong_inverse(*args, triangular="solve", **kwargs):  # the inverse variant 2% off, and the fastest
+        o, state = real(*args, triangular=triangular, **kwargs)
+        return (o * 1.02, state) if triangular == "inverse" else (o, state)
+
+    monkeypatch.setattr(target_train_speed, "chunked_gdn", wrong_inverse)
+    seconds = {"chunks_compiled": 3.0, "chunk_128": 2.0, "inverse": 1.0}
+    real_median = target_train_speed.median_call
+    calls = iter(["chunks_compiled", "chunk_128", "inverse"])
+    monkeypatch.setattr(target_train_speed, "median_call",
+                        lambda call, times: (real_median(call, times)[0], seconds[next(calls)]))
+    results = target_train_speed.main(["--out", str(tmp_path), "--device", "cpu", "--num-layers", "4", "--batch-size",
+                                       "2", "--seq-len", "16", "--steps", "1", "--recurrence-only", "--variants",
+                                       "chunks_compiled", "chunk_128", "inverse", "--pick-within", "1e-3"])
+    variants = results["variants"]
+    assert variants["chunks_compiled"]["difference"] == 0 and variants["chunk_128"]["difference"] < 1e-5
+    assert variants["inverse"]["difference"] == pytest.approx(0.02, rel=1e-3)
+    assert variants["chunk_128"]["recurrence_s"] == 4 * 2.0
+    assert results["fastest"] == "chunk_128" and (tmp_path / "fastest_options.txt").read_text() == "--gdn-chunk 128\n"
+    report = (tmp_path / "target_train_speed.md").read_text()
+    assert "| inverse | 1000.0 | 4.000 | 2.0e-02 |" in report and json.loads((tmp_path / "target_train_speed.json").read_text())["fastest"] == "chunk_128"
+    with pytest.raises(SystemExit):
+        target_train_speed.parse_args(["--out", str(tmp_path), "--pick-within", "1e-3"])  # (needs --recurrence-only)
+
+
 def test_eagle_train_speed_times_each_head_precision_at_a_small_shape(tmp_path):
     """The head-training benchmark on CPU at a tiny shape: every precision timed, its loss finite, the report
     written (the figures themselves come from the H200)."""
