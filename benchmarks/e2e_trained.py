@@ -14,8 +14,9 @@ of each suite), ``eagle_chain`` (L = 8), ``eagle_tree`` (top-k 4, depth 6, its 1
 16 with the pending token), ``ngram_chain`` and ``ngram_tree`` (prompt lookup, same shapes, depth 8). On
 request (``--routes ...``): ``eagle_tree_fr`` and ``eagle_tree_d4_fr``, the tree routes of depth 6 and 4 drafting
 only the head's ``--draft-vocab`` most frequent training tokens (``EagleDrafter(draft_vocab=N)``), and
-``eagle_chain_fr``, ``eagle_tree_d8_fr`` and ``eagle_tree_n32_fr``, the chain, the depth-8 tree and the 32-node
-depth-6 tree with it (for heads that accept long drafts), and ``eagle_tree_d4_fr_specla``, ``eagle_tree_fr_pytorch`` and
+``eagle_chain_fr``, ``eagle_tree_d7_fr``, ``eagle_tree_d8_fr`` and ``eagle_tree_n32_fr``, the chain, the depth-7 and
+depth-8 trees and the 32-node depth-6 tree with it (for heads that accept long drafts: a deep target's depth-6 tree
+accepted every level in 58-75% of its passes), and ``eagle_tree_d4_fr_specla``, ``eagle_tree_fr_pytorch`` and
 ``eagle_tree_fr_mixed``, ``eagle_tree_d4_fr`` with the head's GEMMs as the fused specla ops and ``eagle_tree_fr`` with them
 as PyTorch code or as the default before ``"triton"`` (``"mixed"``), rather than the drafter's default
 (``EagleDrafter(head_gemms=...)``: A/Bs in one run), and ``eagle_tree_fr_t1`` and
@@ -107,9 +108,9 @@ TREE_SHAPES = ("eagle_tree_d4", "eagle_tree_d5", "eagle_tree_d8", "eagle_tree_n3
 # drafter's default; "_t1": the tree ranked by the head's raw probabilities (acceptance_temperature=1) instead of its
 # calibrated ones; "_unquantized": the head's own weights, where the drafter's default streams its GEMMs and LM head
 # rows as weight-only int8 (on CUDA; EagleDrafter(quantize="none")): each an A/B on one checkpoint and one run
-FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d8_fr", "eagle_tree_n32_fr",
-             "eagle_tree_d4_fr_specla", "eagle_tree_fr_pytorch", "eagle_tree_fr_mixed", "eagle_tree_fr_t1",
-             "eagle_tree_d4_fr_t1", "eagle_tree_fr_unquantized")
+FR_ROUTES = ("eagle_chain_fr", "eagle_tree_fr", "eagle_tree_d4_fr", "eagle_tree_d7_fr", "eagle_tree_d8_fr",
+             "eagle_tree_n32_fr", "eagle_tree_d4_fr_specla", "eagle_tree_fr_pytorch", "eagle_tree_fr_mixed",
+             "eagle_tree_fr_t1", "eagle_tree_d4_fr_t1", "eagle_tree_fr_unquantized")
 ROUTES = ("plain", "eager", "eagle_chain", "eagle_tree", *FR_ROUTES, *TREE_SHAPES, "ngram_chain", "ngram_tree")
 DEFAULT_ROUTES = tuple(r for r in ROUTES if r not in (*FR_ROUTES, *TREE_SHAPES))  # (those on request)
 SPEC_ROUTES = ROUTES[2:]
@@ -160,6 +161,7 @@ def spec_configs() -> dict:
         "eagle_chain_fr": SpecConfig(mode="chain", depth=8, bucket=16),
         "eagle_tree_fr": eagle_tree(6),
         "eagle_tree_d4_fr": eagle_tree(4),
+        "eagle_tree_d7_fr": eagle_tree(7),
         "eagle_tree_d8_fr": eagle_tree(8),
         "eagle_tree_n32_fr": eagle_tree(6, budget=31),
         "eagle_tree_d4_fr_specla": eagle_tree(4),
@@ -777,7 +779,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
     p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
                    help="plain is always run (the baseline); the *_fr routes (eagle_chain_fr, and the trees of depth "
-                        "6, 4 and 8: eagle_tree_fr, _d4_fr, _d8_fr, and of 32 nodes: _n32_fr, drafting only the head's "
+                        "6, 4, 7 and 8: eagle_tree_fr, _d4_fr, _d7_fr, _d8_fr, and of 32 nodes: _n32_fr, drafting only the head's "
                         "--draft-vocab most frequent tokens), eagle_tree_d4_fr_specla, eagle_tree_fr_pytorch and "
                         "eagle_tree_fr_mixed (the head's GEMMs as the fused specla ops, as PyTorch code or as the "
                         "default before triton, not the drafter's default), eagle_tree_fr_t1 and "
