@@ -13,7 +13,14 @@ import specla_compile  # noqa: F401  (routes fla's GPU entry points to the refer
 from specla_compile.kernels.reference import gdn_chain_reference
 from specla_compile.training import TRAINER_STATE
 from specla_compile.training import corpus as C
-from specla_compile.training.chunked_gdn import chunked_gdn, torch_chunk_gdn, unit_lower_inverse
+from specla_compile.training.chunked_gdn import (
+    ChunkFactors,
+    chunk_factors,
+    chunked_gdn,
+    sequential_pass,
+    torch_chunk_gdn,
+    unit_lower_inverse,
+)
 from specla_compile.training.self_distill import DISTILL_BLOCKS
 from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
 
@@ -249,6 +256,34 @@ def test_chunked_gdn_through_the_inverse_matches_the_solve_with_gradients():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="triangular must be one of"):
         chunked_gdn(*inputs, triangular="lu")
+
+
+def test_the_pass_over_chunks_backward_costs_linear_not_quadratic_work_in_the_chunk_count():
+    """Per-chunk slices of the chunk factors are taken by one unbind, not by indexing in the loop: the backward of
+    ``x[:, :, c]`` writes a zero tensor as large as all of x and adds it to x's gradient, once per chunk (on an H100 that
+    was most of the 24-layer target's training step). So the backward holds one stack per factor, whatever the
+    number of chunks, and no select or slice backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorded(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    stacks = []
+    for n in (16, 64):  # 4 and 16 chunks
+        q, k, v, g, beta, state = gdn_inputs(1, n, 1, 2, 8, 4, seed=n)
+        factors = ChunkFactors(*(t.requires_grad_() for t in chunk_factors(q, k, v, g, beta, 0.3, True, 4)))
+        o, final = sequential_pass(factors, state.requires_grad_())
+        with Recorded() as recorded:
+            (o.square().sum() + final.square().sum()).backward()
+        assert not {"select_backward", "slice_backward"} & set(recorded.ops), recorded.ops
+        stacks.append(recorded.ops.count("stack"))
+    assert stacks[0] == stacks[1] == len(ChunkFactors._fields)
 
 
 def test_chunked_gdn_gradcheck():

@@ -127,12 +127,15 @@ def _compiled_chunk_factors():
 
 def sequential_pass(factors: ChunkFactors, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunks in order: each one's output ``[B, HV, chunks * C, V]`` from the state entering it, then the
-    state leaving it (three matmuls a chunk)."""
+    state leaving it (four matmuls a chunk)."""
+    # unbound once, not indexed per chunk: the backward of ``x[:, :, c]`` writes a zero tensor of all of x's chunks
+    # and adds it to the gradient, work quadratic in the chunk count; unbind's backward is one stack
+    per_chunk = zip(*(t.unbind(2) for t in factors))
     outs = []
-    for c in range(factors.w.shape[2]):
-        u = factors.u0[:, :, c] - factors.w[:, :, c] @ state
-        outs.append(factors.q_decayed[:, :, c] @ state + factors.qk[:, :, c] @ u)
-        state = factors.end_decay[:, :, c, None, None] * state + factors.k_to_end[:, :, c].transpose(-1, -2) @ u
+    for w, u0, qk, q_decayed, k_to_end, end_decay in per_chunk:
+        u = u0 - w @ state
+        outs.append(q_decayed @ state + qk @ u)
+        state = end_decay[..., None, None] * state + k_to_end.transpose(-1, -2) @ u
     return torch.cat(outs, dim=2), state
 
 
