@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each layer in the backward pass, in every variant")
-    p.add_argument("--profile", action="store_true", help="profile one step of the first variant")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one step (with --recurrence-only: one recurrence) of the first variant")
     p.add_argument("--recurrence-only", action="store_true",
                    help="time only one layer's recurrence (forward and backward) per variant, and compare its output and "
                         "gradients with the first variant's: seconds, not the minutes a step's compilation takes")
@@ -85,8 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--pick-within compares the recurrence's outputs: it needs --recurrence-only")
     if min(args.num_layers, args.hidden_size, args.vocab_size, args.batch_size, args.seq_len, args.steps) < 1 or args.warmup < 0:
         p.error("--num-layers, --hidden-size, --vocab-size, --batch-size, --seq-len and --steps must be >= 1, --warmup >= 0")
-    if args.recurrence_only and args.profile:
-        p.error("--profile profiles a whole step: not with --recurrence-only")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (pass --device cpu for a small-shape check)")
     return args
@@ -103,9 +102,11 @@ def step_args(args: argparse.Namespace, variant: str) -> argparse.Namespace:
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])])
 
 
-def recurrence_run(opts: argparse.Namespace, device: torch.device, repeats: int) -> tuple[float, list[torch.Tensor]]:
-    """One layer's ``chunked_gdn`` forward and backward at the step's shapes: the median seconds of ``repeats``, and
-    the output and input gradients of one clean call (the same random inputs for every variant)."""
+def recurrence_run(opts: argparse.Namespace, device: torch.device, repeats: int,
+                   profile: bool = False) -> tuple[float, list[torch.Tensor], dict | None]:
+    """One layer's ``chunked_gdn`` forward and backward at the step's shapes: the median seconds of ``repeats``, the
+    output and input gradients of one clean call (the same random inputs for every variant), and with ``profile``
+    the kernels of one call (:func:`top_kernels`)."""
     b, n, h, d = opts.batch_size, opts.seq_len, opts.num_heads, opts.head_dim
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -127,7 +128,8 @@ def recurrence_run(opts: argparse.Namespace, device: torch.device, repeats: int)
 
     once()  # (compiles)
     seconds = median_call(once, repeats)[1]
-    return seconds, [once().detach(), *(x.grad for x in inputs)]
+    kernels = top_kernels(once, device) if profile else None
+    return seconds, [once().detach(), *(x.grad for x in inputs)], kernels
 
 
 def relative_difference(results: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -136,21 +138,23 @@ def relative_difference(results: list[torch.Tensor], reference: list[torch.Tenso
                for a, b in zip(results, reference))
 
 
-def top_kernels(model, optimizer, batch, grad_clip: float, device: torch.device) -> list[dict]:
-    """The kernels (or, on CPU, operators) with most self time in one step, and their share of the step's total."""
+def top_kernels(call, device: torch.device) -> dict:
+    """The kernels (or, on CPU, operators) with most self time in one ``call()``, their share of its total, and that
+    total (``busy_s``: GPU busy time on CUDA, to set beside the call's wall time) and kernel count."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
-        train_target.train_step(model, optimizer, batch, grad_clip)
+        call()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, key) > 0]
     total = sum(getattr(e, key) for e in events) or 1.0
     events.sort(key=lambda e: getattr(e, key), reverse=True)
-    return [{"name": e.key[:90], "ms": getattr(e, key) / 1e3, "calls": e.count, "share": getattr(e, key) / total}
-            for e in events[:PROFILE_ROWS]]
+    return {"busy_s": total / 1e6, "kernels": sum(e.count for e in events),
+            "top": [{"name": e.key[:90], "ms": getattr(e, key) / 1e3, "calls": e.count, "share": getattr(e, key) / total}
+                    for e in events[:PROFILE_ROWS]]}
 
 
 def measure_variant(args: argparse.Namespace, variant: str, profile: bool) -> dict:
@@ -180,7 +184,9 @@ def measure_variant(args: argparse.Namespace, variant: str, profile: bool) -> di
             model(input_ids=batch[:, :-1])  # (without autograd the compiled parts compile again)
             forward = median_call(lambda: model(input_ids=batch[:, :-1]), args.steps)[1]
         recurrence = args.num_layers * recurrence_run(opts, device, args.steps)[0]
-        kernels = top_kernels(model, optimizer, batch, opts.grad_clip, device) if profile else None
+        kernels = None
+        if profile:
+            kernels = top_kernels(lambda: train_target.train_step(model, optimizer, batch, opts.grad_clip), device)
     tokens_per_step = args.batch_size * args.seq_len
     return {"options": VARIANTS[variant], "first_step_s": first, "s_per_step": seconds,
             "tokens_per_second": tokens_per_step / seconds, "forward_s": forward, "recurrence_s": recurrence,
@@ -189,12 +195,14 @@ def measure_variant(args: argparse.Namespace, variant: str, profile: bool) -> di
             "top_kernels": kernels}
 
 
-def measure_recurrence(args: argparse.Namespace, variant: str, reference: list[torch.Tensor] | None) -> dict:
+def measure_recurrence(args: argparse.Namespace, variant: str, reference: list[torch.Tensor] | None,
+                       profile: bool) -> dict:
     """``--recurrence-only``: one layer's recurrence, timed, and its difference from the reference variant's."""
     opts = step_args(args, variant)
-    seconds, tensors = recurrence_run(opts, torch.device(args.device), args.steps)
+    seconds, tensors, kernels = recurrence_run(opts, torch.device(args.device), args.steps, profile)
     return {"options": VARIANTS[variant], "layer_s": seconds, "recurrence_s": args.num_layers * seconds,
-            "difference": 0.0 if reference is None else relative_difference(tensors, reference), "tensors": tensors}
+            "difference": 0.0 if reference is None else relative_difference(tensors, reference),
+            "top_kernels": kernels, "tensors": tensors}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -209,7 +217,7 @@ def measure(args: argparse.Namespace) -> dict:
     for i, variant in enumerate(args.variants):
         try:
             if args.recurrence_only:
-                r = results["variants"][variant] = measure_recurrence(args, variant, reference)
+                r = results["variants"][variant] = measure_recurrence(args, variant, reference, args.profile and i == 0)
                 tensors = r.pop("tensors")
                 reference = tensors if reference is None else reference
             else:
@@ -267,8 +275,14 @@ def write_report(results: dict, out: str, echo: bool = True) -> None:
         lines += ["", "(With each layer recomputed, a step runs the recurrence's forward twice: its share is a lower bound.)"]
     for name, r in results["variants"].items():
         if r.get("top_kernels"):
-            lines += ["", f"Most of one step's {'GPU ' * (results['device'] != 'cpu')}time, {name}:", "", "| kernel | ms | calls | share |", "| --- | --- | --- | --- |"]
-            lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['calls']} | {k['share']:.1%} |" for k in r["top_kernels"]]
+            profiled = "one layer's recurrence" if results.get("recurrence_only") else "one step"
+            busy = "GPU busy" if results["device"] != "cpu" else "CPU self time"
+            wall = r["layer_s"] if results.get("recurrence_only") else r["s_per_step"]
+            lines += ["", (f"Most of the {'GPU ' * (results['device'] != 'cpu')}time of {profiled}, {name} ({busy} "
+                           f"{1e3 * r['top_kernels']['busy_s']:.1f} ms in {r['top_kernels']['kernels']} kernels, against "
+                           f"{1e3 * wall:.1f} ms of wall time):"), "", "| kernel | ms | calls | share |",
+                      "| --- | --- | --- | --- |"]
+            lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['calls']} | {k['share']:.1%} |" for k in r["top_kernels"]["top"]]
     Path(out, "target_train_speed.md").write_text("\n".join(lines) + "\n")
     if echo:
         print("\n".join(lines[table_end - 2 - len(results["variants"]):table_end]))

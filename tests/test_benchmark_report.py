@@ -422,11 +422,13 @@ def test_target_train_speed_times_each_recurrence_variant_at_a_small_shape(tmp_p
     for r in variants.values():
         assert r["s_per_step"] > 0 and r["recurrence_s"] > 0 and r["first_loss"] == pytest.approx(first, rel=1e-4)
         assert r["last_loss"] < r["first_loss"]  # (two steps on one batch)
-    kernels = variants["chunks_compiled"]["top_kernels"]
+    profiled = variants["chunks_compiled"]["top_kernels"]
+    kernels = profiled["top"]
     assert 0 < len(kernels) <= target_train_speed.PROFILE_ROWS and sum(k["share"] for k in kernels) <= 1 + 1e-9
+    assert profiled["busy_s"] > 0 and profiled["kernels"] >= sum(k["calls"] for k in kernels)
     assert all(r["top_kernels"] is None for name, r in variants.items() if name != "chunks_compiled")
     report = (tmp_path / "target_train_speed.md").read_text()
-    assert "| scan_compiled |" in report and "each layer recomputed" in report and "Most of one step's time" in report
+    assert "| scan_compiled |" in report and "each layer recomputed" in report and "Most of the time of one step" in report
     with pytest.raises(SystemExit):
         target_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--steps", "0"])
 
@@ -462,13 +464,15 @@ def test_target_train_speed_recurrence_only_compares_each_variant_and_picks_the_
                         lambda call, times: (real_median(call, times)[0], seconds[next(calls)]))
     results = target_train_speed.main(["--out", str(tmp_path), "--device", "cpu", "--num-layers", "4", "--batch-size",
                                        "2", "--seq-len", "16", "--steps", "1", "--recurrence-only", "--variants",
-                                       "chunks_compiled", "chunk_128", "inverse", "--pick-within", "1e-3"])
+                                       "chunks_compiled", "chunk_128", "inverse", "--pick-within", "1e-3", "--profile"])
     variants = results["variants"]
     assert variants["chunks_compiled"]["difference"] == 0 and variants["chunk_128"]["difference"] < 1e-5
     assert variants["inverse"]["difference"] == pytest.approx(0.02, rel=1e-3)
     assert variants["chunk_128"]["recurrence_s"] == 4 * 2.0
     assert results["fastest"] == "chunk_128" and (tmp_path / "fastest_options.txt").read_text() == "--gdn-chunk 128\n"
     report = (tmp_path / "target_train_speed.md").read_text()
+    assert variants["chunks_compiled"]["top_kernels"]["top"] and variants["inverse"]["top_kernels"] is None
+    assert "Most of the time of one layer's recurrence, chunks_compiled (CPU self time" in report
     assert "| inverse | 1000.0 | 4.000 | 2.0e-02 |" in report and json.loads((tmp_path / "target_train_speed.json").read_text())["fastest"] == "chunk_128"
     with pytest.raises(SystemExit):
         target_train_speed.parse_args(["--out", str(tmp_path), "--pick-within", "1e-3"])  # (needs --recurrence-only)
