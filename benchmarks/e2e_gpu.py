@@ -572,7 +572,7 @@ def fla_quick(args, results: dict) -> None:
 
 def fla_passes(args, results: dict) -> None:
     """Only the captured passes, in about two minutes of a cold process: plain decoding's time per token (also
-    with 0, 2 and 8 passes queued behind each block the host reads), replay times of the 1- and 16-node chain
+    with 0, 2 and 8 passes queued behind each block the host reads), replay times of the 1-, 9- and 16-node chain
     passes and the 16- and 32-node tree passes, the kernels of the 16-node tree pass and of the 1-node pass (each with
     one layer in launch order)."""
     from specla_compile.kernels import pdl
@@ -596,6 +596,10 @@ def fla_passes(args, results: dict) -> None:
     gen.drafter, gen.config = OracleDrafter([[0]], 1.0, 15), chain_config(15)
     gen.generate(prompt, 2)
     section["pass_ms"] = {str(n): pass_ms(gen, n) for n in (1, 16)}
+    # the issue's chain of 9 nodes (L = 8) in a bucket of its own size, beside the default bucket's 16 nodes
+    gen.drafter, gen.config = OracleDrafter([[0]], 1.0, 8), chain_config(8, bucket=9)
+    gen.generate(prompt, 2)
+    section["pass_ms"]["9"] = pass_ms(gen, 9)
     for nodes in (16, 32):
         config, depth = tree_config(4, nodes)
         gen.drafter, gen.config = OracleDrafter([[0]], 1.0, depth, 4), config
@@ -957,14 +961,17 @@ def targets(results: dict) -> list[dict]:
     plain = plain_figure(results)
     if plain:
         add("plain graphed decoding, ms/token", round(plain["ms_per_token"], 3), "<= 1.0", plain["ms_per_token"] <= 1.0)
-    for kind, nodes, what, goal in (("pass_ms", "16", "chain of 9 (16-node bucket)", 1.25), ("pass_ms_tree", "16", "tree of 16", 1.4),
-                                    ("pass_ms_tree", "32", "tree of 32", 1.8)):
-        # a ratio within one run: the pass-only run's where it timed this pass, else fla_b1's
-        for run in (results.get("fla_passes", {}), b1):
-            if "1" in run.get("pass_ms", {}) and nodes in run.get(kind, {}):
-                ratio = run[kind][nodes] / run["pass_ms"]["1"]
-                add(f"verify pass over plain step, {what}", round(ratio, 3), f"<= {goal}", ratio <= goal)
-                break
+    for kind, sizes, what, goal in (("pass_ms", ("9", "16"), "chain of 9", 1.25), ("pass_ms_tree", ("16",), "tree of 16", 1.4),
+                                    ("pass_ms_tree", ("32",), "tree of 32", 1.8)):
+        # a ratio within one run: the pass-only run's where it timed this pass, else fla_b1's; the chain of 9 in a
+        # bucket of its size where one was timed, else in the default bucket of 16 nodes
+        found = [(run, nodes) for nodes in sizes for run in (results.get("fla_passes", {}), b1)
+                 if "1" in run.get("pass_ms", {}) and nodes in run.get(kind, {})]
+        if found:
+            run, nodes = found[0]
+            ratio = run[kind][nodes] / run["pass_ms"]["1"]
+            bucket = f" ({nodes}-node bucket)" if kind == "pass_ms" else ""
+            add(f"verify pass over plain step, {what}{bucket}", round(ratio, 3), f"<= {goal}", ratio <= goal)
     chain = b1.get("chain", {})
     if "L12_p1.0" in chain:
         add("oracle chain L=12 p=1.0 speedup", round(chain["L12_p1.0"]["speedup"], 2), ">= 6", chain["L12_p1.0"]["speedup"] >= 6)
@@ -990,14 +997,14 @@ def targets(results: dict) -> list[dict]:
     warm = results.get("warm_start", {})
     if "warm_start_s" in warm:
         add("second process, warm cache, AR step + 3 buckets, s", round(warm["warm_start_s"], 1), "<= 20", warm["warm_start_s"] <= 20)
-    measured = {t["name"] for t in out}
-    out += [{"name": name, "measured": None, "goal": goal, "met": False} for name, goal in ALL_TARGETS if name not in measured]
+    out += [{"name": name, "measured": None, "goal": goal, "met": False} for name, goal in ALL_TARGETS
+            if not any(t["name"].startswith(name) for t in out)]  # (the chain's name says its bucket)
     return out
 
 
 ALL_TARGETS = (  # every target of the benchmark, so that the ones a run did not reach are listed as such
     ("plain graphed decoding, ms/token", "<= 1.0"),
-    ("verify pass over plain step, chain of 9 (16-node bucket)", "<= 1.25"),
+    ("verify pass over plain step, chain of 9", "<= 1.25"),
     ("verify pass over plain step, tree of 16", "<= 1.4"),
     ("verify pass over plain step, tree of 32", "<= 1.8"),
     ("oracle chain L=12 p=1.0 speedup", ">= 6"),

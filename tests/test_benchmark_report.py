@@ -27,7 +27,7 @@ PARTIAL = [
 
 @pytest.mark.parametrize("results", PARTIAL)
 def test_targets_from_partial_results(results):
-    targets = {t["name"]: t for t in e2e_gpu.targets(results)}
+    targets = {t["name"].removesuffix(" (16-node bucket)"): t for t in e2e_gpu.targets(results)}  # (the chain's)
     assert set(targets) == {name for name, _ in e2e_gpu.ALL_TARGETS}  # what a run did not reach is listed too
     b1 = results.get("fla_b1", {})
     plain = targets["plain graphed decoding, ms/token"]
@@ -149,6 +149,22 @@ def test_plain_target_is_the_b1_run_else_the_profile_run_and_operators_reach_the
     table = (tmp_path / "e2e_gpu.md").read_text()
     assert "| `aten::copy_` | [[1, 8, 256, 256]] | 48 | 0.235 |" in table and "nvjet" not in table
     assert "launch 0.006 ms of host time, 2.300 ms per back-to-back replay" in table
+
+
+def test_the_chain_of_9_target_takes_a_9_node_bucket_where_one_was_timed():
+    """The issue's chain of 9 nodes: its pass in a bucket of 9 where fla_passes timed one, else in the default
+    bucket of 16 nodes, the bucket named either way; unmeasured, it is listed as not measured."""
+    def chain_target(results):
+        return next(t for t in e2e_gpu.targets(results) if "chain of 9" in t["name"])
+
+    passes = {"pass_ms": {"1": 1.3, "16": 1.7, "9": 1.6}}
+    found = chain_target({"fla_passes": passes})
+    assert found["name"].endswith("chain of 9 (9-node bucket)") and found["measured"] == round(1.6 / 1.3, 3)
+    assert found["met"] is True
+    del passes["pass_ms"]["9"]
+    found = chain_target({"fla_passes": passes})
+    assert found["name"].endswith("chain of 9 (16-node bucket)") and found["met"] is False
+    assert chain_target({})["measured"] is None
 
 
 def test_report_files_from_a_partial_heatmap(tmp_path):
