@@ -961,7 +961,8 @@ def targets(results: dict) -> list[dict]:
     plain = plain_figure(results)
     if plain:
         add("plain graphed decoding, ms/token", round(plain["ms_per_token"], 3), "<= 1.0", plain["ms_per_token"] <= 1.0)
-    for kind, sizes, what, goal in (("pass_ms", ("9", "16"), "chain of 9", 1.25), ("pass_ms_tree", ("16",), "tree of 16", 1.4),
+    for kind, sizes, what, goal in (("pass_ms", ("9", "16"), "chain of 9", 1.25),
+                                    ("pass_ms_tree", ("16",), "tree of 16", 1.4),
                                     ("pass_ms_tree", ("32",), "tree of 32", 1.8)):
         # a ratio within one run: the pass-only run's where it timed this pass, else fla_b1's; the chain of 9 in a
         # bucket of its size where one was timed, else in the default bucket of 16 nodes

@@ -793,8 +793,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=SUITES)
     p.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), choices=ROUTES,
                    help="plain is always run (the baseline); the *_fr routes (eagle_chain_fr, and the trees of depth "
-                        "6, 4, 7 and 8: eagle_tree_fr, _d4_fr, _d7_fr, _d8_fr, and of 32 nodes: _n32_fr, drafting only the head's "
-                        "--draft-vocab most frequent tokens), eagle_tree_d4_fr_specla, eagle_tree_fr_pytorch and "
+                        "6, 4, 7 and 8: eagle_tree_fr, _d4_fr, _d7_fr, _d8_fr, and of 32 nodes: _n32_fr, drafting "
+                        "only the head's --draft-vocab most frequent tokens), eagle_tree_d4_fr_specla, "
+                        "eagle_tree_fr_pytorch and "
                         "eagle_tree_fr_mixed (the head's GEMMs as the fused specla ops, as PyTorch code or as the "
                         "default before triton, not the drafter's default), eagle_tree_fr_t1 and "
                         "eagle_tree_d4_fr_t1 (trees ranked by the head's raw "

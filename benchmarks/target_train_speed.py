@@ -15,7 +15,8 @@ the recurrence on an H100, and the 24-layer step 2.77 -> 2.06 s), ``chunk_256``,
 triangular solve), ``chunk_128_inverse``; each with
 ``--gradient-checkpointing`` unless ``--no-gradient-checkpointing`` (a 24-layer target at the default width needs it
 on an H100: without it, batch 8 ran out of 80 GB). ``--profile`` adds, for the
-first variant, the kernels that take most of a step's GPU time (``torch.profiler``). Writes
+first variant, the kernels that take most of a step's GPU time (``torch.profiler``; with ``--recurrence-only``, of
+one layer's recurrence), their busy time beside the wall time. Writes
 ``DIR/target_train_speed.{json,md}`` and prints the table; a variant that fails (out of memory) is reported as
 such and the others go on.
 
