@@ -227,6 +227,13 @@ def measure(args: argparse.Namespace) -> dict:
             results["variants"][variant] = {"options": VARIANTS[variant], "error": f"out of memory: {str(e).splitlines()[0]}"}
             print(f"{variant}: out of GPU memory", flush=True)
             continue
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # (so is one the compiler fails on: inductor's split
+            # scan asserted "Unexpected tiling" on chunk_256's cumsum on the H100)
+            inner = getattr(e, "inner_exception", None) or e
+            results["variants"][variant] = {"options": VARIANTS[variant],
+                                            "error": f"compilation failed: {type(inner).__name__}: {str(inner).splitlines()[0]}"}
+            print(f"{variant}: {results['variants'][variant]['error']}", flush=True)
+            continue
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()

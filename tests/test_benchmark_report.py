@@ -449,15 +449,19 @@ def test_target_train_speed_times_each_recurrence_variant_at_a_small_shape(tmp_p
         target_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu", "--steps", "0"])
 
     def out_of_memory(args, variant, profile):
+        if variant == "chunk_256":
+            from torch._inductor.exc import InductorError
+            raise InductorError(AssertionError("Unexpected tiling\nmore"), None)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     written = []  # the report after every variant (a call cut by its time limit keeps what it measured), and a
-    # variant out of memory is reported as such while the others go on
+    # variant out of memory or failing to compile is reported as such while the others go on
     monkeypatch.setattr(target_train_speed, "write_report", lambda r, out, echo=True: written.append(dict(r["variants"])))
     monkeypatch.setattr(target_train_speed, "measure_variant", out_of_memory)
     target_train_speed.measure(target_train_speed.parse_args(["--out", str(tmp_path), "--device", "cpu"]))
     assert [list(w) for w in written] == [list(target_train_speed.VARIANTS)[:i] for i in range(1, len(target_train_speed.VARIANTS) + 1)]
     assert written[-1]["inverse"]["error"] == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert written[-1]["chunk_256"]["error"] == "compilation failed: AssertionError: Unexpected tiling"
 
 
 def test_target_train_speed_recurrence_only_compares_each_variant_and_picks_the_fastest_that_agrees(tmp_path, monkeypatch):
