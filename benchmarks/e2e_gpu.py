@@ -600,6 +600,8 @@ def fla_passes(args, results: dict) -> None:
     gen.drafter, gen.config = OracleDrafter([[0]], 1.0, 8), chain_config(8, bucket=9)
     gen.generate(prompt, 2)
     section["pass_ms"]["9"] = pass_ms(gen, 9)
+    print("pass ms", section["pass_ms"], flush=True)
+    write_report(results, args.out)
     for nodes in (16, 32):
         config, depth = tree_config(4, nodes)
         gen.drafter, gen.config = OracleDrafter([[0]], 1.0, depth, 4), config
