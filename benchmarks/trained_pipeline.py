@@ -46,6 +46,12 @@ starts warm (the sixteenth run's study spent 255 s of its call warming up from c
 deleted when it (and the float32 check below) ends, so that the study times its kernels' configurations again, alone on the GPU. Its log goes to
 ``--work``/``warm_bench.log``.
 
+``--caches-to TGZ`` packs ``--work``'s compilers' caches after the stages, and ``--caches-from TGZ`` unpacks such a
+pack into a ``--work`` that has none before them: a pack under 16 MiB leaves the GPU machine, so a fresh machine of
+a later session starts from the compiled programs of an earlier one (Triton's and inductor's caches key on the code,
+the versions and the GPU's architecture: an H100's serve an H200, both sm_90). The 24-layer target's first step
+compiled for 103-142 s on a cold machine.
+
 ``--fp32-check`` (the same calls as ``--warm-bench``): a third process runs the study in float32 on a copy of the head
 as the call starts, over plain decoding and the chain and tree routes that ``--bench-args`` names as the targets'
 (``--chain-route``, ``--tree-route``), until the call's budget ends. Only its exact-output check counts (its times
@@ -64,6 +70,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -76,6 +83,7 @@ from specla_compile.training.self_distill import DISTILL_BLOCKS  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("target", "eagle", "bench")
 DEFAULT_WORK = ROOT / "runs" / "trained"  # git-ignored (/runs/): kept by a warm GPU machine between calls
+CACHE_FOLDER = "cache"  # in --work: the compilers' caches (stage_env), and the one folder a --caches-to pack holds
 # minutes besides each stage's budget, from the H200 run of 2026-11-30 (target: about 0.5 of data preparation,
 # a 119 s first step, 0.3 of final evaluation and saving; bench: loading, then warm-ups that took 17 + 6 + 27
 # + 5 + 20 s, of which the n-gram routes' second compilation is gone and plain decoding's should be, as every
@@ -165,6 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "trains, on a copy of the head (module docstring); the next study reports it")
     p.add_argument("--bench-resume", action="store_true",
                    help="continue the benchmark of an earlier call (its JSON in --work/bench) with the prompts it has not measured")
+    p.add_argument("--caches-from", metavar="TGZ", help="before the stages, unpack an earlier call's --caches-to pack "
+                   "into --work, unless --work has compiled programs of its own (module docstring)")
+    p.add_argument("--caches-to", metavar="TGZ", help="after the stages, pack --work's compilers' caches into TGZ")
     p.add_argument("--prompts-dir", default=str(e2e_trained.default_prompts_dir()))
     p.add_argument("--humaneval", default=e2e_trained.default_humaneval())
     for stage in STAGES:
@@ -207,6 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--fp32-check: --minutes {args.minutes} leaves it {fp32_minutes(args):.2f} min, and its loading "
                         f"and float32 warm-ups beside the training need {FP32_MIN_MINUTES} before it measures a prompt: pass "
                         f"--minutes {args.minutes - fp32_minutes(args) + FP32_MIN_MINUTES:.2f} or more")
+    if args.caches_from is not None and (problem := cache_pack_problem(args.caches_from)):
+        problems.append(f"--caches-from {args.caches_from}: {problem}")
     if args.bench_resume and "bench" not in args.stages:
         problems.append("--bench-resume needs the bench stage")
     if problems:  # one line, before anything slow
@@ -261,11 +274,52 @@ def stage_env(work: Path) -> dict[str, str]:
     """The stages' environment: the repository importable, unbuffered output, and the compilers' caches in
     ``--work`` (kept by a warm machine between calls: a later call's compilations hit them)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "cache" / "inductor")  # (set, not defaulted: torch itself puts
-    env["TRITON_CACHE_DIR"] = str(work / "cache" / "triton")  # its /tmp default into os.environ once it compiles)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / CACHE_FOLDER / "inductor")  # (set, not defaulted: torch itself puts
+    env["TRITON_CACHE_DIR"] = str(work / CACHE_FOLDER / "triton")  # its /tmp default into os.environ once it compiles)
     if not sys.stdout.isatty():
         env.setdefault("TQDM_MININTERVAL", "10")  # a captured log gets a progress line every 10 s, not a flood
     return env
+
+
+def cache_pack_problem(path: str) -> str | None:
+    """Why ``path`` is no pack of compilers' caches (not a file, not a tar archive, or a member outside
+    ``cache/``, which unpacking into ``--work`` would put beside the checkpoints); None if it is one."""
+    if not Path(path).is_file():
+        return "no such file"
+    try:
+        with tarfile.open(path) as pack:
+            names = pack.getnames()
+    except tarfile.TarError as e:
+        return f"not a tar archive ({e})"
+    outside = [n for n in names if Path(n).parts[:1] != (CACHE_FOLDER,)]
+    return f"{outside[0]!r} is outside {CACHE_FOLDER}/ (not a --caches-to pack)" if outside else None
+
+
+def seed_caches(work: Path, pack: str) -> None:
+    """``--caches-from``: unpack ``pack`` into ``work`` unless its caches already hold a file (a warm machine's own
+    programs are this code's; the pack's may be older)."""
+    cache = work / CACHE_FOLDER
+    if cache.is_dir() and any(p.is_file() for p in cache.rglob("*")):
+        print(f"=== caches: {cache} has compiled programs of its own; {pack} left unpacked", flush=True)
+        return
+    with tarfile.open(pack) as archive:
+        archive.extractall(work, filter="data")
+    files = sum(p.is_file() for p in cache.rglob("*"))
+    print(f"=== caches: {files} files of compiled programs from {pack} into {cache}", flush=True)
+
+
+def pack_caches(work: Path, pack: str) -> None:
+    """``--caches-to``: ``work``'s compilers' caches into the gzipped tar ``pack``; says when it is too large to leave
+    the GPU machine."""
+    if not (work / CACHE_FOLDER).is_dir():
+        print(f"=== caches: no {work / CACHE_FOLDER} to pack (nothing compiled)", flush=True)
+        return
+    Path(pack).parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(pack, "w:gz") as archive:
+        archive.add(work / CACHE_FOLDER, arcname=CACHE_FOLDER)
+    mib = Path(pack).stat().st_size / 2**20
+    size = f"{mib:.1f} MiB" + (" (over the 16 MiB a file may leave the GPU machine with)" if mib > 16 else "")
+    print(f"=== caches: {work / CACHE_FOLDER} packed into {pack}, {size}", flush=True)
 
 
 def ended(stage: dict) -> str:
@@ -425,7 +479,7 @@ def finish_fp32_check(args: argparse.Namespace, check: Beside, call_started: flo
 def delete_autotuning_choices(work: Path) -> None:
     """Inductor's autotuning choices made beside the training were timed on a shared GPU: the study times its kernels'
     configurations again, alone."""
-    for choice in Path(work, "cache", "inductor").rglob("*.best_config"):
+    for choice in Path(work, CACHE_FOLDER, "inductor").rglob("*.best_config"):
         choice.unlink()
 
 
@@ -499,6 +553,8 @@ def main(argv: list[str] | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     env = stage_env(work)
     print(describe_plan(args), flush=True)
+    if args.caches_from:
+        seed_caches(work, args.caches_from)
     earlier = (_json(work / CALLS_NAME) or []) if "target" not in args.stages else []  # a new target starts a new history
     stages: dict[str, dict] = {}
     calls = earlier + [{"command": command, "plan": args.plan, "stages": stages}]
@@ -562,6 +618,8 @@ def main(argv: list[str] | None = None) -> dict:
         e2e_trained.write_report(results, args.out)
         report["benchmark_targets"] = results["targets"]
         Path(args.out, "report.json").write_text(json.dumps(report, indent=1, default=str))
+    if args.caches_to:
+        pack_caches(work, args.caches_to)
     print(json.dumps({"stages": stages, "seconds": round(time.perf_counter() - started, 1)}, indent=1), flush=True)
     return report
 

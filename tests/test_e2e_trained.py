@@ -373,6 +373,37 @@ def test_pipeline_warns_of_a_target_whose_loss_is_still_near_the_unigrams(prompt
     assert json.loads((tmp_path / "out" / "report.json").read_text())["target_warning"] == warning
 
 
+def test_pipeline_carries_compiler_caches_from_one_machine_to_the_next(prompt_files, tmp_path):
+    """--caches-to packs --work's caches; --caches-from unpacks them into a fresh --work (never over a warm one's own
+    programs), and refuses at once a missing file or a pack with anything outside cache/."""
+    import tarfile
+
+    first, fresh, warm = tmp_path / "first", tmp_path / "fresh", tmp_path / "warm"
+    programs = {"inductor/fx/ab/graph.py": "print('fx')", "triton/XYZ/kernel.cubin": "\x7fELF"}
+    for name, text in programs.items():
+        (first / "cache" / name).parent.mkdir(parents=True, exist_ok=True)
+        (first / "cache" / name).write_text(text)
+    pack = tmp_path / "packs" / "caches.tgz"
+    P.pack_caches(first, str(pack))
+    P.seed_caches(fresh, str(pack))
+    assert {str(f.relative_to(fresh / "cache")): f.read_text() for f in (fresh / "cache").rglob("*") if f.is_file()} == programs
+    (warm / "cache" / "triton").mkdir(parents=True)
+    (warm / "cache" / "triton" / "own.cubin").write_text("newer")
+    P.seed_caches(warm, str(pack))
+    assert [f.name for f in (warm / "cache").rglob("*") if f.is_file()] == ["own.cubin"]
+
+    stray = tmp_path / "stray.tgz"
+    with tarfile.open(stray, "w:gz") as archive:
+        archive.add(first / "cache", arcname="cache")
+        archive.add(first / "cache" / "triton" / "XYZ" / "kernel.cubin", arcname="target/model.safetensors")
+    base = _pipeline_args(prompt_files, tmp_path / "work", "--stages", "target")
+    for bad, message in ((stray, "'target/model.safetensors' is outside cache/"), (tmp_path / "none.tgz", "no such file"),
+                         (first / "cache" / "inductor" / "fx" / "ab" / "graph.py", "not a tar archive")):
+        with pytest.raises(SystemExit, match=f"^error: --caches-from {bad}: {message}"):
+            P.parse_args([*base, "--caches-from", str(bad)])
+    assert P.parse_args([*base, "--caches-from", str(pack)]).caches_from == str(pack)
+
+
 def test_default_work_folder_is_git_ignored_inside_the_repository(prompt_files, tmp_path):
     import subprocess
 
