@@ -851,6 +851,16 @@ def test_fp32_margins_come_from_the_pytorch_recurrence(checkpoints, prompt_files
     reference = bench.model.float()(input_ids=ids).logits[0, -1]  # fla's own path (the CPU references)
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
 
+    # routes parting from plain decoding at one position share its fp32 forward; another position has its own
+    forwards = []
+    monkeypatch.setattr(bench, "fp32_logits", lambda prefix: forwards.append(prefix.shape[1]) or logits)
+    plain, seen = [5, 6, 7, 8], {}
+    first, again = (bench.near_tie(ids, plain, other, seen) for other in ([5, 6, 9, 9], [5, 6, 1, 2]))
+    later = bench.near_tie(ids, plain, [5, 6, 7, 3], seen)
+    assert forwards == [37 + 2, 37 + 3] and first["position"] == again["position"] == 2 and later["position"] == 3
+    assert first["fp32_margin"] == pytest.approx(float((logits[7] - logits[9]).abs()))
+    assert again["fp32_margin"] == pytest.approx(float((logits[7] - logits[1]).abs()))
+
 
 def test_the_draft_vocabulary_route_needs_a_ranked_head(checkpoints, prompt_files):
     """The draft-vocabulary routes and the other tree shapes run only when named; the draft-vocabulary routes
