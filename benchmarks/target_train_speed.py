@@ -9,16 +9,16 @@ recurrence or the rest of the model bounds the target's training.
 
 Variants (``--variants``): ``chunks_compiled`` (train_target's default on CUDA: the chunk-parallel part compiled by
 inductor, the pass over chunks eager), ``scan_compiled`` (``--compile-scan``: the pass over chunks compiled too),
-``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve; 1.57x faster than 64 in
-the recurrence on an H100, and the 24-layer step 2.77 -> 2.06 s), ``chunk_256``, ``inverse``
-(``--gdn-triangular inverse``: each chunk's triangular system by its inverse in small matmuls, no batched
-triangular solve), ``chunk_128_inverse``; each with
+``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve; on an H100 one layer's
+recurrence 30.0 against 40.0 ms at 64, the 24-layer step 1.47 s), ``chunk_256`` (inductor's split scan failed to
+compile its cumsum on an H100), ``inverse`` (``--gdn-triangular inverse``: each chunk's triangular system by its
+inverse in small matmuls, no batched triangular solve), ``chunk_128_inverse``, ``chunk_128_scan``; each with
 ``--gradient-checkpointing`` unless ``--no-gradient-checkpointing`` (a 24-layer target at the default width needs it
 on an H100: without it, batch 8 ran out of 80 GB). ``--profile`` adds, for the
 first variant, the kernels that take most of a step's GPU time (``torch.profiler``; with ``--recurrence-only``, of
 one layer's recurrence), their busy time beside the wall time. Writes
 ``DIR/target_train_speed.{json,md}`` and prints the table; a variant that fails (out of memory) is reported as
-such and the others go on.
+such and the others go on, as does one that fails to compile.
 
 ``--recurrence-only`` times one layer's recurrence (forward and backward) per variant instead of whole steps, and
 compares its output and gradients with the first variant's: seconds where a 24-layer step's compilation takes
@@ -56,6 +56,8 @@ VARIANTS = {  # train_target options of each variant, over its defaults
     "inverse": ["--gdn-triangular", "inverse"],
     "chunk_256": ["--gdn-chunk", "256"],
     "chunk_128_inverse": ["--gdn-chunk", "128", "--gdn-triangular", "inverse"],
+    "chunk_128_scan": ["--gdn-chunk", "128", "--compile-scan"],  # (the scan did not compile within 95 s at 64, with
+    # each chunk's factors still indexed one by one; 16 chunks now, unbound once)
 }
 PROFILE_ROWS = 15
 
