@@ -8,11 +8,13 @@ recurrence or the rest of the model bounds the target's training.
     python benchmarks/target_train_speed.py --out DIR --num-layers 8 --no-gradient-checkpointing
 
 Variants (``--variants``): ``chunks_compiled`` (train_target's default on CUDA: the chunk-parallel part compiled by
-inductor, the pass over chunks eager), ``scan_compiled`` (``--compile-scan``: the pass over chunks compiled too),
-``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve; on an H100 one layer's
-recurrence 30.0 against 40.0 ms at 64, the 24-layer step 1.47 s), ``chunk_256`` (inductor's split scan failed to
-compile its cumsum on an H100), ``inverse`` (``--gdn-triangular inverse``: each chunk's triangular system by its
-inverse in small matmuls, no batched triangular solve), ``chunk_128_inverse``, ``chunk_128_scan``; each with
+inductor, the pass over chunks eager with its backward written out), ``autograd_scan`` (``--gdn-scan autograd``:
+autograd through that pass, the default until the forty-ninth session), ``scan_compiled`` (``--gdn-scan compiled``:
+the pass over chunks compiled too), ``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the
+triangular solve; on an H100 one layer's recurrence 30.0 against 40.0 ms at 64 with autograd through the pass, the
+24-layer step 1.47 s), ``chunk_256`` (inductor's split scan failed to compile its cumsum on an H100), ``inverse``
+(``--gdn-triangular inverse``: each chunk's triangular system by its inverse in small matmuls, no batched triangular
+solve), ``chunk_128_inverse``, ``chunk_128_autograd``, ``chunk_128_scan``; each with
 ``--gradient-checkpointing`` unless ``--no-gradient-checkpointing`` (a 24-layer target at the default width needs it
 on an H100: without it, batch 8 ran out of 80 GB). ``--profile`` adds, for the
 first variant, the kernels that take most of a step's GPU time (``torch.profiler``; with ``--recurrence-only``, of
@@ -51,13 +53,15 @@ from specla_compile.training.chunked_gdn import chunked_gdn  # noqa: E402
 
 VARIANTS = {  # train_target options of each variant, over its defaults
     "chunks_compiled": [],
-    "scan_compiled": ["--compile-scan"],
+    "autograd_scan": ["--gdn-scan", "autograd"],
+    "scan_compiled": ["--gdn-scan", "compiled"],
     "chunk_128": ["--gdn-chunk", "128"],
     "inverse": ["--gdn-triangular", "inverse"],
     "chunk_256": ["--gdn-chunk", "256"],
     "chunk_128_inverse": ["--gdn-chunk", "128", "--gdn-triangular", "inverse"],
-    "chunk_128_scan": ["--gdn-chunk", "128", "--compile-scan"],  # (the scan did not compile within 95 s at 64, with
-    # each chunk's factors still indexed one by one; 16 chunks now, unbound once)
+    "chunk_128_autograd": ["--gdn-chunk", "128", "--gdn-scan", "autograd"],  # (the forty-ninth session's pick)
+    "chunk_128_scan": ["--gdn-chunk", "128", "--gdn-scan", "compiled"],  # (it did not compile within 95 s at
+    # chunk 64, each chunk's factors then indexed one by one; 16 chunks now, unbound once)
 }
 PROFILE_ROWS = 15
 
@@ -125,7 +129,7 @@ def recurrence_run(opts: argparse.Namespace, device: torch.device, repeats: int,
         for x in inputs:
             x.grad = None
         o, _ = chunked_gdn(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=opts.gdn_chunk, compile=opts.compile,
-                           compile_scan=opts.compile_scan, triangular=opts.gdn_triangular)
+                           scan=opts.gdn_scan, triangular=opts.gdn_triangular)
         o.sum().backward()
         return o
 

@@ -30,7 +30,7 @@ about a third more compute a step. A step that runs out of GPU memory stops the 
 with Triton >= 3.4.0 and < 3.7.1 (wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is
 installed, and this script then stops at once with that reason. ``torch`` swaps each GDN layer's
 recurrence for ``specla_compile.training.chunked_gdn`` (PyTorch, its chunk-parallel part compiled by inductor on
-CUDA; ``--compile-scan`` compiles its pass over chunks too, ``--gdn-triangular inverse`` solves each chunk's
+CUDA; ``--gdn-scan`` picks how its pass over chunks runs and is differentiated, ``--gdn-triangular inverse`` solves each chunk's
 triangular system in matmuls: ``benchmarks/target_train_speed.py`` times each).
 ``auto`` (default): ``fla`` where its backward runs correctly, else ``torch``.
 """
@@ -64,7 +64,7 @@ import specla_compile  # noqa: F401  (on CPU: routes fla's GPU-only entry points
 from specla_compile.training import TRAINER_STATE
 from specla_compile.training import corpus as C
 from specla_compile.training.budget import TimeBudget
-from specla_compile.training.chunked_gdn import TRIANGULAR, torch_chunk_gdn
+from specla_compile.training.chunked_gdn import SCANS, TRIANGULAR, torch_chunk_gdn
 from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
 
 LOG_NAME = "train_log.jsonl"
@@ -146,9 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(benchmarks/target_train_speed.py times both)",
     )
     r.add_argument(
-        "--compile-scan",
-        action="store_true",
-        help="compile the torch backend's pass over chunks too (unrolled; benchmarks/target_train_speed.py times it)",
+        "--gdn-scan",
+        choices=SCANS,
+        default="written",
+        help="the torch backend's pass over chunks: its backward written out (a few batched matmuls), autograd through "
+        "the loop, or the loop compiled by inductor, unrolled (benchmarks/target_train_speed.py times each)",
     )
     r.add_argument("--eval-every", type=int, default=250)
     r.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source")
@@ -365,10 +367,10 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 def recurrence(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     """The GDN layers' training recurrence: the torch backend's chunked PyTorch (``--gdn-chunk``, ``--compile``,
-    ``--compile-scan``, ``--gdn-triangular``) swapped in, or fla's own kernels."""
+    ``--gdn-scan``, ``--gdn-triangular``) swapped in, or fla's own kernels."""
     if args.gdn_backend != "torch":
         return contextlib.nullcontext()
-    return torch_chunk_gdn(args.gdn_chunk, args.compile, args.compile_scan, args.gdn_triangular)
+    return torch_chunk_gdn(args.gdn_chunk, args.compile, args.gdn_scan, args.gdn_triangular)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, grad_clip: float) -> tuple:
@@ -511,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"model: {params['total'] / 1e6:.1f}M parameters ({params['non_embedding'] / 1e6:.1f}M non-embedding); "
         f"{len(blocks)} training blocks ({len(blocks) * args.seq_len / 1e6:.1f}M tokens); "
         f"gdn backend {args.gdn_backend}{' (compiled)' if args.gdn_backend == 'torch' and args.compile else ''}"
-        f"{' (scan compiled)' if args.gdn_backend == 'torch' and args.compile_scan else ''}; "
+        f"{f' (scan {args.gdn_scan})' if args.gdn_backend == 'torch' else ''}; "
         f"device {device}" + (f"; resuming at step {state['step']}" if resume else "")
     )
 

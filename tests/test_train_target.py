@@ -20,6 +20,7 @@ from specla_compile.training.chunked_gdn import (
     sequential_pass,
     torch_chunk_gdn,
     unit_lower_inverse,
+    written_scan,
 )
 from specla_compile.training.self_distill import DISTILL_BLOCKS
 from specla_compile.training.tokenizer import token_byte_lengths, train_bpe_tokenizer
@@ -219,11 +220,13 @@ def test_chunked_gdn_gradients_match_reference(n, chunk):
 
 def test_compiled_chunked_gdn_and_its_compiled_scan_match_the_eager_one_with_gradients():
     """Inductor compiles the chunk-parallel part (``compile``, with either triangular form) and the pass over chunks
-    (``compile_scan``, unrolled): the same outputs, final state and gradients in fp64 as eager PyTorch."""
+    (``scan="compiled"``, unrolled), and the default pass has its backward written out: the same outputs, final state
+    and gradients in fp64 as eager PyTorch with autograd through the loop."""
     inputs = [t.requires_grad_() for t in gdn_inputs(2, 21, 1, 2, 8, 4, seed=21)]
     weights = torch.randn(2, 21, 2, 4, dtype=torch.float64), torch.randn(2, 2, 8, 4, dtype=torch.float64)
     found = []
-    for options in ({}, {"compile": True}, {"compile": True, "compile_scan": True}, {"compile": True, "triangular": "inverse"}):
+    for options in ({"scan": "autograd"}, {}, {"compile": True}, {"compile": True, "scan": "compiled"},
+                    {"compile": True, "triangular": "inverse"}):
         o, final = chunked_gdn(*inputs, use_qk_l2norm=True, chunk_size=8, **options)
         found.append((o, final, *torch.autograd.grad((o * weights[0]).sum() + (final * weights[1]).sum(), inputs)))
     for compiled in found[1:]:
@@ -256,6 +259,23 @@ def test_chunked_gdn_through_the_inverse_matches_the_solve_with_gradients():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="triangular must be one of"):
         chunked_gdn(*inputs, triangular="lu")
+    with pytest.raises(ValueError, match="scan must be one of"):
+        chunked_gdn(*inputs, scan="python")
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_the_written_scan_backward_is_the_gradient_in_fp64(chunks):
+    """The pass over chunks with its backward written out, against finite differences (gradcheck, fp64) for every
+    factor and the entering state, with the outputs and the final state both used."""
+    g = torch.Generator().manual_seed(chunks)
+    shapes = {"w": (4,), "u0": (3,), "qk": (5,), "q_decayed": (4,), "k_to_end": (4,)}
+    factors = [torch.randn(2, 2, chunks, 5, *shapes[name], generator=g, dtype=torch.float64) for name in shapes]
+    factors.append(torch.rand(2, 2, chunks, generator=g, dtype=torch.float64))  # end_decay
+    state = torch.randn(2, 2, 4, 3, generator=g, dtype=torch.float64)
+    inputs = [t.requires_grad_() for t in (*factors, state)]
+    assert torch.autograd.gradcheck(lambda *t: written_scan(ChunkFactors(*t[:-1]), t[-1]), inputs)
+    for got, want in zip(written_scan(ChunkFactors(*factors), state), sequential_pass(ChunkFactors(*factors), state)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_the_pass_over_chunks_backward_costs_linear_not_quadratic_work_in_the_chunk_count():

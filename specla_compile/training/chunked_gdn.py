@@ -4,8 +4,9 @@ fla 0.6.0 refuses its gated chunk backward with Triton >= 3.4.0 and < 3.7.1 on H
 gradients, fla issue #640). This module computes the same chain recurrence as
 ``specla_compile.kernels.reference.gdn_chain_reference`` in chunks (the WY / UT form): inside a chunk
 of C tokens the delta-rule updates are one triangular solve and a few matmuls, and only the chunk
-boundary states are carried sequentially. Everything is differentiable by autograd and compiles with
-inductor (the chunk-parallel part; the solve falls back to the aten kernel).
+boundary states are carried sequentially. The chunk-parallel part is differentiated by autograd and compiles with
+inductor (the solve falls back to the aten kernel); the pass over chunks has its backward written out
+(:class:`_WrittenScan`: three kernels a chunk each way, the rest batched over chunks).
 
 Per value head, with cumulative log decay ``G`` inside a chunk, ``Gamma[i, j] = exp(G_i - G_j)`` (i >= j)
 and ``S`` the state entering the chunk (``[K, V]``)::
@@ -34,6 +35,7 @@ from ..lowering.capture import fla_recurrence_adapter
 
 DEFAULT_CHUNK = 64
 TRIANGULAR = ("solve", "inverse")  # how (I + L) U = R is solved in a chunk: see chunk_factors
+SCANS = ("written", "autograd", "compiled")  # the pass over chunks: see chunked_gdn
 FLA_GDN_MODULE = "fla.layers.gated_deltanet"
 
 
@@ -144,6 +146,74 @@ def _compiled_sequential_pass():
     return torch.compile(sequential_pass, fullgraph=True, dynamic=False)
 
 
+def _chunks_first(t: torch.Tensor) -> torch.Tensor:
+    """``[B, HV, chunks, ...]`` as ``[chunks, B * HV, ...]``, contiguous: each chunk one 3-d batch for ``baddbmm``."""
+    return t.movedim(2, 0).reshape(t.shape[2], t.shape[0] * t.shape[1], *t.shape[3:])
+
+
+def _chunks_back(t: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """The inverse of :func:`_chunks_first`."""
+    return t.reshape(t.shape[0], batch, heads, *t.shape[2:]).movedim(0, 2)
+
+
+class _WrittenScan(torch.autograd.Function):
+    """:func:`sequential_pass` with its backward written out. Only the state's recurrence runs chunk by chunk
+    (three kernels a chunk each way); the outputs and every factor's gradient are batched matmuls over all chunks
+    from the states it keeps (``S_c``, entering chunk c) and their gradients. Autograd through the loop ran 746 ops
+    for 32 chunks, forward and backward, against 227 (counted on the CPU), summing each chunk's gradients one by one.
+
+    With ``dS_c`` the gradient of ``S_c`` and ``U_c = U0_c - W_c S_c``, ``O_c = Qd_c S_c + QK_c U_c``,
+    ``S_{c+1} = e_c S_c + Ke_c^T U_c``::
+
+        dU_c = QK_c^T dO_c + Ke_c dS_{c+1}          dS_c = e_c dS_{c+1} + Qd_c^T dO_c - W_c^T dU_c
+        dU0_c = dU_c   dW_c = -dU_c S_c^T   dQK_c = dO_c U_c^T   dQd_c = dO_c S_c^T
+        dKe_c = U_c dS_{c+1}^T   de_c = <S_c, dS_{c+1}>
+    """
+
+    @staticmethod
+    def forward(ctx, w, u0, qk, q_decayed, k_to_end, end_decay, state):
+        batch, heads, chunks = w.shape[:3]
+        w, u0, qk, q_decayed, k_to_end = (_chunks_first(t) for t in (w, u0, qk, q_decayed, k_to_end))
+        decay = _chunks_first(end_decay)[..., None, None]
+        states = state.new_empty(chunks + 1, batch * heads, *state.shape[2:])
+        states[0] = state.reshape(batch * heads, *state.shape[2:])
+        u = torch.empty_like(u0)
+        for c in range(chunks):
+            torch.baddbmm(u0[c], w[c], states[c], alpha=-1, out=u[c])
+            torch.baddbmm(states[c] * decay[c], k_to_end[c].transpose(1, 2), u[c], out=states[c + 1])
+        o = q_decayed @ states[:-1] + qk @ u
+        ctx.save_for_backward(w, qk, q_decayed, k_to_end, decay, u, states)
+        ctx.shape = batch, heads
+        o = _chunks_back(o, batch, heads)
+        return o.reshape(batch, heads, -1, o.shape[-1]), states[-1].reshape(state.shape)
+
+    @staticmethod
+    def backward(ctx, d_o, d_final):
+        w, qk, q_decayed, k_to_end, decay, u, states = ctx.saved_tensors
+        batch, heads = ctx.shape
+        chunks, rows, size = u.shape[:3]
+        d_o = _chunks_first(d_o.reshape(batch, heads, chunks, size, -1))
+        d_states = torch.empty_like(states)  # d_states[c]: the gradient of S_c
+        d_states[-1] = 0 if d_final is None else d_final.reshape(rows, *states.shape[2:])
+        d_u = qk.transpose(-1, -2) @ d_o  # (plus Ke_c dS_{c+1}, chunk by chunk below)
+        from_o = q_decayed.transpose(-1, -2) @ d_o
+        for c in reversed(range(chunks)):
+            d_u[c].baddbmm_(k_to_end[c], d_states[c + 1])
+            torch.baddbmm(torch.addcmul(from_o[c], d_states[c + 1], decay[c]), w[c].transpose(1, 2), d_u[c], alpha=-1,
+                          out=d_states[c])
+        entering, leaving = states[:-1], d_states[1:]
+        grads = (-(d_u @ entering.transpose(-1, -2)), d_u, d_o @ u.transpose(-1, -2),
+                 d_o @ entering.transpose(-1, -2), u @ leaving.transpose(-1, -2))
+        d_decay = (entering * leaving).sum((-1, -2))
+        return (*(_chunks_back(g, batch, heads) for g in (*grads, d_decay)),
+                d_states[0].reshape(batch, heads, *states.shape[2:]))
+
+
+def written_scan(factors: ChunkFactors, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequential_pass`'s outputs, its backward written out (:class:`_WrittenScan`)."""
+    return _WrittenScan.apply(*factors, state)
+
+
 def chunked_gdn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -156,19 +226,23 @@ def chunked_gdn(
     use_qk_l2norm: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
     compile: bool = False,
-    compile_scan: bool = False,
+    scan: str = "written",
     triangular: str = "solve",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a whole sequence, chunk by chunk: ``(o [B, N, HV, V], final state
     [B, HV, K, V])``. Shapes and arguments as :func:`gdn_chain_reference`; computes in float32
     (float64 when ``v`` or the state is float64) with autocast off, returns ``o`` in ``v``'s dtype.
     ``compile``: the chunk-parallel part through inductor (its graph does not grow with the length);
-    ``compile_scan``: the sequential pass over chunks too (unrolled: one graph per number of chunks);
-    ``triangular``: how each chunk's triangular system is solved (:func:`chunk_factors`)."""
+    ``scan``: the pass over chunks, ``"written"`` with its backward written out (:func:`written_scan`),
+    ``"autograd"`` through autograd (:func:`sequential_pass`, the reference) or ``"compiled"`` by inductor (unrolled:
+    one graph per number of chunks); ``triangular``: how each chunk's triangular system is solved
+    (:func:`chunk_factors`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if triangular not in TRIANGULAR:
         raise ValueError(f"triangular must be one of {TRIANGULAR}, got {triangular!r}")
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     out_dtype, (batch, n, _, dk), (hv, dv) = v.dtype, q.shape, v.shape[2:]
     chunk_size = max(1, min(chunk_size, n))  # a shorter sequence (a decoding step) is one chunk, not padded to one
     dtype = torch.float64 if torch.float64 in (v.dtype, getattr(initial_state, "dtype", None)) else torch.float32
@@ -181,13 +255,14 @@ def chunked_gdn(
         state = torch.zeros(batch, hv, dk, dv, dtype=dtype, device=q.device)
         if initial_state is not None:
             state = initial_state.to(dtype)
-        o, state = (_compiled_sequential_pass() if compile_scan else sequential_pass)(factors, state)
+        passes = {"written": written_scan, "autograd": sequential_pass}
+        o, state = (passes.get(scan) or _compiled_sequential_pass())(factors, state)
         o = o[:, :, :n]
     return o.transpose(1, 2).to(out_dtype), state
 
 
 def fla_chunk_replacement(
-    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, compile_scan: bool = False, triangular: str = "solve"
+    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, scan: str = "written", triangular: str = "solve"
 ) -> Callable[..., tuple]:
     """A drop-in for fla's ``chunk_gated_delta_rule`` (same arguments, via the capture adapter that
     applies fla's in-kernel gate and beta sigmoid) computed by :func:`chunked_gdn`."""
@@ -208,7 +283,7 @@ def fla_chunk_replacement(
             use_qk_l2norm=call.use_qk_l2norm,
             chunk_size=chunk_size,
             compile=compile,
-            compile_scan=compile_scan,
+            scan=scan,
             triangular=triangular,
         )
         if call.state_v_first:
@@ -220,14 +295,14 @@ def fla_chunk_replacement(
 
 @contextlib.contextmanager
 def torch_chunk_gdn(
-    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, compile_scan: bool = False, triangular: str = "solve"
+    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, scan: str = "written", triangular: str = "solve"
 ) -> Iterator[None]:
     """Inside the block, every fla ``GatedDeltaNet`` layer computes its chunk-mode recurrence with
     :func:`chunked_gdn` instead of fla's Triton kernels (the name the layer module looks up at call
     time is swapped and restored afterwards, so models built before or after are unaffected)."""
     module = importlib.import_module(FLA_GDN_MODULE)
     saved = module.chunk_gated_delta_rule
-    module.chunk_gated_delta_rule = fla_chunk_replacement(chunk_size, compile, compile_scan, triangular)
+    module.chunk_gated_delta_rule = fla_chunk_replacement(chunk_size, compile, scan, triangular)
     try:
         yield
     finally:
