@@ -188,23 +188,24 @@ class _WrittenScan(torch.autograd.Function):
         return o.reshape(batch, heads, -1, o.shape[-1]), states[-1].reshape(state.shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, d_o, d_final):
         w, qk, q_decayed, k_to_end, decay, u, states = ctx.saved_tensors
         batch, heads = ctx.shape
         chunks, rows, size = u.shape[:3]
         d_o = _chunks_first(d_o.reshape(batch, heads, chunks, size, -1))
-        d_states = torch.empty_like(states)  # d_states[c]: the gradient of S_c
+        d_states = torch.empty_like(states)  # d_states[c]: the gradient of S_c, its Qd_c^T dO_c term first (batched)
         d_states[-1] = 0 if d_final is None else d_final.reshape(rows, *states.shape[2:])
+        torch.matmul(q_decayed.transpose(-1, -2), d_o, out=d_states[:-1])
         d_u = qk.transpose(-1, -2) @ d_o  # (plus Ke_c dS_{c+1}, chunk by chunk below)
-        from_o = q_decayed.transpose(-1, -2) @ d_o
         for c in reversed(range(chunks)):
             d_u[c].baddbmm_(k_to_end[c], d_states[c + 1])
-            torch.baddbmm(torch.addcmul(from_o[c], d_states[c + 1], decay[c]), w[c].transpose(1, 2), d_u[c], alpha=-1,
-                          out=d_states[c])
+            d_states[c].addcmul_(d_states[c + 1], decay[c]).baddbmm_(w[c].transpose(1, 2), d_u[c], alpha=-1)
         entering, leaving = states[:-1], d_states[1:]
         grads = (-(d_u @ entering.transpose(-1, -2)), d_u, d_o @ u.transpose(-1, -2),
                  d_o @ entering.transpose(-1, -2), u @ leaving.transpose(-1, -2))
-        d_decay = (entering * leaving).sum((-1, -2))
+        # <S_c, dS_{c+1}> as a batched dot product (no temporary of all the states' size)
+        d_decay = (entering.flatten(-2)[..., None, :] @ leaving.flatten(-2)[..., :, None])[..., 0, 0]
         return (*(_chunks_back(g, batch, heads) for g in (*grads, d_decay)),
                 d_states[0].reshape(batch, heads, *states.shape[2:]))
 
