@@ -110,10 +110,11 @@ def step_args(args: argparse.Namespace, variant: str) -> argparse.Namespace:
 
 
 def recurrence_run(opts: argparse.Namespace, device: torch.device, repeats: int,
-                   profile: bool = False) -> tuple[float, list[torch.Tensor], dict | None]:
+                   profile: bool = False) -> tuple[float, list[torch.Tensor], dict | None, float | None]:
     """One layer's ``chunked_gdn`` forward and backward at the step's shapes: the median seconds of ``repeats``, the
-    output and input gradients of one clean call (the same random inputs for every variant), and with ``profile``
-    the kernels of one call (:func:`top_kernels`)."""
+    output and input gradients of one clean call (the same random inputs for every variant), with ``profile``
+    the kernels of one call (:func:`top_kernels`), and on CUDA the clean call's peak memory above what was allocated
+    before it, GiB (what a variant adds to a step's peak: a layer's recurrence runs alone in its backward)."""
     b, n, h, d = opts.batch_size, opts.seq_len, opts.num_heads, opts.head_dim
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -136,7 +137,12 @@ def recurrence_run(opts: argparse.Namespace, device: torch.device, repeats: int,
     once()  # (compiles)
     seconds = median_call(once, repeats)[1]
     kernels = top_kernels(once, device) if profile else None
-    return seconds, [once().detach(), *(x.grad for x in inputs)], kernels
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    tensors = [once().detach(), *(x.grad for x in inputs)]
+    peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None
+    return seconds, tensors, kernels, peak
 
 
 def relative_difference(results: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -206,8 +212,8 @@ def measure_recurrence(args: argparse.Namespace, variant: str, reference: list[t
                        profile: bool) -> dict:
     """``--recurrence-only``: one layer's recurrence, timed, and its difference from the reference variant's."""
     opts = step_args(args, variant)
-    seconds, tensors, kernels = recurrence_run(opts, torch.device(args.device), args.steps, profile)
-    return {"options": VARIANTS[variant], "layer_s": seconds, "recurrence_s": args.num_layers * seconds,
+    seconds, tensors, kernels, peak = recurrence_run(opts, torch.device(args.device), args.steps, profile)
+    return {"options": VARIANTS[variant], "layer_s": seconds, "recurrence_s": args.num_layers * seconds, "peak_gib": peak,
             "difference": 0.0 if reference is None else relative_difference(tensors, reference),
             "top_kernels": kernels, "tensors": tensors}
 
@@ -270,9 +276,10 @@ def write_report(results: dict, out: str, echo: bool = True) -> None:
     if results.get("recurrence_only"):
         first = next(iter(results["variants"]))
         lines += [("| variant | recurrence fwd + bwd, one layer, ms | x layers, s | largest difference of output and "
-                   f"gradients from {first}'s |"), "| --- | --- | --- | --- |"]
-        lines += [f"| {name} | {r['error']} | | |" if "error" in r else
-                  f"| {name} | {1e3 * r['layer_s']:.1f} | {r['recurrence_s']:.3f} | {r['difference']:.1e} |"
+                   f"gradients from {first}'s | peak memory above the inputs, GiB |"), "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {r['error']} | | | |" if "error" in r else
+                  (f"| {name} | {1e3 * r['layer_s']:.1f} | {r['recurrence_s']:.3f} | {r['difference']:.1e} | "
+                   f"{'-' if r['peak_gib'] is None else format(r['peak_gib'], '.2f')} |")
                   for name, r in results["variants"].items()]
     else:
         lines += [("| variant | s per step | tokens/s | forward alone, s | recurrence fwd + bwd x layers, s (share of a step) | "

@@ -493,7 +493,7 @@ def test_target_train_speed_recurrence_only_compares_each_variant_and_picks_the_
     report = (tmp_path / "target_train_speed.md").read_text()
     assert variants["chunks_compiled"]["top_kernels"]["top"] and variants["inverse"]["top_kernels"] is None
     assert "Most of the time of one layer's recurrence, chunks_compiled (CPU self time" in report
-    assert "| inverse | 1000.0 | 4.000 | 2.0e-02 |" in report and json.loads((tmp_path / "target_train_speed.json").read_text())["fastest"] == "chunk_128"
+    assert "| inverse | 1000.0 | 4.000 | 2.0e-02 | - |" in report and json.loads((tmp_path / "target_train_speed.json").read_text())["fastest"] == "chunk_128"
     with pytest.raises(SystemExit):
         target_train_speed.parse_args(["--out", str(tmp_path), "--pick-within", "1e-3"])  # (needs --recurrence-only)
 
