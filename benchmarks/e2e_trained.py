@@ -650,7 +650,8 @@ class Bench:
         if i >= min(len(plain), len(other)):  # one output is a prefix of the other (an EOS on one side)
             return {"position": i, "fp32_margin": None, "near_tie": False}
         if i not in seen:
-            seen[i] = self.fp32_logits(torch.cat([ids, torch.tensor([plain[:i]], device=ids.device, dtype=ids.dtype)], dim=1))
+            prefix = torch.cat([ids, torch.tensor([plain[:i]], device=ids.device, dtype=ids.dtype)], dim=1)
+            seen[i] = self.fp32_logits(prefix)
         logits = seen[i]
         margin = float((logits[plain[i]] - logits[other[i]]).abs())
         return {"position": i, "fp32_margin": margin, "fp32_argmax": int(logits.argmax()), "tokens": [plain[i], other[i]],

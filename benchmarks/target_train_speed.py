@@ -213,7 +213,8 @@ def measure_recurrence(args: argparse.Namespace, variant: str, reference: list[t
     """``--recurrence-only``: one layer's recurrence, timed, and its difference from the reference variant's."""
     opts = step_args(args, variant)
     seconds, tensors, kernels, peak = recurrence_run(opts, torch.device(args.device), args.steps, profile)
-    return {"options": VARIANTS[variant], "layer_s": seconds, "recurrence_s": args.num_layers * seconds, "peak_gib": peak,
+    return {"options": VARIANTS[variant], "layer_s": seconds, "recurrence_s": args.num_layers * seconds,
+            "peak_gib": peak,
             "difference": 0.0 if reference is None else relative_difference(tensors, reference),
             "top_kernels": kernels, "tensors": tensors}
 
@@ -242,8 +243,8 @@ def measure(args: argparse.Namespace) -> dict:
         except torch._dynamo.exc.BackendCompilerFailed as e:  # (so is one the compiler fails on: inductor's split
             # scan asserted "Unexpected tiling" on chunk_256's cumsum on the H100)
             inner = getattr(e, "inner_exception", None) or e
-            results["variants"][variant] = {"options": VARIANTS[variant],
-                                            "error": f"compilation failed: {type(inner).__name__}: {str(inner).splitlines()[0]}"}
+            error = f"compilation failed: {type(inner).__name__}: {str(inner).splitlines()[0]}"
+            results["variants"][variant] = {"options": VARIANTS[variant], "error": error}
             print(f"{variant}: {results['variants'][variant]['error']}", flush=True)
             continue
         finally:

@@ -30,8 +30,8 @@ about a third more compute a step. A step that runs out of GPU memory stops the 
 with Triton >= 3.4.0 and < 3.7.1 (wrong gradients, fla #640) unless triton >= 3.7.1 or tilelang is
 installed, and this script then stops at once with that reason. ``torch`` swaps each GDN layer's
 recurrence for ``specla_compile.training.chunked_gdn`` (PyTorch, its chunk-parallel part compiled by inductor on
-CUDA; ``--gdn-scan`` picks how its pass over chunks runs and is differentiated, ``--gdn-triangular inverse`` solves each chunk's
-triangular system in matmuls: ``benchmarks/target_train_speed.py`` times each).
+CUDA; ``--gdn-scan`` picks how its pass over chunks runs and is differentiated, ``--gdn-triangular inverse``
+solves each chunk's triangular system in matmuls: ``benchmarks/target_train_speed.py`` times each).
 ``auto`` (default): ``fla`` where its backward runs correctly, else ``torch``.
 """
 

@@ -386,7 +386,8 @@ def test_pipeline_carries_compiler_caches_from_one_machine_to_the_next(prompt_fi
     pack = tmp_path / "packs" / "caches.tgz"
     P.pack_caches(first, str(pack))
     P.seed_caches(fresh, str(pack))
-    assert {str(f.relative_to(fresh / "cache")): f.read_text() for f in (fresh / "cache").rglob("*") if f.is_file()} == programs
+    unpacked = {str(f.relative_to(fresh / "cache")): f.read_text() for f in (fresh / "cache").rglob("*") if f.is_file()}
+    assert unpacked == programs
     (warm / "cache" / "triton").mkdir(parents=True)
     (warm / "cache" / "triton" / "own.cubin").write_text("newer")
     P.seed_caches(warm, str(pack))
@@ -397,8 +398,9 @@ def test_pipeline_carries_compiler_caches_from_one_machine_to_the_next(prompt_fi
         archive.add(first / "cache", arcname="cache")
         archive.add(first / "cache" / "triton" / "XYZ" / "kernel.cubin", arcname="target/model.safetensors")
     base = _pipeline_args(prompt_files, tmp_path / "work", "--stages", "target")
+    not_tar = first / "cache" / "inductor" / "fx" / "ab" / "graph.py"
     for bad, message in ((stray, "'target/model.safetensors' is outside cache/"), (tmp_path / "none.tgz", "no such file"),
-                         (first / "cache" / "inductor" / "fx" / "ab" / "graph.py", "not a tar archive")):
+                         (not_tar, "not a tar archive")):
         with pytest.raises(SystemExit, match=f"^error: --caches-from {bad}: {message}"):
             P.parse_args([*base, "--caches-from", str(bad)])
     assert P.parse_args([*base, "--caches-from", str(pack)]).caches_from == str(pack)
