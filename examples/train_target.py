@@ -148,9 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument(
         "--gdn-scan",
         choices=SCANS,
-        default="written",
-        help="the torch backend's pass over chunks: its backward written out (a few batched matmuls), autograd through "
-        "the loop, or the loop compiled by inductor, unrolled (benchmarks/target_train_speed.py times each)",
+        default="autograd",
+        help="the torch backend's pass over chunks: autograd through the loop, its backward written out (a few batched "
+        "matmuls), or the loop compiled by inductor, unrolled (benchmarks/target_train_speed.py times each)",
     )
     r.add_argument("--eval-every", type=int, default=250)
     r.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks per source")

@@ -220,12 +220,12 @@ def test_chunked_gdn_gradients_match_reference(n, chunk):
 
 def test_compiled_chunked_gdn_and_its_compiled_scan_match_the_eager_one_with_gradients():
     """Inductor compiles the chunk-parallel part (``compile``, with either triangular form) and the pass over chunks
-    (``scan="compiled"``, unrolled), and the default pass has its backward written out: the same outputs, final state
-    and gradients in fp64 as eager PyTorch with autograd through the loop."""
+    (``scan="compiled"``, unrolled), and the pass with its backward written out (``scan="written"``): the same
+    outputs, final state and gradients in fp64 as eager PyTorch with autograd through the loop."""
     inputs = [t.requires_grad_() for t in gdn_inputs(2, 21, 1, 2, 8, 4, seed=21)]
     weights = torch.randn(2, 21, 2, 4, dtype=torch.float64), torch.randn(2, 2, 8, 4, dtype=torch.float64)
     found = []
-    for options in ({"scan": "autograd"}, {}, {"compile": True}, {"compile": True, "scan": "compiled"},
+    for options in ({}, {"scan": "written"}, {"compile": True}, {"compile": True, "scan": "compiled"},
                     {"compile": True, "triangular": "inverse"}):
         o, final = chunked_gdn(*inputs, use_qk_l2norm=True, chunk_size=8, **options)
         found.append((o, final, *torch.autograd.grad((o * weights[0]).sum() + (final * weights[1]).sum(), inputs)))

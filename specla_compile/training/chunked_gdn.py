@@ -4,9 +4,9 @@ fla 0.6.0 refuses its gated chunk backward with Triton >= 3.4.0 and < 3.7.1 on H
 gradients, fla issue #640). This module computes the same chain recurrence as
 ``specla_compile.kernels.reference.gdn_chain_reference`` in chunks (the WY / UT form): inside a chunk
 of C tokens the delta-rule updates are one triangular solve and a few matmuls, and only the chunk
-boundary states are carried sequentially. The chunk-parallel part is differentiated by autograd and compiles with
-inductor (the solve falls back to the aten kernel); the pass over chunks has its backward written out
-(:class:`_WrittenScan`: three kernels a chunk each way, the rest batched over chunks).
+boundary states are carried sequentially. Everything is differentiable by autograd and compiles with
+inductor (the chunk-parallel part; the solve falls back to the aten kernel); the pass over chunks can also have its
+backward written out (:class:`_WrittenScan`: three kernels a chunk each way, the rest batched over chunks).
 
 Per value head, with cumulative log decay ``G`` inside a chunk, ``Gamma[i, j] = exp(G_i - G_j)`` (i >= j)
 and ``S`` the state entering the chunk (``[K, V]``)::
@@ -35,7 +35,7 @@ from ..lowering.capture import fla_recurrence_adapter
 
 DEFAULT_CHUNK = 64
 TRIANGULAR = ("solve", "inverse")  # how (I + L) U = R is solved in a chunk: see chunk_factors
-SCANS = ("written", "autograd", "compiled")  # the pass over chunks: see chunked_gdn
+SCANS = ("autograd", "written", "compiled")  # the pass over chunks: see chunked_gdn
 FLA_GDN_MODULE = "fla.layers.gated_deltanet"
 
 
@@ -227,16 +227,17 @@ def chunked_gdn(
     use_qk_l2norm: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
     compile: bool = False,
-    scan: str = "written",
+    scan: str = "autograd",
     triangular: str = "solve",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a whole sequence, chunk by chunk: ``(o [B, N, HV, V], final state
     [B, HV, K, V])``. Shapes and arguments as :func:`gdn_chain_reference`; computes in float32
     (float64 when ``v`` or the state is float64) with autocast off, returns ``o`` in ``v``'s dtype.
     ``compile``: the chunk-parallel part through inductor (its graph does not grow with the length);
-    ``scan``: the pass over chunks, ``"written"`` with its backward written out (:func:`written_scan`),
-    ``"autograd"`` through autograd (:func:`sequential_pass`, the reference) or ``"compiled"`` by inductor (unrolled:
-    one graph per number of chunks); ``triangular``: how each chunk's triangular system is solved
+    ``scan``: the pass over chunks, ``"autograd"`` through autograd (:func:`sequential_pass`, the reference),
+    ``"written"`` with its backward written out (:func:`written_scan`; not yet timed on a GPU, and 8-10% slower on
+    the CPU for its copies into chunk-first layout) or ``"compiled"`` by inductor (unrolled: one graph per number of
+    chunks); ``triangular``: how each chunk's triangular system is solved
     (:func:`chunk_factors`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -263,7 +264,7 @@ def chunked_gdn(
 
 
 def fla_chunk_replacement(
-    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, scan: str = "written", triangular: str = "solve"
+    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, scan: str = "autograd", triangular: str = "solve"
 ) -> Callable[..., tuple]:
     """A drop-in for fla's ``chunk_gated_delta_rule`` (same arguments, via the capture adapter that
     applies fla's in-kernel gate and beta sigmoid) computed by :func:`chunked_gdn`."""
@@ -296,7 +297,7 @@ def fla_chunk_replacement(
 
 @contextlib.contextmanager
 def torch_chunk_gdn(
-    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, scan: str = "written", triangular: str = "solve"
+    chunk_size: int = DEFAULT_CHUNK, compile: bool = False, scan: str = "autograd", triangular: str = "solve"
 ) -> Iterator[None]:
     """Inside the block, every fla ``GatedDeltaNet`` layer computes its chunk-mode recurrence with
     :func:`chunked_gdn` instead of fla's Triton kernels (the name the layer module looks up at call
