@@ -269,8 +269,8 @@ def test_the_written_scan_backward_is_the_gradient_in_fp64(chunks):
     factor and the entering state, with the outputs and the final state both used."""
     g = torch.Generator().manual_seed(chunks)
     shapes = {"w": (4,), "u0": (3,), "qk": (5,), "q_decayed": (4,), "k_to_end": (4,)}
-    factors = [torch.randn(2, 2, chunks, 5, *shapes[name], generator=g, dtype=torch.float64) for name in shapes]
-    factors.append(torch.rand(2, 2, chunks, generator=g, dtype=torch.float64))  # end_decay
+    factors = [torch.randn(chunks, 2, 2, 5, *shapes[name], generator=g, dtype=torch.float64) for name in shapes]
+    factors.append(torch.rand(chunks, 2, 2, generator=g, dtype=torch.float64))  # end_decay
     state = torch.randn(2, 2, 4, 3, generator=g, dtype=torch.float64)
     inputs = [t.requires_grad_() for t in (*factors, state)]
     assert torch.autograd.gradcheck(lambda *t: written_scan(ChunkFactors(*t[:-1]), t[-1]), inputs)

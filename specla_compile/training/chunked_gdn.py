@@ -40,7 +40,8 @@ FLA_GDN_MODULE = "fla.layers.gated_deltanet"
 
 
 class ChunkFactors(NamedTuple):
-    """The chunk-parallel part of :func:`chunked_gdn`, ``[B, HV, chunks, C, ...]`` (float32/64)."""
+    """The chunk-parallel part of :func:`chunked_gdn`, ``[chunks, B, HV, C, ...]`` (float32/64; chunks first, so that
+    each chunk's slice is contiguous)."""
 
     w: torch.Tensor  # (I + L)^-1 diag(beta exp G) K          [.., C, K]
     u0: torch.Tensor  # (I + L)^-1 diag(beta) V                [.., C, V]
@@ -68,17 +69,17 @@ def chunk_factors(
     heads, hv = q.shape[2], v.shape[2]
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    # [B, HV, N, D]: each query/key head serves hv // heads consecutive value heads
-    q, k = (t.repeat_interleave(hv // heads, dim=2).transpose(1, 2) for t in (q, k))
-    v, g, beta = v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2)
-    pad = -q.shape[2] % chunk_size  # zero-padded tail tokens: g = 0, beta = 0 leave the state untouched
+    # each query/key head serves hv // heads consecutive value heads
+    q, k = (t.repeat_interleave(hv // heads, dim=2) for t in (q, k))
+    pad = -q.shape[1] % chunk_size  # zero-padded tail tokens: g = 0, beta = 0 leave the state untouched
     if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    batch, chunks = q.shape[0], q.shape[2] // chunk_size
-    q, k, v = (t.reshape(batch, hv, chunks, chunk_size, -1) for t in (q, k, v))
-    g = g.reshape(batch, hv, chunks, chunk_size).cumsum(-1)
-    beta = beta.reshape(batch, hv, chunks, chunk_size)
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, 0, 0, pad)), F.pad(beta, (0, 0, 0, pad))
+    batch, chunks = q.shape[0], q.shape[1] // chunk_size
+    # [B, N, HV, ...] -> [chunks, B, HV, C, ...]
+    q, k, v = (t.reshape(batch, chunks, chunk_size, hv, -1).permute(1, 0, 3, 2, 4).contiguous() for t in (q, k, v))
+    g = g.reshape(batch, chunks, chunk_size, hv).permute(1, 0, 3, 2).cumsum(-1)
+    beta = beta.reshape(batch, chunks, chunk_size, hv).permute(1, 0, 3, 2)
 
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     # exp only where i >= j: above the diagonal the difference is positive and could overflow
@@ -128,17 +129,17 @@ def _compiled_chunk_factors():
 
 
 def sequential_pass(factors: ChunkFactors, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunks in order: each one's output ``[B, HV, chunks * C, V]`` from the state entering it, then the
+    """The chunks in order: each one's output ``[chunks, B, HV, C, V]`` from the state entering it, then the
     state leaving it (four matmuls a chunk)."""
-    # unbound once, not indexed per chunk: the backward of ``x[:, :, c]`` writes a zero tensor of all of x's chunks
-    # and adds it to the gradient, work quadratic in the chunk count; unbind's backward is one stack
-    per_chunk = zip(*(t.unbind(2) for t in factors))
+    # unbound once, not indexed per chunk: the backward of ``x[c]`` writes a zero tensor of all of x's chunks and
+    # adds it to the gradient, work quadratic in the chunk count; unbind's backward is one stack
+    per_chunk = zip(*(t.unbind(0) for t in factors))
     outs = []
     for w, u0, qk, q_decayed, k_to_end, end_decay in per_chunk:
         u = u0 - w @ state
         outs.append(q_decayed @ state + qk @ u)
         state = end_decay[..., None, None] * state + k_to_end.transpose(-1, -2) @ u
-    return torch.cat(outs, dim=2), state
+    return torch.stack(outs), state
 
 
 @functools.cache
@@ -146,14 +147,10 @@ def _compiled_sequential_pass():
     return torch.compile(sequential_pass, fullgraph=True, dynamic=False)
 
 
-def _chunks_first(t: torch.Tensor) -> torch.Tensor:
-    """``[B, HV, chunks, ...]`` as ``[chunks, B * HV, ...]``, contiguous: each chunk one 3-d batch for ``baddbmm``."""
-    return t.movedim(2, 0).reshape(t.shape[2], t.shape[0] * t.shape[1], *t.shape[3:])
-
-
-def _chunks_back(t: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    """The inverse of :func:`_chunks_first`."""
-    return t.reshape(t.shape[0], batch, heads, *t.shape[2:]).movedim(0, 2)
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``[chunks, B, HV, ...]`` as ``[chunks, B * HV, ...]``: each chunk one 3-d batch for ``baddbmm`` (a view where
+    ``t`` is contiguous, as the factors are)."""
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])
 
 
 class _WrittenScan(torch.autograd.Function):
@@ -172,9 +169,9 @@ class _WrittenScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, u0, qk, q_decayed, k_to_end, end_decay, state):
-        batch, heads, chunks = w.shape[:3]
-        w, u0, qk, q_decayed, k_to_end = (_chunks_first(t) for t in (w, u0, qk, q_decayed, k_to_end))
-        decay = _chunks_first(end_decay)[..., None, None]
+        chunks, batch, heads = w.shape[:3]
+        w, u0, qk, q_decayed, k_to_end = (_rows(t) for t in (w, u0, qk, q_decayed, k_to_end))
+        decay = _rows(end_decay)[..., None, None]
         states = state.new_empty(chunks + 1, batch * heads, *state.shape[2:])
         states[0] = state.reshape(batch * heads, *state.shape[2:])
         u = torch.empty_like(u0)
@@ -184,16 +181,15 @@ class _WrittenScan(torch.autograd.Function):
         o = q_decayed @ states[:-1] + qk @ u
         ctx.save_for_backward(w, qk, q_decayed, k_to_end, decay, u, states)
         ctx.shape = batch, heads
-        o = _chunks_back(o, batch, heads)
-        return o.reshape(batch, heads, -1, o.shape[-1]), states[-1].reshape(state.shape)
+        return o.reshape(chunks, batch, heads, *o.shape[2:]), states[-1].reshape(state.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_o, d_final):
         w, qk, q_decayed, k_to_end, decay, u, states = ctx.saved_tensors
         batch, heads = ctx.shape
-        chunks, rows, size = u.shape[:3]
-        d_o = _chunks_first(d_o.reshape(batch, heads, chunks, size, -1))
+        chunks, rows = u.shape[:2]
+        d_o = _rows(d_o.contiguous())
         d_states = torch.empty_like(states)  # d_states[c]: the gradient of S_c, its Qd_c^T dO_c term first (batched)
         d_states[-1] = 0 if d_final is None else d_final.reshape(rows, *states.shape[2:])
         torch.matmul(q_decayed.transpose(-1, -2), d_o, out=d_states[:-1])
@@ -206,7 +202,7 @@ class _WrittenScan(torch.autograd.Function):
                  d_o @ entering.transpose(-1, -2), u @ leaving.transpose(-1, -2))
         # <S_c, dS_{c+1}> as a batched dot product (no temporary of all the states' size)
         d_decay = (entering.flatten(-2)[..., None, :] @ leaving.flatten(-2)[..., :, None])[..., 0, 0]
-        return (*(_chunks_back(g, batch, heads) for g in (*grads, d_decay)),
+        return (*(g.reshape(g.shape[0], batch, heads, *g.shape[2:]) for g in (*grads, d_decay)),
                 d_states[0].reshape(batch, heads, *states.shape[2:]))
 
 
@@ -235,9 +231,8 @@ def chunked_gdn(
     (float64 when ``v`` or the state is float64) with autocast off, returns ``o`` in ``v``'s dtype.
     ``compile``: the chunk-parallel part through inductor (its graph does not grow with the length);
     ``scan``: the pass over chunks, ``"autograd"`` through autograd (:func:`sequential_pass`, the reference),
-    ``"written"`` with its backward written out (:func:`written_scan`; not yet timed on a GPU, and 8-10% slower on
-    the CPU for its copies into chunk-first layout) or ``"compiled"`` by inductor (unrolled: one graph per number of
-    chunks); ``triangular``: how each chunk's triangular system is solved
+    ``"written"`` with its backward written out (:func:`written_scan`; 5-7% faster on a 2-core CPU, not yet timed
+    on a GPU) or ``"compiled"`` by inductor (unrolled: one graph per number of chunks); ``triangular``: how each chunk's triangular system is solved
     (:func:`chunk_factors`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -259,8 +254,9 @@ def chunked_gdn(
             state = initial_state.to(dtype)
         passes = {"written": written_scan, "autograd": sequential_pass}
         o, state = (passes.get(scan) or _compiled_sequential_pass())(factors, state)
-        o = o[:, :, :n]
-    return o.transpose(1, 2).to(out_dtype), state
+        # [chunks, B, HV, C, V] -> [B, N, HV, V]
+        o = o.permute(1, 0, 3, 2, 4).reshape(batch, -1, hv, dv)[:, :n]
+    return o.to(out_dtype), state
 
 
 def fla_chunk_replacement(
