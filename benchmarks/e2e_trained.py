@@ -36,7 +36,7 @@ once. Prompts run suite by suite in turn and every route runs on a prompt before
 budget that stops the run early leaves every suite and route measured on the same prompts, each suite reported
 over the prefix of its own order that was measured (the mixed suite keeps its categories balanced; the GSM8K
 prompts measured past that prefix count for GSM8K only, ``suite_records``); the JSON's
-records are written after every prompt, its summaries and targets, markdown and PNG at the end (or by
+records are written every ``SAVE_EVERY_S`` seconds while it measures, its summaries and targets, markdown and PNG at the end (or by
 ``--plot`` from the JSON of a run cut off).
 
 Every route generates exactly ``--new-tokens`` tokens per prompt, EOS ignored, as the paper measures

@@ -9,11 +9,12 @@ recurrence or the rest of the model bounds the target's training.
 
 Variants (``--variants``): ``chunks_compiled`` (train_target's default on CUDA: the chunk-parallel part compiled by
 inductor, autograd through the pass over chunks), ``written_scan`` (``--gdn-scan written``: that pass with its
-backward written out), ``scan_compiled`` (``--gdn-scan compiled``: the pass over chunks compiled too), ``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the
-triangular solve; on an H100 one layer's recurrence 30.0 against 40.0 ms at 64 with autograd through the pass, the
-24-layer step 1.47 s), ``chunk_256`` (inductor's split scan failed to compile its cumsum on an H100), ``inverse``
-(``--gdn-triangular inverse``: each chunk's triangular system by its inverse in small matmuls, no batched triangular
-solve), ``chunk_128_inverse``, ``chunk_128_written``, ``chunk_128_scan``; each with
+backward written out), ``scan_compiled`` (``--gdn-scan compiled``: the pass over chunks compiled too),
+``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve; on an H100 one layer's
+recurrence 30.0 against 40.0 ms at 64 with autograd through the pass, the 24-layer step 1.47 s), ``chunk_256``
+(inductor's split scan failed to compile its cumsum on an H100), ``inverse`` (``--gdn-triangular inverse``: each
+chunk's triangular system by its inverse in small matmuls, no batched triangular solve), ``chunk_128_inverse``,
+``chunk_128_written``, ``chunk_128_scan``; each with
 ``--gradient-checkpointing`` unless ``--no-gradient-checkpointing`` (a 24-layer target at the default width needs it
 on an H100: without it, batch 8 ran out of 80 GB). ``--profile`` adds, for the
 first variant, the kernels that take most of a step's GPU time (``torch.profiler``; with ``--recurrence-only``, of

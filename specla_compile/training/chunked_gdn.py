@@ -232,8 +232,8 @@ def chunked_gdn(
     ``compile``: the chunk-parallel part through inductor (its graph does not grow with the length);
     ``scan``: the pass over chunks, ``"autograd"`` through autograd (:func:`sequential_pass`, the reference),
     ``"written"`` with its backward written out (:func:`written_scan`; 5-7% faster on a 2-core CPU, not yet timed
-    on a GPU) or ``"compiled"`` by inductor (unrolled: one graph per number of chunks); ``triangular``: how each chunk's triangular system is solved
-    (:func:`chunk_factors`)."""
+    on a GPU) or ``"compiled"`` by inductor (unrolled: one graph per number of chunks); ``triangular``: how each
+    chunk's triangular system is solved (:func:`chunk_factors`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if triangular not in TRIANGULAR:
@@ -252,8 +252,10 @@ def chunked_gdn(
         state = torch.zeros(batch, hv, dk, dv, dtype=dtype, device=q.device)
         if initial_state is not None:
             state = initial_state.to(dtype)
-        passes = {"written": written_scan, "autograd": sequential_pass}
-        o, state = (passes.get(scan) or _compiled_sequential_pass())(factors, state)
+        if scan == "compiled":
+            o, state = _compiled_sequential_pass()(factors, state)
+        else:
+            o, state = (written_scan if scan == "written" else sequential_pass)(factors, state)
         # [chunks, B, HV, C, V] -> [B, N, HV, V]
         o = o.permute(1, 0, 3, 2, 4).reshape(batch, -1, hv, dv)[:, :n]
     return o.to(out_dtype), state
