@@ -8,13 +8,13 @@ recurrence or the rest of the model bounds the target's training.
     python benchmarks/target_train_speed.py --out DIR --num-layers 8 --no-gradient-checkpointing
 
 Variants (``--variants``): ``chunks_compiled`` (train_target's default on CUDA: the chunk-parallel part compiled by
-inductor, autograd through the pass over chunks), ``written_scan`` (``--gdn-scan written``: that pass with its
-backward written out), ``scan_compiled`` (``--gdn-scan compiled``: the pass over chunks compiled too),
+inductor, the pass over chunks with its backward written out), ``autograd_scan`` (``--gdn-scan autograd``: autograd
+through that pass), ``scan_compiled`` (``--gdn-scan compiled``: the pass over chunks compiled too),
 ``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve; on an H100 one layer's
-recurrence 30.0 against 40.0 ms at 64 with autograd through the pass, the 24-layer step 1.47 s), ``chunk_256``
+recurrence 24.2 ms, 27.8 with autograd through the pass, the 24-layer step 1.26-1.30 s), ``chunk_256``
 (inductor's split scan failed to compile its cumsum on an H100), ``inverse`` (``--gdn-triangular inverse``: each
 chunk's triangular system by its inverse in small matmuls, no batched triangular solve), ``chunk_128_inverse``,
-``chunk_128_written``, ``chunk_128_scan``; each with
+``chunk_128_autograd``, ``chunk_128_scan``; each with
 ``--gradient-checkpointing`` unless ``--no-gradient-checkpointing`` (a 24-layer target at the default width needs it
 on an H100: without it, batch 8 ran out of 80 GB). ``--profile`` adds, for the
 first variant, the kernels that take most of a step's GPU time (``torch.profiler``; with ``--recurrence-only``, of
@@ -53,13 +53,13 @@ from specla_compile.training.chunked_gdn import chunked_gdn  # noqa: E402
 
 VARIANTS = {  # train_target options of each variant, over its defaults
     "chunks_compiled": [],
-    "written_scan": ["--gdn-scan", "written"],
+    "autograd_scan": ["--gdn-scan", "autograd"],
     "scan_compiled": ["--gdn-scan", "compiled"],
     "chunk_128": ["--gdn-chunk", "128"],
     "inverse": ["--gdn-triangular", "inverse"],
     "chunk_256": ["--gdn-chunk", "256"],
     "chunk_128_inverse": ["--gdn-chunk", "128", "--gdn-triangular", "inverse"],
-    "chunk_128_written": ["--gdn-chunk", "128", "--gdn-scan", "written"],
+    "chunk_128_autograd": ["--gdn-chunk", "128", "--gdn-scan", "autograd"],
     "chunk_128_scan": ["--gdn-chunk", "128", "--gdn-scan", "compiled"],  # (it did not compile within 95 s at
     # chunk 64, each chunk's factors then indexed one by one; 16 chunks now, unbound once)
 }
