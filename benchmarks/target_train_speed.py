@@ -11,7 +11,7 @@ Variants (``--variants``): ``chunks_compiled`` (train_target's default on CUDA: 
 inductor, the pass over chunks with its backward written out), ``autograd_scan`` (``--gdn-scan autograd``: autograd
 through that pass), ``scan_compiled`` (``--gdn-scan compiled``: the pass over chunks compiled too),
 ``chunk_128`` (``--gdn-chunk 128``: half the sequential steps, twice the triangular solve; on an H100 one layer's
-recurrence 24.2 ms, 27.8 with autograd through the pass, the 24-layer step 1.26-1.30 s), ``chunk_256``
+recurrence 24.2 ms, 27.8 with autograd through the pass, the 24-layer step about 1.27 s), ``chunk_256``
 (inductor's split scan failed to compile its cumsum on an H100), ``inverse`` (``--gdn-triangular inverse``: each
 chunk's triangular system by its inverse in small matmuls, no batched triangular solve), ``chunk_128_inverse``,
 ``chunk_128_autograd``, ``chunk_128_scan``; each with
