@@ -628,7 +628,7 @@ FOLD_AB = {  # option sets fold_ab times against the defaults: the folds off by 
     "defaults": [], "without_fold_swiglu": ["fold_swiglu=False"], "fold_convs": ["fold_convs=True"],
     "fold_gates_drafted": ["fold_gates_drafted=True"], "both": ["fold_convs=True", "fold_gates_drafted=True"],
     "cuda_gemvs": ["cuda_gemvs=True"], "cuda_gemvs_without_fold_swiglu": ["cuda_gemvs=True", "fold_swiglu=False"],
-    "cuda_gemvs_fold_convs": ["cuda_gemvs=True", "fold_convs=True"],  # (five launches a layer in the 1-node pass)
+    "cuda_gemvs_fold_convs": ["cuda_gemvs=True", "fold_convs=True"],  # (one launch a layer fewer where the convs fold)
     "fold_gated_norms_drafted": ["fold_gated_norms_drafted=True"],
     "drafted_folds": ["fold_gates_drafted=True", "fold_gated_norms_drafted=True"],  # (the drafted passes' two)
     "cuda_gemvs_drafted_folds": ["cuda_gemvs=True", "fold_gates_drafted=True", "fold_gated_norms_drafted=True"],
