@@ -612,6 +612,7 @@ def fla_passes(args, results: dict) -> None:
     engine = next(iter(gen._engines.values()))
     profile = kernel_profile(engine.buckets[bucket_key(16, False)].graph)
     section["profile_16_tree"] = profile  # (one layer in launch order too: where the drafted pass's extra time goes)
+    section["profile_9"] = kernel_profile(engine.buckets[bucket_key(9)].graph)  # (what bounds the chain-of-9 ratio)
     plain = engine.buckets[bucket_key(1)]
     plain.step.zero_()
     section["profile_1"] = kernel_profile(plain.graph)  # (with one layer in launch order: what an A/B fused)
@@ -654,7 +655,7 @@ def fold_ab(args, results: dict) -> None:
                     passes = json.load(f).get("fla_passes", {})
         keep = ("plain_ms_per_token", "plain_tokens_sha1", "pass_ms", "pass_ms_tree")
         profiles = {key: {k: v for k, v in passes[key].items() if not k.startswith("one_layer")}  # (what bounds each pass)
-                    for key in ("profile_1", "profile_16_tree") if key in passes}
+                    for key in ("profile_1", "profile_9", "profile_16_tree") if key in passes}
         section[name] = {"backend": backend, **{k: passes[k] for k in keep if k in passes},
                          "kernels_1": profiles.get("profile_1", {}).get("kernels_per_pass"), **profiles}
         if "pass_ms" not in passes:
@@ -709,6 +710,10 @@ def commit_ab_markdown(section: dict) -> list[str]:
     return lines
 
 
+PASS_PROFILES = {"profile_1": "the 1-node pass", "profile_9": "the 9-node chain pass",  # (fla_passes' kernel profiles)
+                 "profile_16_tree": "the 16-node tree pass"}
+
+
 def fold_ab_markdown(section: dict) -> list[str]:
     """``fold_ab``'s table: each option set's plain decoding and passes, and their ratio to the defaults'."""
     base = section.get("defaults", {})
@@ -719,19 +724,19 @@ def fold_ab_markdown(section: dict) -> list[str]:
         return f"{value:.3f} ({value / reference:.3f})" if value and reference else "-"
 
     lines = ["", "Folds against the defaults (`fold_ab`; ms, and the ratio to the defaults' in one call):", "",
-             "| options | plain ms/token | 1-node pass | 16-node chain | 16-node tree | 32-node tree | kernels, 1-node "
-             "| plain tokens as the defaults' |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| options | plain ms/token | 1-node pass | 9-node chain | 16-node chain | 16-node tree | 32-node tree | kernels, "
+             "1-node | plain tokens as the defaults' |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, run in section.items():
         if "pass_ms" not in run:
-            lines.append(f"| {name} | failed: see the JSON | | | | | | |")
+            lines.append(f"| {name} | failed: see the JSON | | | | | | | |")
             continue
         values = [(run.get("plain_ms_per_token"), base.get("plain_ms_per_token"))]
-        values += [(run["pass_ms"].get(n), base["pass_ms"].get(n)) for n in ("1", "16")]
+        values += [(run["pass_ms"].get(n), base["pass_ms"].get(n)) for n in ("1", "9", "16")]
         values += [(run.get("pass_ms_tree", {}).get(n), base.get("pass_ms_tree", {}).get(n)) for n in ("16", "32")]
         same = run.get("plain_tokens_sha1") == base.get("plain_tokens_sha1") is not None
         lines.append(f"| {name} | " + " | ".join(cell(v, r) for v, r in values) + f" | {run.get('kernels_1')} | "
                      + ("yes" if same else "no") + " |")
-    for key, what in (("profile_1", "the 1-node pass"), ("profile_16_tree", "the 16-node tree pass")):
+    for key, what in PASS_PROFILES.items():
         table = profile_markdown({name: run[key] for name, run in section.items() if key in run}, 2.93 / 4.2)
         lines += table[:2] + [f"Of {what}, an option set a column:"] + table[2:] if table else []
     return lines
@@ -1065,9 +1070,11 @@ def write_report(results: dict, out_dir: str, stem: str = "e2e_gpu") -> None:
     lines += targets_markdown(results["targets"])
     if "setup" in results:
         lines += ["", f"Setup: {results['setup']}."]
-    for key, value in results.get("fla_passes", {}).items():
+    passes = results.get("fla_passes", {})
+    for key, value in passes.items():
         if key in ("pass_ms", "pass_ms_tree"):
             lines.append(f"- `fla_passes` `{key}`: {value}")
+    lines += profile_markdown({what: passes[key] for key, what in PASS_PROFILES.items() if key in passes}, 2.93 / 4.2)
     for key, value in results.get("fla_b1", {}).items():
         if key in ("eager_ms_per_token", "pass_ms", "pass_ms_tree", "pass_ms_by_pending", "host_ms_per_pass", "compile_seconds"):
             lines.append(f"- `{key}`: {value}")

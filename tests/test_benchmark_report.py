@@ -82,7 +82,7 @@ def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios
             return argparse.Namespace(stdout="", stderr="Traceback: boom")
         speed = 1.1 if "fold_swiglu=False" in options else 1.0
         passes = {"plain_ms_per_token": 1.5 * speed, "plain_tokens_sha1": "ab" if len(options) < 3 else "cd",
-                  "pass_ms": {"1": 1.4 * speed, "16": 1.75},
+                  "pass_ms": {"1": 1.4 * speed, "9": 1.7, "16": 1.75},
                   "pass_ms_tree": {"16": 1.75, "32": 2.0}, "profile_1": {"kernels_per_pass": 258.0, "busy_ms": 1.2 * speed, "span_ms": 1.3,
                                                                 "by_kind_ms": {"gemm": 0.8 * speed, "inductor": 0.3}, "one_layer": []},
                   "profile_16_tree": {"kernels_per_pass": 300.0, "busy_ms": 1.6, "span_ms": 1.7,
@@ -98,7 +98,7 @@ def test_fold_ab_runs_fla_passes_in_a_child_per_option_set_and_tables_the_ratios
     assert all(c[c.index("--backend") + 1] == "regional=True" for c in commands)
     assert results["fold_ab"]["fold_convs"]["error"].endswith("boom")
     table = (tmp_path / "e2e_gpu.md").read_text()
-    assert "| without_fold_swiglu | 1.650 (1.100) | 1.540 (1.100) | 1.750 (1.000) | 1.750 (1.000) | 2.000 (1.000) | 258.0 | yes |" in table
+    assert "| without_fold_swiglu | 1.650 (1.100) | 1.540 (1.100) | 1.700 (1.000) | 1.750 (1.000) | 1.750 (1.000) | 2.000 (1.000) | 258.0 | yes |" in table
     assert "| fold_convs | failed: see the JSON |" in table and "| 258.0 | no |" in table  # (both)
     assert "| gemm | 0.800 | 0.880 |" in table and "| busy (sum of kernels) | 1.200 | 1.320 |" in table  # (a column a set)
     assert "Of the 16-node tree pass, an option set a column:" in table and "| recurrence | 0.250 | 0.275 |" in table
@@ -165,6 +165,19 @@ def test_the_chain_of_9_target_takes_a_9_node_bucket_where_one_was_timed():
     found = chain_target({"fla_passes": passes})
     assert found["name"].endswith("chain of 9 (16-node bucket)") and found["met"] is False
     assert chain_target({})["measured"] is None
+
+
+def test_fla_passes_profiles_are_tabled_a_pass_a_column(tmp_path):
+    """``fla_passes``' kernel profiles (1-node, 9-node chain, 16-node tree) reach the report side by side, so the
+    chain-of-9 ratio can be read against what each pass spends."""
+    def profile(gemm, kernels):
+        return {"kernels_per_pass": kernels, "busy_ms": gemm + 0.5, "span_ms": gemm + 0.3, "by_kind_ms": {"gemm": gemm}}
+
+    passes = {"pass_ms": {"1": 1.3, "9": 1.7}, "profile_1": profile(1.0, 210.0), "profile_9": profile(1.1, 300.0)}
+    e2e_gpu.write_report({"fla_passes": passes}, str(tmp_path))
+    table = (tmp_path / "e2e_gpu.md").read_text()
+    assert "| | the 1-node pass | the 9-node chain pass |" in table and "| gemm | 1.000 | 1.100 |" in table
+    assert "| kernels | 210 | 300 |" in table and "the 16-node tree pass" not in table
 
 
 def test_report_files_from_a_partial_heatmap(tmp_path):

@@ -129,7 +129,8 @@ def choose_route(num_nodes: int, costs: CostModel = H200_COSTS) -> str:
     return min(ROUTES, key=lambda route: costs.estimate(route, hint))
 
 
-UT_COMMIT_FROM: int | None = None  # the parallel route's records in UT form from this many (e2e_gpu.py's commit_ab)
+# the parallel route's records in UT form from this many (off: slower at every threshold on an H200, commit_ab)
+UT_COMMIT_FROM: int | None = None
 
 
 def kernel_config(route: str, num_nodes: int, pending: bool = False, batch: int = 1) -> KernelConfig:
