@@ -51,9 +51,7 @@ TREES = ((2, 16), (4, 16), (2, 32), (4, 32))  # (top_k, nodes)
 BACKEND_OPTIONS: dict = {}  # --backend: the specla backend's options for every compile of this process
 ORACLE = {"device": True}  # --oracle: the controlled routes' drafts made on the device (else on the host)
 SECTIONS = ("fla_b1", "fla_batch", "qwen", "exact_fp32", "warm_start", "fla_quick", "fla_profile", "fla_passes", "fold_ab",
-            "fla_sampling", "commit_ab")
-UT_COMMIT_SETTINGS = {"one_at_a_time": None, "ut_from_1": 1, "ut_from_4": 4, "ut_from_8": 8}  # commit_ab's
-COMMIT_PENDING = (0, 1, 2, 4, 8, 13, 16)  # records a pass commits, as commit_ab times the 16-node chain pass
+            "fla_sampling")
 
 
 def build(family: str, dtype: torch.dtype, layers: int | None = None) -> torch.nn.Module:
@@ -664,52 +662,6 @@ def fold_ab(args, results: dict) -> None:
         write_report(results, args.out)
 
 
-def commit_ab(args, results: dict) -> None:
-    """The parallel route's fused commit one record at a time (the default) against its UT form from 1, 4 and 8
-    records on (``dispatch.UT_COMMIT_FROM``), each with its own captures of one compiled model: the 16-node chain
-    pass's replay by pending record count, and oracle chains over graphed plain decoding (L=12 at p=1, 13 records a
-    pass; L=8 at p=0.8) with their tokens checked against it."""
-    from specla_compile.kernels import dispatch
-
-    model = build("fla", torch.bfloat16, args.layers)
-    prompts = prompts_for(model, 1, args.prompts)
-    section = results.setdefault("commit_ab", {})
-    plain = truths = None
-    try:
-        for name, value in UT_COMMIT_SETTINGS.items():
-            dispatch.UT_COMMIT_FROM = value
-            gen = make_generator(model)
-            if plain is None:  # (the 1-node pass commits with its own kernel: one plain run serves every setting)
-                plain = run_route(gen, prompts, args.new_tokens, plain=True)
-                truths = truth_of(plain, prompts)
-            gen.drafter, gen.config = OracleDrafter(truths[0], 1.0, 15), chain_config(15)
-            gen.generate(prompts[0], 2)
-            row = section[name] = {"pass_ms_by_pending": {str(a): pass_ms(gen, 16, a) for a in COMMIT_PENDING}}
-            for label, p, depth in (("L12_p1.0", 1.0, 12), ("L8_p0.8", 0.8, 8)):
-                r = controlled_route(gen, prompts, args.new_tokens, plain, truths, p, depth)
-                row[label] = {k: r[k] for k in ("speedup", "tokens_per_pass", "ms_per_token", "identical")}
-            print("commit_ab", name, row, flush=True)
-            write_report(results, args.out)
-    finally:
-        dispatch.UT_COMMIT_FROM = None
-
-
-def commit_ab_markdown(section: dict) -> list[str]:
-    """``commit_ab``'s table: the 16-node chain pass by pending records, and the chains' speedups, per setting."""
-    if not section:
-        return []
-    lines = ["", ("The parallel route's fused commit (`commit_ab`): 16-node chain pass, ms, by records committed; "
-                 "oracle chains over graphed plain decoding (tokens identical to it?):"), "",
-             "| commit | " + " | ".join(str(a) for a in COMMIT_PENDING) + " | L=12 p=1 | L=8 p=0.8 |",
-             "| --- |" + " --- |" * (len(COMMIT_PENDING) + 2)]
-    for name, row in section.items():
-        passes = [row["pass_ms_by_pending"].get(str(a)) for a in COMMIT_PENDING]
-        chains = [row.get(label) for label in ("L12_p1.0", "L8_p0.8")]
-        lines.append(f"| {name} | " + " | ".join("-" if t is None else f"{t:.3f}" for t in passes) + " | " + " | ".join(
-            "-" if c is None else f"{c['speedup']:.2f}x ({'yes' if c['identical'] else 'no'})" for c in chains) + " |")
-    return lines
-
-
 PASS_PROFILES = {"profile_1": "the 1-node pass", "profile_9": "the 9-node chain pass",  # (fla_passes' kernel profiles)
                  "profile_16_tree": "the 16-node tree pass"}
 
@@ -1100,7 +1052,6 @@ def write_report(results: dict, out_dir: str, stem: str = "e2e_gpu") -> None:
     lines += layer_markdown(results)
     lines += fold_ab_markdown(results.get("fold_ab", {}))
     lines += fla_sampling_markdown(results.get("fla_sampling", {}))
-    lines += commit_ab_markdown(results.get("commit_ab", {}))
     lines += ["", b1["profile_note"]] if b1.get("profile_note") else []
     if b1.get("chain"):
         lines += ["", "Chain speedup over graphed plain decoding (B=1, 128 new tokens, decode phase):", "",
@@ -1255,10 +1206,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS,
-                        default=[s for s in SECTIONS if s not in ("fla_passes", "fold_ab", "fla_sampling", "commit_ab")],
+                        default=[s for s in SECTIONS if s not in ("fla_passes", "fold_ab", "fla_sampling")],
                         help="default: all but fla_passes (the passes alone, which fla_b1 times too), fold_ab "
-                        "(fla_passes under each fold not yet timed), fla_sampling (sampled chains) and commit_ab (the "
-                        "parallel route's commit in UT form)")
+                        "(fla_passes under each fold not yet timed) and fla_sampling (sampled chains)")
     parser.add_argument("--layers", type=int, default=None, help="fla model depth (default: 24, the 1.3B shape)")
     parser.add_argument("--qwen-layers", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=4)

@@ -118,19 +118,6 @@ def test_sampling_section_reaches_the_report(tmp_path):
     assert e2e_gpu.fla_sampling_markdown({"sampling": e2e_gpu.SAMPLING}) == []
 
 
-def test_commit_section_reaches_the_report(tmp_path):
-    """``commit_ab``'s settings are tabled by pending records and chain speedups; a setting cut before its chains
-    shows dashes, and a section that timed nothing adds no table."""
-    section = {"one_at_a_time": {"pass_ms_by_pending": {"0": 1.75, "13": 1.94},
-                                 "L12_p1.0": {"speedup": 7.9, "identical": True}, "L8_p0.8": {"speedup": 2.9, "identical": True}},
-               "ut_from_4": {"pass_ms_by_pending": {"0": 1.76}}}
-    e2e_gpu.write_report({"commit_ab": section}, str(tmp_path))
-    table = (tmp_path / "e2e_gpu.md").read_text()
-    assert "| one_at_a_time | 1.750 | - | - | - | - | 1.940 | - | 7.90x (yes) | 2.90x (yes) |" in table
-    assert "| ut_from_4 | 1.760 | - | - | - | - | - | - | - | - |" in table
-    assert e2e_gpu.commit_ab_markdown({}) == []
-
-
 def test_plain_target_is_the_b1_run_else_the_profile_run_and_operators_reach_the_report(tmp_path):
     """The headline plain figure is ``fla_b1``'s (warmed up in its own process), ``fla_profile``'s when
     there is none; ``fla_profile``'s operator table (``aten::`` and ``specla::`` rows only) is written

@@ -198,13 +198,10 @@ def _check_parallel_commit_verify(parents, x, records, num, config: KernelConfig
     assert rel_err(o, ref_o) <= O_TOL
 
 
-@pytest.mark.parametrize("case, config", [("chain16", KernelConfig(16, 4, 64, ut_commit_from=1)),
-                                          ("tree16_padded", KernelConfig(16, 4, 64, ut_commit_from=4)),
-                                          ("tree16_padded", KernelConfig(64, 4, 32, ut_commit_from=1))])
-def test_the_parallel_route_commits_records_in_ut_form(case, config):
-    """The fused commit in UT form at the 1.3B shape's heads (K = V = 256), tf32x3 products: the committed state as
-    exact as the record-at-a-time commit's (against fp64) for a row's path of 13 records, a second row's 2 (under the
-    threshold of 4: one at a time in the same launch)."""
+@pytest.mark.parametrize("case, config", [("chain16", KernelConfig(16, 4, 64)), ("tree16_padded", KernelConfig(64, 4, 32))])
+def test_the_parallel_route_commits_a_whole_accepted_path(case, config):
+    """The fused commit at the 1.3B shape's heads (K = V = 256): the committed state exact against fp64 for a row's
+    path of 13 records (an oracle chain's L = 12 pass) and a second row's 2."""
     parents, x = inputs(case, seed=16)
     rows = parents.shape[0]
     paths = [accepted_records(*reversed(inputs("chain16", seed=17 + r)), max_accepted=13, seed=18)[0] for r in range(rows)]

@@ -57,14 +57,3 @@ def test_parallel_levels_follow_the_padded_size():
     levels = [dispatch.route_features("parallel", TopologyHint(n, n, 0, 1))[1] for n in (1, 16, 17, 32, 33, 64)]
     assert levels == [4, 4, 5, 5, 6, 6]  # log2 of the power-of-two node bucket (at least 16)
 
-
-def test_the_ut_commit_threshold_reaches_the_fused_parallel_configs(monkeypatch):
-    """``UT_COMMIT_FROM`` (off by default) sets the parallel route's fused-commit threshold at one row and a few, not
-    where the commit is a launch of its own (8 rows and more), nor on the walking routes."""
-    assert dispatch.kernel_config("parallel", 16, pending=True).ut_commit_from is None
-    monkeypatch.setattr(dispatch, "UT_COMMIT_FROM", 4)
-    assert dispatch.kernel_config("parallel", 16, pending=True).ut_commit_from == 4
-    assert dispatch.kernel_config("parallel", 16, pending=True, batch=4).ut_commit_from == 4
-    wide = dispatch.kernel_config("parallel", 16, pending=True, batch=8)
-    assert wide.ut_commit_from is None and wide.separate_commit is not None
-    assert dispatch.kernel_config("serial", 1, pending=True).ut_commit_from is None

@@ -7,7 +7,6 @@ again in a fresh process with the variable set, where the kernel tests themselve
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -119,12 +118,10 @@ def test_fused_commit_verify(case, route, layout):
 
 
 @interpreted
-@pytest.mark.parametrize("case, layout, ut_from", [("chain", "kv", 1), ("tree_padded", "vk", 3), ("tree_16", "kv", 1),
-                                                   ("tree_16", "vk", 5)])
-def test_the_parallel_route_commits_records_in_ut_form(case, layout, ut_from):
-    """The parallel route's fused commit in UT form (``KernelConfig.ut_commit_from``): a row's whole accepted path, a
-    part of it, none, against the fp64 reference (the committed state and the pass's outputs); a row with fewer
-    records than ``ut_from`` takes them one at a time in the same launch."""
+@pytest.mark.parametrize("case, layout", [("chain", "kv"), ("tree_padded", "vk"), ("tree_16", "kv")])
+def test_the_parallel_route_commits_a_whole_accepted_path(case, layout):
+    """The parallel route's fused commit of a row's whole accepted path, a part of it, none, against the fp64
+    reference (the committed state and the pass's outputs)."""
     parents, x, l2, config = case_inputs(case, seed=7)
     prev_parents, prev = case_inputs(case, seed=8)[:2]
     records, _ = accepted_records(prev, prev_parents, max_accepted=16, seed=9)
@@ -133,7 +130,7 @@ def test_the_parallel_route_commits_records_in_ut_form(case, layout, ut_from):
     state = in_layout(x["state"], layout)
     with poisoned_allocations():
         o, k_hat = tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route="parallel",
-                                  config=dataclasses.replace(config, ut_commit_from=ut_from),
+                                  config=config,
                                   pending=tv.Pending(*records, num))
     ref_o, ref_k, ref_state = reference_verify(x, parents, SCALE, l2, pending=(records, num))
     assert width >= 5 and rel_err(state, ref_state) <= 1e-6

@@ -28,15 +28,12 @@ ROUTES = ("serial", "parallel", "hybrid")
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Launch shape of a route: V-tile width, warps per program, K chunk of the parallel route, the launch shape of a
-    commit run as its own kernel before the verify (None: fused into it), and the record count from which the parallel
-    route's fused commit applies a row's records in UT form, tensor-core products whose cost does not grow with the
-    count, rather than one at a time (None: never)."""
+    commit run as its own kernel before the verify (None: fused into it)."""
 
     block_v: int = 8
     num_warps: int = 1
     block_k: int = 64
     separate_commit: KernelConfig | None = None
-    ut_commit_from: int | None = None  # the parallel route's fused commit: from this many records on, in UT form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +126,6 @@ def choose_route(num_nodes: int, costs: CostModel = H200_COSTS) -> str:
     return min(ROUTES, key=lambda route: costs.estimate(route, hint))
 
 
-# the parallel route's records in UT form from this many (off: slower at every threshold on an H200, commit_ab)
-UT_COMMIT_FROM: int | None = None
-
-
 def kernel_config(route: str, num_nodes: int, pending: bool = False, batch: int = 1) -> KernelConfig:
     """Launch shape per route on an H200 at K = V = 256, from the benchmarks' sweeps. The recurrent
     routes are latency-bound, so narrow tiles and few warps keep the K-reductions in-warp; the parallel
@@ -146,14 +139,15 @@ def kernel_config(route: str, num_nodes: int, pending: bool = False, batch: int 
     as its own launch so that the verify takes 128 columns a program (``batch_verify_gpu.md``, 16 rows x
     16 nodes with records: 120 -> 46 us a layer; at one row 13.3 us either way). Its fused commit applies a row's
     records one at a time, about 0.6 us each a layer at the 1.3B shape (the 16-node pass 1.759 ms with none, 1.943
-    with 13, ``e2e_gpu.json``'s ``fla_b1_4b2a5dc``), or in UT form from ``UT_COMMIT_FROM`` records on (not yet timed)."""
+    with 13, ``e2e_gpu.json``'s ``fla_b1_4b2a5dc``; a UT form of the commit, flat in the count, was slower at every count
+    on an H200: ``docs/kernels.md``)."""
     if route == "parallel":
         if batch >= 8:
             wide = KernelConfig(128, 4, 32)
             return dataclasses.replace(wide, separate_commit=KernelConfig(32, 4)) if pending else wide
         if pending and batch == 1:
-            return KernelConfig(block_v=16, num_warps=4, block_k=64, ut_commit_from=UT_COMMIT_FROM)
-        return KernelConfig(64, 4, 32, ut_commit_from=UT_COMMIT_FROM)
+            return KernelConfig(block_v=16, num_warps=4, block_k=64)
+        return KernelConfig(64, 4, 32)
     if num_nodes == 1 and route == "serial":
         return KernelConfig(block_v=16 if pending else 8, num_warps=2)
     return KernelConfig(block_v=8, num_warps=1)

@@ -127,34 +127,6 @@ def _apply_records(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, HV:
 
 
 @triton.jit
-def _apply_records_ut(s, pk, pv, pg, pb, num_ptr, b, hv, h, A, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, rk, mk, rv, mv, BA: tl.constexpr, LOG2BA: tl.constexpr):
-    """:func:`_apply_records`' result in the UT form of a chain, its cost flat in the record count: with ``gamma`` the
-    records' running log decay, ``U = (I + A)^-1 (beta (V - e^gamma K S))`` for ``A[a, i] = beta_a e^(gamma_a -
-    gamma_i) k_a . k_i`` (i < a), then ``S' = e^gamma_num S + K^T (e^(gamma_num - gamma) U)``. Records past ``num``
-    load as zeros (no update, no decay). Products in tf32x3, fp32-grade as the record-at-a-time update is: every later
-    pass starts from this state."""
-    num = tl.minimum(tl.load(num_ptr + b).to(tl.int32), A)
-    ra = tl.arange(0, BA)
-    ma = ra < num
-    kr = tl.load(pk + ((b * A + ra[:, None]) * H + h) * K + rk[None, :], mask=ma[:, None] & mk[None, :],
-                 other=0.0).to(tl.float32)
-    vr = tl.load(pv + ((b * A + ra[:, None]) * HV + hv) * V + rv[None, :], mask=ma[:, None] & mv[None, :],
-                 other=0.0).to(tl.float32)
-    gr = tl.load(pg + (b * A + ra) * HV + hv, mask=ma, other=0.0).to(tl.float32)
-    br = tl.load(pb + (b * A + ra) * HV + hv, mask=ma, other=0.0).to(tl.float32)
-    incl = ra[:, None] >= ra[None, :]  # (a chain: every earlier record is an ancestor)
-    gamma = tl.sum(tl.where(incl, gr[None, :], 0.0), 1)
-    kk = tl.dot(kr, tl.trans(kr), input_precision="tf32x3")
-    _, t_inv = _ut_inverse(incl, gamma, br, kk, ra, LOG2BA, "tf32x3")
-    ks = tl.dot(kr, s, input_precision="tf32x3")
-    u = tl.dot(t_inv, br[:, None] * (vr - tl.exp(gamma)[:, None] * ks), input_precision="tf32x3")
-    total = tl.sum(gr, 0)  # (gamma at the last record: those past it add nothing)
-    return tl.exp(total) * s + tl.dot(tl.trans(kr), tl.where(ma, tl.exp(total - gamma), 0.0)[:, None] * u,
-                                      input_precision="tf32x3")
-
-
-@triton.jit
 def _store_k_hat(k, k_hat, b, h, N, H: tl.constexpr, K: tl.constexpr, BKF: tl.constexpr,
                  USE_L2: tl.constexpr, first, stride):
     """Emit the normalized keys of row b, head h (the verify's factor-record output) for the blocks of 16
@@ -318,10 +290,10 @@ def _parallel_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2BT: tl.constexpr,
     USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, GATES: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr,
-    SV: tl.constexpr, BA: tl.constexpr, LOG2BA: tl.constexpr, UT_FROM: tl.constexpr, USE_PDL: tl.constexpr,
+    SV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING: a row's records one at a
-    time, or from ``UT_FROM`` of them on (0: never) in UT form over ``BA`` slots, :func:`_apply_records_ut`).
+    time).
     Grid: (V tiles, B * HV). The K dimension streams in chunks of BK; raw dot products are
     rescaled by the row norms afterwards, so normalization costs no extra pass. With GATES, each node's gate and beta
     come from their projections (``a``, ``b_proj`` at any strides) and ``g``, ``beta`` receive them (the records)."""
@@ -339,14 +311,7 @@ def _parallel_kernel(
         full_off = rkf[:, None] * SK + rv[None, :] * SV
         full_mask = (rkf < K)[:, None] & mv[None, :]
         s0 = tl.load(state_tile + full_off, mask=full_mask, other=0.0)
-        use_ut = False
-        if UT_FROM > 0:  # (compiled in only where asked for)
-            use_ut = tl.minimum(tl.load(num_pending + b).to(tl.int32), A) >= UT_FROM
-        if use_ut:
-            s0 = _apply_records_ut(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv, BA,
-                                   LOG2BA)
-        else:
-            s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
+        s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
         tl.store(state_tile + full_off, s0, mask=full_mask)
         tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
     if hv % (HV // H) == 0:
@@ -530,9 +495,6 @@ class GateProjections(NamedTuple):
     dt_bias: torch.Tensor  # [HV]
 
 
-UT_COMMIT_SLOTS = 32  # the most pending-record slots the parallel route's UT-form commit holds on chip (its K x slots keys)
-
-
 def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(n))
 
@@ -610,14 +572,12 @@ def tree_verify(
     shape = dict(H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
                  HAS_PENDING=has_pending, SK=sk, SV=sv, num_warps=config.num_warps)
     if route == "parallel":
-        bt, ba = _pow2_at_least(n, 16), _pow2_at_least(n_pending, 16)
+        bt = _pow2_at_least(n, 16)
         a, b, a_log, dt_bias = gates if gates is not None else (g, g, g, g)  # (unread without GATES)
-        ut_from = 0 if config.ut_commit_from is None or ba > UT_COMMIT_SLOTS else max(config.ut_commit_from, 1)
         _parallel_kernel[(grid_v, batch * hv)](
             q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num,
             a, b, a_log.contiguous(), dt_bias.contiguous(), *a.stride(), *b.stride(), scale, n, n_pending,
             BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1, GATES=gates is not None,
-            BA=ba, LOG2BA=ba.bit_length() - 1, UT_FROM=ut_from,
             # tf32 keeps the error under a bf16 output's rounding; fp32 inputs get fp32-grade products
             PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape, **launch_args(q.device),
         )
