@@ -56,4 +56,3 @@ def test_overrides(monkeypatch):
 def test_parallel_levels_follow_the_padded_size():
     levels = [dispatch.route_features("parallel", TopologyHint(n, n, 0, 1))[1] for n in (1, 16, 17, 32, 33, 64)]
     assert levels == [4, 4, 5, 5, 6, 6]  # log2 of the power-of-two node bucket (at least 16)
-
