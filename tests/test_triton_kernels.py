@@ -65,6 +65,8 @@ CASES = {
     "tree_16": ("tree", 1, 16, 0, 16, 32, 2, 4, True, KernelConfig(block_v=16, block_k=16)),
     # a large batch's shape: the commit as its own launch, then wide verify tiles
     "batch_split_commit": ("tree", 8, 12, 2, 16, 32, 1, 2, True, dispatch.kernel_config("parallel", 16, pending=True, batch=8)),
+    # a committed tile wider than the parallel route keeps in registers (tv.ON_CHIP_TILE): its chunks are re-read
+    "wide_tile": ("tree", 2, 12, 2, 64, 128, 1, 2, True, KernelConfig(block_v=128, block_k=32)),
 }
 SCALE = 0.3
 
@@ -99,6 +101,7 @@ FUSED_CASES = [(case, route, "kv") for case in ("chain", "tree_padded", "star_pa
 FUSED_CASES += [("tree_padded", route, "vk") for route in ROUTES]  # fla's V-major state, updated where it lies
 FUSED_CASES += [("batch_split_commit", "parallel", layout) for layout in ("kv", "vk")]
 FUSED_CASES += [("single_node_wide", "serial", "vk")]  # plain decoding's step: one node, a pending record, fla's layout
+FUSED_CASES += [("wide_tile", "parallel", "kv")]
 
 
 @interpreted
@@ -247,6 +250,48 @@ def test_commit(block_v, layout):
     expected = ref.gdn_commit_reference(x["state"].double(), ref.FactorRecords(*(t.double() for t in records)), num)
     assert rel_err(state, expected) <= 1e-6
     assert torch.equal(state[num == 0], x["state"][num == 0])
+
+
+@interpreted
+@pytest.mark.parametrize("case, route", [("tree_16", "parallel"), ("wide_tile", "parallel"), ("chain", "serial"),
+                                         ("single_node_wide", "serial"), ("tree_padded", "hybrid")])
+def test_a_commit_before_the_pdl_wait_changes_nothing_else(case, route, monkeypatch):
+    """Inside ``dispatch.commits_before_wait`` on a PDL device the recurrent kernels commit before their wait (EARLY).
+    Off the GPU the wait is a no-op, so that code path must give, bit for bit, what the usual one gives: the verify
+    routes (the hybrid keeps its wait first), the standalone commit and the one-node gates and conv-gates kernels."""
+    parents, x, l2, config = case_inputs(case, seed=7)
+    prev_parents, prev = case_inputs(case, seed=8)[:2]
+    records, num = accepted_records(prev, prev_parents, max_accepted=6, seed=9)
+    pending = tv.Pending(*records, num)
+    conv_case = random_conv_gates_pass(2, 2, 4, 16, (1, 3), seed=21, dtype=torch.float32)
+    gates = random_gate_projections(*parents.shape, x["v"].shape[2], seed=14, dtype=torch.float32)
+
+    def launches() -> list[torch.Tensor]:
+        state, committed, one_node = x["state"].clone(), x["state"].clone(), x["state"].clone()
+        conv_states, conv_state = [c.clone() for c in conv_case["conv_states"]], conv_case["state"].clone()
+        outs = tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route=route, config=config,
+                              pending=pending)
+        tv.commit_(committed, *records, num, config=config)
+        if parents.shape[1] == 1:
+            outs += tv.commit_verify_one_token_gates(x["q"], x["k"], x["v"], gates, one_node, SCALE, l2, config=config,
+                                                     pending=pending)
+        outs += tv.commit_verify_one_token_conv_gates(
+            conv_case["xs"], conv_states, conv_case["weights"], conv_case["conv_pending"], conv_case["num"], True,
+            conv_case["gates"], conv_state, SCALE, l2, pending=tv.Pending(*conv_case["records"], conv_case["num"]),
+            config=KernelConfig(block_v=8, num_warps=2))
+        return [*outs, state, committed, one_node, *conv_states, conv_state]
+
+    usual = launches()
+    monkeypatch.setattr(tv, "enabled", lambda device: True)  # (as on a Hopper GPU: the launches would use PDL)
+    with dispatch.commits_before_wait():
+        assert tv._pending_args(pending, x["state"])[3]  # (EARLY)
+        with dispatch.commits_before_wait(False):  # (after a copy of the state: wait first)
+            assert not tv._pending_args(pending, x["state"])[3]
+        strided = tv.Pending(torch.cat([records.k, records.k], -1)[..., ::2], *records[1:], num)
+        assert not tv._pending_args(strided, x["state"])[3]  # (a record copied just before the launch)
+        early = launches()
+    assert not tv._pending_args(pending, x["state"])[3]
+    assert all(torch.equal(a, b) for a, b in zip(usual, early, strict=True))
 
 
 @interpreted

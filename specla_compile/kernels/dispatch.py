@@ -6,6 +6,10 @@ built the draft on the host (the runtime) can describe it with :func:`topology_h
 the cost model assumes the deepest tree of that size (a chain), the case where the routes differ most.
 :func:`use_route` or the environment variable ``SPECLA_VERIFY_ROUTE`` force a route.
 
+Inside :func:`commits_before_wait` (the engine's capture of a pass) the recurrent kernels launched with PDL commit a
+layer's pending records to its state before their PDL wait, while the kernel before them still runs: in a pass,
+only a layer's own launch writes its state, and only the end of an earlier pass its records.
+
 The cost model's constants are per-layer latencies in microseconds on an H200 at the GDN-1.3B shape,
 fitted from ``benchmarks/results/bench_kernels.json`` (``cost_model`` there).
 """
@@ -91,6 +95,7 @@ H200_COSTS = CostModel({"serial": (4.497, 0.739, 0.377), "hybrid": (7.345, 0.441
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("specla_forced_route", default=None)
 _hint: contextvars.ContextVar[TopologyHint | None] = contextvars.ContextVar("specla_topology_hint", default=None)
+_commits_before_wait: contextvars.ContextVar[bool] = contextvars.ContextVar("specla_commits_before_wait", default=False)
 
 
 @contextlib.contextmanager
@@ -113,6 +118,23 @@ def topology_hint(hint: TopologyHint) -> Iterator[None]:
         yield
     finally:
         _hint.reset(token)
+
+
+@contextlib.contextmanager
+def commits_before_wait(on: bool = True) -> Iterator[None]:
+    """Verify and commit launches inside may read a layer's state and pending records before their PDL wait: the
+    caller guarantees that the kernel launched just before each writes neither (read at launch: a captured graph keeps
+    it). ``on=False``: they wait first again (a copy of the state launched just before them)."""
+    token = _commits_before_wait.set(on)
+    try:
+        yield
+    finally:
+        _commits_before_wait.reset(token)
+
+
+def commit_before_wait() -> bool:
+    """Whether a recurrent launch now may commit before its PDL wait (:func:`commits_before_wait`)."""
+    return _commits_before_wait.get()
 
 
 def choose_route(num_nodes: int, costs: CostModel = H200_COSTS) -> str:

@@ -29,12 +29,15 @@ import triton
 import triton.language as tl
 
 from ..tree import PAD
-from .dispatch import ROUTES, KernelConfig
-from .pdl import launch_args, wait_upstream
+from .dispatch import ROUTES, KernelConfig, commit_before_wait
+from .pdl import enabled, launch_args, wait_upstream
 from .reference import L2NORM_EPS
 from .triton_conv import one_node_conv, shift_in
 
 _EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
+# the parallel route keeps a committed K x BV tile in registers up to this size (B=1's 256 x 16 fp32: 32 registers a
+# thread at 4 warps), beside the nodes' whole k and q; wider tiles re-read their chunks from the cache
+ON_CHIP_TILE = 4096
 _PAD: tl.constexpr = tl.constexpr(PAD)
 
 
@@ -200,11 +203,13 @@ def _recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKF: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr,
     USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, VERIFY: tl.constexpr, HYBRID: tl.constexpr,
-    SNAPSHOT: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
+    SNAPSHOT: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Serial route (grid z = 1), hybrid route (grid z = N, one program per chain) and the standalone
-    commit (VERIFY = False). Grid: (V tiles, B * HV, z)."""
-    wait_upstream(USE_PDL)
+    commit (VERIFY = False); with EARLY (not HYBRID) the commit runs before the PDL wait
+    (:func:`.dispatch.commits_before_wait`). Grid: (V tiles, B * HV, z)."""
+    if not EARLY:
+        wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     c = tl.program_id(2)
@@ -228,6 +233,8 @@ def _recurrent_kernel(
                     tl.store(state + tile_off, s0, mask=tile_mask)
             else:
                 tl.store(state + tile_off, s0, mask=tile_mask)
+        if EARLY:
+            wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
         if VERIFY:
             if (hv % (HV // H) == 0) & (c == 0):
                 _store_k_hat(k, k_hat, b, h, N, H, K, BKF, USE_L2, i_v, tl.num_programs(0))
@@ -282,6 +289,22 @@ def _recurrent_kernel(
 
 
 @triton.jit
+def _node_products(k, q, sc, b, h, N, H: tl.constexpr, K: tl.constexpr, rt, mt, rk, kk, qk, ks, qs, k_sq, q_sq,
+                   PREC: tl.constexpr):
+    """The parallel route's node products over the key columns ``rk`` (the whole K, or a chunk of it) added to their
+    sums: k k^T, q k^T, k S and q S (``sc``: those rows of the state tile) and the squared norms of k and q."""
+    node_off = ((b * N + rt[:, None]) * H + h) * K + rk[None, :]
+    node_mask = mt[:, None] & (rk < K)[None, :]
+    kc = tl.load(k + node_off, mask=node_mask, other=0.0).to(tl.float32)
+    qc = tl.load(q + node_off, mask=node_mask, other=0.0).to(tl.float32)
+    kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
+    qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
+    ks += tl.dot(kc, sc, input_precision=PREC)
+    qs += tl.dot(qc, sc, input_precision=PREC)
+    return kk, qk, ks, qs, k_sq + tl.sum(kc * kc, 1), q_sq + tl.sum(qc * qc, 1)
+
+
+@triton.jit
 def _parallel_kernel(
     q, k, v, g, beta, parents, state, o, k_hat,
     pk, pv, pg, pb, num_pending,
@@ -290,14 +313,16 @@ def _parallel_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2BT: tl.constexpr,
     USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, GATES: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr,
-    SV: tl.constexpr, USE_PDL: tl.constexpr,
+    SV: tl.constexpr, ON_CHIP: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING: a row's records one at a
-    time).
-    Grid: (V tiles, B * HV). The K dimension streams in chunks of BK; raw dot products are
+    time; with EARLY before the PDL wait, :func:`.dispatch.commits_before_wait`).
+    Grid: (V tiles, B * HV). With ON_CHIP (HAS_PENDING, a tile that fits registers) the products take the committed
+    tile and the whole K at once; else the K dimension streams in chunks of BK. Raw dot products are
     rescaled by the row norms afterwards, so normalization costs no extra pass. With GATES, each node's gate and beta
     come from their projections (``a``, ``b_proj`` at any strides) and ``g``, ``beta`` receive them (the records)."""
-    wait_upstream(USE_PDL)
+    if not EARLY:
+        wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // HV
@@ -306,14 +331,18 @@ def _parallel_kernel(
     rv = i_v * BV + tl.arange(0, BV)
     mv = rv < V
     state_tile = state + i_bh.to(tl.int64) * K * V
+    rkf = tl.arange(0, BKF)
     if HAS_PENDING:
-        rkf = tl.arange(0, BKF)
         full_off = rkf[:, None] * SK + rv[None, :] * SV
         full_mask = (rkf < K)[:, None] & mv[None, :]
         s0 = tl.load(state_tile + full_off, mask=full_mask, other=0.0)
         s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
-        tl.store(state_tile + full_off, s0, mask=full_mask)
-        tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
+        if tl.load(num_pending + b) > 0:  # (nothing to write back where nothing was pending)
+            tl.store(state_tile + full_off, s0, mask=full_mask)
+        if not ON_CHIP:
+            tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
+    if EARLY:
+        wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
     if hv % (HV // H) == 0:
         _store_k_hat(k, k_hat, b, h, N, H, K, BKF, USE_L2, i_v, tl.num_programs(0))
 
@@ -332,20 +361,16 @@ def _parallel_kernel(
     qs = tl.zeros([BT, BV], dtype=tl.float32)
     k_sq = tl.zeros([BT], dtype=tl.float32)
     q_sq = tl.zeros([BT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < K
-        node_off = ((b * N + rt[:, None]) * H + h) * K + rk[None, :]
-        node_mask = mt[:, None] & mk[None, :]
-        kc = tl.load(k + node_off, mask=node_mask, other=0.0).to(tl.float32)
-        qc = tl.load(q + node_off, mask=node_mask, other=0.0).to(tl.float32)
-        sc = tl.load(state_tile + rk[:, None] * SK + rv[None, :] * SV, mask=mk[:, None] & mv[None, :], other=0.0)
-        kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
-        qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
-        ks += tl.dot(kc, sc, input_precision=PREC)
-        qs += tl.dot(qc, sc, input_precision=PREC)
-        k_sq += tl.sum(kc * kc, 1)
-        q_sq += tl.sum(qc * qc, 1)
+    if ON_CHIP:  # (no second read of the tile: the commit left it in registers)
+        kk, qk, ks, qs, k_sq, q_sq = _node_products(k, q, s0, b, h, N, H, K, rt, mt, rkf,
+                                                    kk, qk, ks, qs, k_sq, q_sq, PREC)
+    else:
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            sc = tl.load(state_tile + rk[:, None] * SK + rv[None, :] * SV, mask=(rk < K)[:, None] & mv[None, :],
+                         other=0.0)
+            kk, qk, ks, qs, k_sq, q_sq = _node_products(k, q, sc, b, h, N, H, K, rt, mt, rk,
+                                                        kk, qk, ks, qs, k_sq, q_sq, PREC)
     if USE_L2:
         k_inv = tl.rsqrt(k_sq + _EPS)
         q_inv = tl.rsqrt(q_sq + _EPS)
@@ -387,7 +412,8 @@ def _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row
     s = tl.load(state + tile_off, mask=tile_mask, other=0.0)
     if HAS_PENDING:
         s = _apply_records(s, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V, rk, mk, rv, mv)
-        tl.store(state + tile_off, s, mask=tile_mask)
+        if tl.load(num_pending + row) > 0:  # (nothing to write back where nothing was pending)
+            tl.store(state + tile_off, s, mask=tile_mask)
     return s
 
 
@@ -397,19 +423,24 @@ def _one_token_gates_kernel(
     pk, pv, pg, pb, num_pending,
     scale, A, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, EARLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Plain decoding's step of a GDN layer in one launch: commit the pending records, then run the one node from
-    the committed state, its gate and beta computed here from their projections (``a``, ``b_proj`` at any strides)
-    rather than by a kernel of their own. Grid: (V tiles, B * HV)."""
-    wait_upstream(USE_PDL)
+    """Plain decoding's step of a GDN layer in one launch: commit the pending records (with EARLY before the PDL
+    wait, :func:`.dispatch.commits_before_wait`), then run the one node from the committed state, its gate and beta
+    computed here from their projections (``a``, ``b_proj`` at any strides) rather than by a kernel of their own.
+    Grid: (V tiles, B * HV)."""
+    if not EARLY:
+        wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
-    qj, kj, vj = _load_qkv(q, k, v, row, 0, h, hv, 1, H, HV, K, V, rk, mk, rv, mv)
-    g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
     s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
                         rk, mk, rv, mv, HAS_PENDING)
+    if EARLY:
+        wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
+    qj, kj, vj = _load_qkv(q, k, v, row, 0, h, hv, 1, H, HV, K, V, rk, mk, rv, mv)
+    g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
     if i_v == 0:  # the node's records: its gates, and its normalized key once per key head
         tl.store(g_out + i_bh, g)
         tl.store(beta_out + i_bh, beta)
@@ -428,7 +459,7 @@ def _one_token_conv_gates_kernel(
     scale, A, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, BS: tl.constexpr, SILU: tl.constexpr, USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr,
-    SK: tl.constexpr, SV: tl.constexpr, USE_PDL: tl.constexpr,
+    SK: tl.constexpr, SV: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """:func:`_one_token_gates_kernel` from the projection itself: the node's q/k/v short convs (``x*`` at any
     strides) run here too, from their conv states as committing each row's first ``conv_num`` pending inputs
@@ -437,10 +468,15 @@ def _one_token_conv_gates_kernel(
     program of a key head reads the head's q/k conv windows, so the last of them to finish reading commits those
     (its arrival counted in ``readers [B * H]``, which it leaves at zero); a program commits its own v channels.
     Grid: (V tiles, B * HV)."""
-    wait_upstream(USE_PDL)
+    if not EARLY:
+        wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
+    s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                        rk, mk, rv, mv, HAS_PENDING)
+    if EARLY:
+        wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
     num_x = tl.minimum(tl.load(conv_num + row).to(tl.int32), AX)
     qc, vc = h * K + rk, hv * V + rv  # the channels of key head h and of this V tile
     qj, xq_j = one_node_conv(xq + row * SXB_Q, SXD_Q, conv_q, px_q, w_q, row, qc, mk, num_x, H * K, S, AX, W, SILU)
@@ -449,8 +485,6 @@ def _one_token_conv_gates_kernel(
     tl.store(rows_v + row * HV * V + vc, xv_j, mask=mv)
     tl.store(v_out + row * HV * V + vc, vj.to(v_out.dtype.element_ty), mask=mv)
     g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
-    s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
-                        rk, mk, rv, mv, HAS_PENDING)
     if i_v == 0:  # the node's records: its gates, and once per key head its q/k inputs and normalized key
         tl.store(g_out + i_bh, g)
         tl.store(beta_out + i_bh, beta)
@@ -517,10 +551,13 @@ def _strides(state: torch.Tensor) -> tuple[int, int]:
     return strides
 
 
-def _pending_args(pending: Pending | None, state: torch.Tensor) -> tuple[list[torch.Tensor], int, bool]:
+def _pending_args(pending: Pending | None, state: torch.Tensor) -> tuple[list[torch.Tensor], int, bool, bool]:
+    """The records' kernel arguments, their count, HAS_PENDING, and EARLY: whether the launch may commit them before
+    its PDL wait (:func:`.dispatch.commits_before_wait`, and no copy of a record launched here just before it)."""
     if pending is None or pending.k.shape[1] == 0:
-        return [state] * 5, 0, False  # never read: HAS_PENDING is off
-    return [t.contiguous() for t in pending], pending.k.shape[1], True
+        return [state] * 5, 0, False, False  # never read: HAS_PENDING is off
+    early = commit_before_wait() and enabled(state.device) and all(t.is_contiguous() for t in pending)
+    return [t.contiguous() for t in pending], pending.k.shape[1], True, early
 
 
 def tree_verify(
@@ -563,7 +600,7 @@ def tree_verify(
     hv, dv = v.shape[2], v.shape[3]
     o = torch.empty_like(v)
     k_hat = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
+    (pk, pv, pg, pb, num), n_pending, has_pending, early = _pending_args(pending, state)
     block_v = min(config.block_v, _pow2_at_least(dv, 16))
     if route == "parallel":
         block_v = max(block_v, 16)  # tensor-core products need 16 columns
@@ -578,6 +615,7 @@ def tree_verify(
             q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num,
             a, b, a_log.contiguous(), dt_bias.contiguous(), *a.stride(), *b.stride(), scale, n, n_pending,
             BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1, GATES=gates is not None,
+            ON_CHIP=has_pending and shape["BKF"] * block_v <= ON_CHIP_TILE, EARLY=early,
             # tf32 keeps the error under a bf16 output's rounding; fp32 inputs get fp32-grade products
             PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape, **launch_args(q.device),
         )
@@ -591,7 +629,8 @@ def tree_verify(
     counter = torch.zeros(batch * hv * grid_v, dtype=torch.int32, device=q.device) if (hybrid and has_pending) else num
     _recurrent_kernel[(grid_v, batch * hv, n if hybrid else 1)](
         q, k, v, g, beta, parents, state, o, k_hat, parked, counter, pk, pv, pg, pb, num, scale, n, n_pending,
-        BN=bn, LOG2BN=bn.bit_length() - 1, VERIFY=True, HYBRID=hybrid, SNAPSHOT=snapshot is not None, **shape,
+        BN=bn, LOG2BN=bn.bit_length() - 1, VERIFY=True, HYBRID=hybrid, SNAPSHOT=snapshot is not None,
+        EARLY=early and not hybrid, **shape,
         **launch_args(q.device),
     )
     return o, k_hat
@@ -610,7 +649,7 @@ def commit_(
     """Apply each row's first ``num_accepted[b]`` records to ``state`` in place (``specla::gdn_commit_``)."""
     config = config or KernelConfig()
     pending = Pending(k, v, g, beta, num_accepted)
-    (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
+    (pk, pv, pg, pb, num), n_pending, has_pending, early = _pending_args(pending, state)
     if not has_pending:
         return
     batch, _, heads, dk = k.shape
@@ -623,7 +662,8 @@ def commit_(
         unused, unused, unused, unused, unused, num, state, unused, unused, unused, num,
         pk, pv, pg, pb, num, 1.0, 0, n_pending,
         H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, BN=16, LOG2BN=4, USE_L2=False,
-        HAS_PENDING=True, VERIFY=False, HYBRID=False, SNAPSHOT=False, SK=sk, SV=sv, num_warps=config.num_warps,
+        HAS_PENDING=True, VERIFY=False, HYBRID=False, SNAPSHOT=False, SK=sk, SV=sv, EARLY=early,
+        num_warps=config.num_warps,
         **launch_args(state.device),
     )
 
@@ -640,14 +680,15 @@ def _one_token_launch(kernel, inputs: tuple, heads: int, dk: int, hv: int, dv: i
     k_hat = torch.empty(batch, 1, heads, dk, dtype=torch.float32, device=device)
     g = torch.empty(batch, 1, hv, dtype=torch.float32, device=device)
     beta = torch.empty_like(g)
-    (pk, pv, pg, pb, num), n_pending, has_pending = _pending_args(pending, state)
+    (pk, pv, pg, pb, num), n_pending, has_pending, early = _pending_args(pending, state)
     block_v = min(config.block_v, _pow2_at_least(dv, 16))
     sk, sv = _strides(state)
     kernel[(triton.cdiv(dv, block_v), batch * hv)](
         *inputs, a, b, a_log.contiguous(), dt_bias.contiguous(), state, o, k_hat, g, beta, pk, pv, pg, pb, num,
         scale, n_pending, a.stride(0), a.stride(2), b.stride(0), b.stride(2),
         H=heads, HV=hv, K=dk, V=dv, BKF=_pow2_at_least(dk, 16), BV=block_v, USE_L2=use_qk_l2norm,
-        HAS_PENDING=has_pending, SK=sk, SV=sv, num_warps=config.num_warps, **constexprs, **launch_args(device),
+        HAS_PENDING=has_pending, SK=sk, SV=sv, EARLY=early, num_warps=config.num_warps, **constexprs,
+        **launch_args(device),
     )
     return o, k_hat, g, beta
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from ..kernels.dispatch import TopologyHint, topology_hint
+from ..kernels.dispatch import TopologyHint, commits_before_wait, topology_hint
 from ..lowering.session import VerifySession
 from ..tree import PAD, ancestor_mask_device
 from .acceptance import Acceptance, cut_at_stop, greedy_accept_device, sample_accept_device, warp_probs
@@ -734,7 +734,8 @@ class StaticEngine:
         self.active.fill_(False)
         # (the device's attention length: a pass launched and not collected yet has advanced it past self.columns)
         length = self._attention_length().clone() if self.kv_valid is not None else None
-        bucket.graph, bucket.result = capture(lambda: self._step(bucket))
+        with commits_before_wait():  # (in a pass only a layer's own launch writes its state; only its end, the records)
+            bucket.graph, bucket.result = capture(lambda: self._step(bucket))
         # the flush too (about 100 launches, once per call): nothing is pending yet, so its warm-up
         # only compiles its kernels
         bucket.flush_graph, _ = capture(bucket.session.flush, warmups=1)
