@@ -234,6 +234,36 @@ def test_cuda_graph_replay(route):
     assert rel_err(static["state"], ref_state) <= EXACT_TOL
 
 
+@pytest.mark.parametrize("case, route", [("chain8", "parallel"), ("single", "serial"), ("chain8", "serial")])
+def test_a_commit_before_the_pdl_wait_replays_exactly(case, route):
+    """Captured inside ``dispatch.commits_before_wait``, a pass's layer (a kernel writing the layer's inputs, then the
+    fused commit and verify, whose commit runs before its PDL wait on Hopper) replayed back to back on new inputs,
+    each replay committing the records again on the state the one before left: every replay's outputs and state
+    against the fp64 reference."""
+    parents, x = inputs(case, seed=19)
+    records, num = accepted_records(x, parents, max_accepted=parents.shape[1], seed=20)
+    sources = {n: torch.stack([inputs(case, seed=21 + r)[1][n] for r in range(4)]) for n in NAMES}
+    static, step = {n: t.clone() for n, t in x.items()}, torch.zeros((), dtype=torch.long, device="cuda")
+    state = x["state"].clone()
+    with use_route(route), dispatch.commits_before_wait():
+        def layer():
+            for n in NAMES:  # (the kernel just before the verify writes its inputs, not its state or records)
+                static[n].copy_(sources[n].index_select(0, step)[0])
+            return ops.gdn_commit_verify_(state, *records, num, *(static[n] for n in NAMES), parents, SCALE, True)
+
+        layer()  # (compiles the kernels; commits once)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o, _ = layer()
+    for r in range(4):
+        before = state.clone()
+        step.fill_(r)
+        graph.replay()
+        new = {n: sources[n][r] for n in NAMES}
+        ref_o, _, ref_state = reference_verify({**new, "state": before}, parents, SCALE, True, pending=(records, num))
+        assert rel_err(o, ref_o) <= O_TOL and rel_err(state, ref_state) <= EXACT_TOL, r
+
+
 def test_float64_state_runs_the_reference():
     parents, x = inputs("chain8", seed=12, dtype=torch.float64)
     state = x["state"].double()
