@@ -65,8 +65,6 @@ CASES = {
     "tree_16": ("tree", 1, 16, 0, 16, 32, 2, 4, True, KernelConfig(block_v=16, block_k=16)),
     # a large batch's shape: the commit as its own launch, then wide verify tiles
     "batch_split_commit": ("tree", 8, 12, 2, 16, 32, 1, 2, True, dispatch.kernel_config("parallel", 16, pending=True, batch=8)),
-    # a committed tile wider than the parallel route keeps in registers (tv.ON_CHIP_TILE): its chunks are re-read
-    "wide_tile": ("tree", 2, 12, 2, 64, 128, 1, 2, True, KernelConfig(block_v=128, block_k=32)),
 }
 SCALE = 0.3
 
@@ -101,7 +99,6 @@ FUSED_CASES = [(case, route, "kv") for case in ("chain", "tree_padded", "star_pa
 FUSED_CASES += [("tree_padded", route, "vk") for route in ROUTES]  # fla's V-major state, updated where it lies
 FUSED_CASES += [("batch_split_commit", "parallel", layout) for layout in ("kv", "vk")]
 FUSED_CASES += [("single_node_wide", "serial", "vk")]  # plain decoding's step: one node, a pending record, fla's layout
-FUSED_CASES += [("wide_tile", "parallel", "kv")]
 
 
 @interpreted
@@ -253,8 +250,8 @@ def test_commit(block_v, layout):
 
 
 @interpreted
-@pytest.mark.parametrize("case, route", [("tree_16", "parallel"), ("wide_tile", "parallel"), ("chain", "serial"),
-                                         ("single_node_wide", "serial"), ("tree_padded", "hybrid")])
+@pytest.mark.parametrize("case, route", [("tree_16", "parallel"), ("chain", "serial"), ("single_node_wide", "serial"),
+                                         ("tree_padded", "hybrid")])
 def test_a_commit_before_the_pdl_wait_changes_nothing_else(case, route, monkeypatch):
     """Inside ``dispatch.commits_before_wait`` on a PDL device the recurrent kernels commit before their wait (EARLY).
     Off the GPU the wait is a no-op, so that code path must give, bit for bit, what the usual one gives: the verify

@@ -35,9 +35,6 @@ from .reference import L2NORM_EPS
 from .triton_conv import one_node_conv, shift_in
 
 _EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
-# the parallel route keeps a committed K x BV tile in registers up to this size (B=1's 256 x 16 fp32: 32 registers a
-# thread at 4 warps), beside the nodes' whole k and q; wider tiles re-read their chunks from the cache
-ON_CHIP_TILE = 4096
 _PAD: tl.constexpr = tl.constexpr(PAD)
 
 
@@ -289,22 +286,6 @@ def _recurrent_kernel(
 
 
 @triton.jit
-def _node_products(k, q, sc, b, h, N, H: tl.constexpr, K: tl.constexpr, rt, mt, rk, kk, qk, ks, qs, k_sq, q_sq,
-                   PREC: tl.constexpr):
-    """The parallel route's node products over the key columns ``rk`` (the whole K, or a chunk of it) added to their
-    sums: k k^T, q k^T, k S and q S (``sc``: those rows of the state tile) and the squared norms of k and q."""
-    node_off = ((b * N + rt[:, None]) * H + h) * K + rk[None, :]
-    node_mask = mt[:, None] & (rk < K)[None, :]
-    kc = tl.load(k + node_off, mask=node_mask, other=0.0).to(tl.float32)
-    qc = tl.load(q + node_off, mask=node_mask, other=0.0).to(tl.float32)
-    kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
-    qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
-    ks += tl.dot(kc, sc, input_precision=PREC)
-    qs += tl.dot(qc, sc, input_precision=PREC)
-    return kk, qk, ks, qs, k_sq + tl.sum(kc * kc, 1), q_sq + tl.sum(qc * qc, 1)
-
-
-@triton.jit
 def _parallel_kernel(
     q, k, v, g, beta, parents, state, o, k_hat,
     pk, pv, pg, pb, num_pending,
@@ -313,12 +294,11 @@ def _parallel_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2BT: tl.constexpr,
     USE_L2: tl.constexpr, HAS_PENDING: tl.constexpr, GATES: tl.constexpr, PREC: tl.constexpr, SK: tl.constexpr,
-    SV: tl.constexpr, ON_CHIP: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
+    SV: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Tree-masked UT verify from the state tile (after the fused commit when HAS_PENDING: a row's records one at a
     time; with EARLY before the PDL wait, :func:`.dispatch.commits_before_wait`).
-    Grid: (V tiles, B * HV). With ON_CHIP (HAS_PENDING, a tile that fits registers) the products take the committed
-    tile and the whole K at once; else the K dimension streams in chunks of BK. Raw dot products are
+    Grid: (V tiles, B * HV). The K dimension streams in chunks of BK; raw dot products are
     rescaled by the row norms afterwards, so normalization costs no extra pass. With GATES, each node's gate and beta
     come from their projections (``a``, ``b_proj`` at any strides) and ``g``, ``beta`` receive them (the records)."""
     if not EARLY:
@@ -331,16 +311,15 @@ def _parallel_kernel(
     rv = i_v * BV + tl.arange(0, BV)
     mv = rv < V
     state_tile = state + i_bh.to(tl.int64) * K * V
-    rkf = tl.arange(0, BKF)
     if HAS_PENDING:
+        rkf = tl.arange(0, BKF)
         full_off = rkf[:, None] * SK + rv[None, :] * SV
         full_mask = (rkf < K)[:, None] & mv[None, :]
         s0 = tl.load(state_tile + full_off, mask=full_mask, other=0.0)
         s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
         if tl.load(num_pending + b) > 0:  # (nothing to write back where nothing was pending)
             tl.store(state_tile + full_off, s0, mask=full_mask)
-        if not ON_CHIP:
-            tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
+        tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
     if EARLY:
         wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
     if hv % (HV // H) == 0:
@@ -361,16 +340,20 @@ def _parallel_kernel(
     qs = tl.zeros([BT, BV], dtype=tl.float32)
     k_sq = tl.zeros([BT], dtype=tl.float32)
     q_sq = tl.zeros([BT], dtype=tl.float32)
-    if ON_CHIP:  # (no second read of the tile: the commit left it in registers)
-        kk, qk, ks, qs, k_sq, q_sq = _node_products(k, q, s0, b, h, N, H, K, rt, mt, rkf,
-                                                    kk, qk, ks, qs, k_sq, q_sq, PREC)
-    else:
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            sc = tl.load(state_tile + rk[:, None] * SK + rv[None, :] * SV, mask=(rk < K)[:, None] & mv[None, :],
-                         other=0.0)
-            kk, qk, ks, qs, k_sq, q_sq = _node_products(k, q, sc, b, h, N, H, K, rt, mt, rk,
-                                                        kk, qk, ks, qs, k_sq, q_sq, PREC)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < K
+        node_off = ((b * N + rt[:, None]) * H + h) * K + rk[None, :]
+        node_mask = mt[:, None] & mk[None, :]
+        kc = tl.load(k + node_off, mask=node_mask, other=0.0).to(tl.float32)
+        qc = tl.load(q + node_off, mask=node_mask, other=0.0).to(tl.float32)
+        sc = tl.load(state_tile + rk[:, None] * SK + rv[None, :] * SV, mask=mk[:, None] & mv[None, :], other=0.0)
+        kk += tl.dot(kc, tl.trans(kc), input_precision=PREC)
+        qk += tl.dot(qc, tl.trans(kc), input_precision=PREC)
+        ks += tl.dot(kc, sc, input_precision=PREC)
+        qs += tl.dot(qc, sc, input_precision=PREC)
+        k_sq += tl.sum(kc * kc, 1)
+        q_sq += tl.sum(qc * qc, 1)
     if USE_L2:
         k_inv = tl.rsqrt(k_sq + _EPS)
         q_inv = tl.rsqrt(q_sq + _EPS)
@@ -615,7 +598,7 @@ def tree_verify(
             q, k, v, g, beta, parents, state, o, k_hat, pk, pv, pg, pb, num,
             a, b, a_log.contiguous(), dt_bias.contiguous(), *a.stride(), *b.stride(), scale, n, n_pending,
             BK=min(config.block_k, shape["BKF"]), BT=bt, LOG2BT=bt.bit_length() - 1, GATES=gates is not None,
-            ON_CHIP=has_pending and shape["BKF"] * block_v <= ON_CHIP_TILE, EARLY=early,
+            EARLY=early,
             # tf32 keeps the error under a bf16 output's rounding; fp32 inputs get fp32-grade products
             PREC="tf32x3" if v.dtype == torch.float32 else "tf32", **shape, **launch_args(q.device),
         )
