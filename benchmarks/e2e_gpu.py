@@ -631,6 +631,9 @@ FOLD_AB = {  # option sets fold_ab times against the defaults: the folds off by 
     "fold_gated_norms_drafted": ["fold_gated_norms_drafted=True"],
     "drafted_folds": ["fold_gates_drafted=True", "fold_gated_norms_drafted=True"],  # (the drafted passes' two)
     "cuda_gemvs_drafted_folds": ["cuda_gemvs=True", "fold_gates_drafted=True", "fold_gated_norms_drafted=True"],
+    # every drafted pass on the serial route (trees too): whether a chain's walk, its state committed before the PDL
+    # wait, beats the parallel route inside a pass (the cost model was fitted on kernels timed alone)
+    "serial_route": ["verify_kernel='serial'"],
 }
 
 
