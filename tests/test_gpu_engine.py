@@ -13,6 +13,7 @@ from models import FAMILIES, VOCAB, left_padded_batch, tiny_model
 from test_generator import COMPILE, OracleDrafter, plain
 
 from specla_compile import SpecConfig, SpeculativeGenerator
+from specla_compile.kernels import pdl, triton_verify
 from specla_compile.runtime.cache_layout import cache_slots
 from specla_compile.runtime.drafters import ModelDrafter
 
@@ -21,7 +22,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode):
+def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode, monkeypatch):
+    """(On Hopper the captured passes' recurrent launches commit before their PDL wait: the engine names its cache's
+    states, and the ops receive those, not copies.)"""
+    early, pending_args = [], triton_verify._pending_args
+
+    def recorded(*args):
+        early.append(pending_args(*args)[3])
+        return pending_args(*args)
+
+    monkeypatch.setattr(triton_verify, "_pending_args", recorded)
     model = tiny_model(family).cuda()
     prompts = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(21)).cuda()
     refs = [plain(model, p, 20)[0][0, 6:].tolist() for p in prompts]
@@ -36,6 +46,7 @@ def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode):
             assert all(bucket.graph is not None for bucket in gen.engine(prompts.device, False).buckets.values())
             plain_out = gen.decode(prompts, max_new_tokens=20, eos_token_id=eos, pad_token_id=VOCAB + 1)
     assert outs[True].sequences.tolist() == outs[False].sequences.tolist() == plain_out.sequences.tolist()
+    assert any(early) == pdl.enabled(prompts.device)
     stats = outs[True].stats  # phase times from CUDA events: each positive, together within the call's time
     phases = [stats.prefill_seconds, stats.draft_seconds, stats.verify_seconds, stats.commit_seconds]
     assert all(t > 0 for t in phases) and sum(phases) <= stats.seconds

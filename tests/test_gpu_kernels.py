@@ -24,7 +24,7 @@ from kernel_cases import (
     rel_err,
 )
 
-from specla_compile.kernels import cuda_gemv, dispatch, ops, triton_gemv, triton_linear, triton_topk, triton_verify
+from specla_compile.kernels import cuda_gemv, dispatch, ops, pdl, triton_gemv, triton_linear, triton_topk, triton_verify
 from specla_compile.kernels import reference as ref
 from specla_compile.kernels.dispatch import ROUTES, KernelConfig, use_route
 
@@ -236,16 +236,20 @@ def test_cuda_graph_replay(route):
 
 @pytest.mark.parametrize("case, route", [("chain8", "parallel"), ("single", "serial"), ("chain8", "serial")])
 def test_a_commit_before_the_pdl_wait_replays_exactly(case, route):
-    """Captured inside ``dispatch.commits_before_wait``, a pass's layer (a kernel writing the layer's inputs, then the
-    fused commit and verify, whose commit runs before its PDL wait on Hopper) replayed back to back on new inputs,
-    each replay committing the records again on the state the one before left: every replay's outputs and state
-    against the fp64 reference."""
+    """Captured inside ``dispatch.commits_before_wait``, a pass's layer (its inputs written, then the fused commit and
+    verify, whose commit runs before its PDL wait on Hopper) replayed back to back on new inputs, each replay
+    committing the records again on the state the one before left: every replay's outputs and state against the fp64
+    reference. (The copies are memcpy nodes, which nothing overlaps: the overlap with a PDL kernel before is the
+    engine tests' captured passes, whose conv kernels write the inputs.)"""
     parents, x = inputs(case, seed=19)
     records, num = accepted_records(x, parents, max_accepted=parents.shape[1], seed=20)
     sources = {n: torch.stack([inputs(case, seed=21 + r)[1][n] for r in range(4)]) for n in NAMES}
     static, step = {n: t.clone() for n, t in x.items()}, torch.zeros((), dtype=torch.long, device="cuda")
     state = x["state"].clone()
-    with use_route(route), dispatch.commits_before_wait():
+    with use_route(route), dispatch.commits_before_wait([state]):
+        early = triton_verify._pending_args(triton_verify.Pending(*records, num), state)[3]
+        assert early or not pdl.enabled(state.device)
+
         def layer():
             for n in NAMES:  # (the kernel just before the verify writes its inputs, not its state or records)
                 static[n].copy_(sources[n].index_select(0, step)[0])

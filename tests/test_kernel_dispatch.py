@@ -56,3 +56,13 @@ def test_overrides(monkeypatch):
 def test_parallel_levels_follow_the_padded_size():
     levels = [dispatch.route_features("parallel", TopologyHint(n, n, 0, 1))[1] for n in (1, 16, 17, 32, 33, 64)]
     assert levels == [4, 4, 5, 5, 6, 6]  # log2 of the power-of-two node bucket (at least 16)
+
+
+def test_commits_before_wait_names_states_by_address():
+    """Only launches on the named states (a view of one lies where it does) may commit before their PDL wait; a copy
+    of one lies elsewhere and waits first, and nothing does outside the block."""
+    state = torch.randn(2, 4, 8, 8)
+    with dispatch.commits_before_wait([state]):
+        assert dispatch.early_commit(state) and dispatch.early_commit(state.transpose(-1, -2))
+        assert not dispatch.early_commit(state.clone())
+    assert not dispatch.early_commit(state)

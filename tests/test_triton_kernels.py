@@ -253,9 +253,10 @@ def test_commit(block_v, layout):
 @pytest.mark.parametrize("case, route", [("tree_16", "parallel"), ("chain", "serial"), ("single_node_wide", "serial"),
                                          ("tree_padded", "hybrid")])
 def test_a_commit_before_the_pdl_wait_changes_nothing_else(case, route, monkeypatch):
-    """Inside ``dispatch.commits_before_wait`` on a PDL device the recurrent kernels commit before their wait (EARLY).
-    Off the GPU the wait is a no-op, so that code path must give, bit for bit, what the usual one gives: the verify
-    routes (the hybrid keeps its wait first), the standalone commit and the one-node gates and conv-gates kernels."""
+    """Inside ``dispatch.commits_before_wait`` on a PDL device the recurrent kernels on the named states commit before
+    their wait (EARLY). Off the GPU the wait is a no-op, so that code path must give, bit for bit, what the usual one
+    gives: the verify routes (the hybrid keeps its wait first), the standalone commit and the one-node gates and
+    conv-gates kernels."""
     parents, x, l2, config = case_inputs(case, seed=7)
     prev_parents, prev = case_inputs(case, seed=8)[:2]
     records, num = accepted_records(prev, prev_parents, max_accepted=6, seed=9)
@@ -263,9 +264,8 @@ def test_a_commit_before_the_pdl_wait_changes_nothing_else(case, route, monkeypa
     conv_case = random_conv_gates_pass(2, 2, 4, 16, (1, 3), seed=21, dtype=torch.float32)
     gates = random_gate_projections(*parents.shape, x["v"].shape[2], seed=14, dtype=torch.float32)
 
-    def launches() -> list[torch.Tensor]:
-        state, committed, one_node = x["state"].clone(), x["state"].clone(), x["state"].clone()
-        conv_states, conv_state = [c.clone() for c in conv_case["conv_states"]], conv_case["state"].clone()
+    def launches(states: list[torch.Tensor], conv_states: list[torch.Tensor]) -> list[torch.Tensor]:
+        state, committed, one_node, conv_state = states
         outs = tv.tree_verify(*(x[n] for n in NAMES), parents, state, SCALE, l2, route=route, config=config,
                               pending=pending)
         tv.commit_(committed, *records, num, config=config)
@@ -276,18 +276,22 @@ def test_a_commit_before_the_pdl_wait_changes_nothing_else(case, route, monkeypa
             conv_case["xs"], conv_states, conv_case["weights"], conv_case["conv_pending"], conv_case["num"], True,
             conv_case["gates"], conv_state, SCALE, l2, pending=tv.Pending(*conv_case["records"], conv_case["num"]),
             config=KernelConfig(block_v=8, num_warps=2))
-        return [*outs, state, committed, one_node, *conv_states, conv_state]
+        return [*outs, *states, *conv_states]
 
-    usual = launches()
+    def fresh() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return ([x["state"].clone() for _ in range(3)] + [conv_case["state"].clone()],
+                [c.clone() for c in conv_case["conv_states"]])
+
+    usual = launches(*fresh())
     monkeypatch.setattr(tv, "enabled", lambda device: True)  # (as on a Hopper GPU: the launches would use PDL)
-    with dispatch.commits_before_wait():
-        assert tv._pending_args(pending, x["state"])[3]  # (EARLY)
-        with dispatch.commits_before_wait(False):  # (after a copy of the state: wait first)
-            assert not tv._pending_args(pending, x["state"])[3]
+    states, conv_states = fresh()
+    with dispatch.commits_before_wait(states):
+        assert tv._pending_args(pending, states[0])[3]  # (EARLY)
+        assert not tv._pending_args(pending, x["state"])[3]  # (a state not named, e.g. a copy: it waits first)
         strided = tv.Pending(torch.cat([records.k, records.k], -1)[..., ::2], *records[1:], num)
-        assert not tv._pending_args(strided, x["state"])[3]  # (a record copied just before the launch)
-        early = launches()
-    assert not tv._pending_args(pending, x["state"])[3]
+        assert not tv._pending_args(strided, states[0])[3]  # (a record copied just before the launch)
+        early = launches(states, conv_states)
+    assert not tv._pending_args(pending, states[0])[3]
     assert all(torch.equal(a, b) for a, b in zip(usual, early, strict=True))
 
 

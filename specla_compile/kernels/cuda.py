@@ -39,14 +39,11 @@ def _kernel_layout(state: torch.Tensor) -> bool:
 
 def _in_place(state: torch.Tensor, update: Callable[[torch.Tensor], object], fits: Callable[[torch.Tensor], bool]) -> object:
     """Run ``update`` on ``state`` if its layout ``fits`` the kernel, else on a contiguous copy that is
-    written back (two copies of the state: avoid them; the update's kernel then waits for the copy before its
-    commit)."""
-    if fits(state):
-        return update(state)
-    work = state.contiguous()
-    with dispatch.commits_before_wait(False):
-        out = update(work)
-    state.copy_(work)
+    written back (two copies of the state: avoid them)."""
+    work = state if fits(state) else state.contiguous()
+    out = update(work)
+    if work is not state:
+        state.copy_(work)
     return out
 
 

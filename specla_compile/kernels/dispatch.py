@@ -6,9 +6,9 @@ built the draft on the host (the runtime) can describe it with :func:`topology_h
 the cost model assumes the deepest tree of that size (a chain), the case where the routes differ most.
 :func:`use_route` or the environment variable ``SPECLA_VERIFY_ROUTE`` force a route.
 
-Inside :func:`commits_before_wait` (the engine's capture of a pass) the recurrent kernels launched with PDL commit a
-layer's pending records to its state before their PDL wait, while the kernel before them still runs: in a pass,
-only a layer's own launch writes its state, and only the end of an earlier pass its records.
+Inside :func:`commits_before_wait` (the engine's capture of a pass) the recurrent kernels launched with PDL on the
+cache's states commit a layer's pending records before their PDL wait, while the kernel before them still runs: in a
+pass, only a layer's own launch touches its state, and only the end of an earlier pass writes its records.
 
 The cost model's constants are per-layer latencies in microseconds on an H200 at the GDN-1.3B shape,
 fitted from ``benchmarks/results/bench_kernels.json`` (``cost_model`` there).
@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -95,7 +95,8 @@ H200_COSTS = CostModel({"serial": (4.497, 0.739, 0.377), "hybrid": (7.345, 0.441
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("specla_forced_route", default=None)
 _hint: contextvars.ContextVar[TopologyHint | None] = contextvars.ContextVar("specla_topology_hint", default=None)
-_commits_before_wait: contextvars.ContextVar[bool] = contextvars.ContextVar("specla_commits_before_wait", default=False)
+_early_states: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("specla_early_states",
+                                                                               default=frozenset())
 
 
 @contextlib.contextmanager
@@ -121,20 +122,23 @@ def topology_hint(hint: TopologyHint) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def commits_before_wait(on: bool = True) -> Iterator[None]:
-    """Verify and commit launches inside may read a layer's state and pending records before their PDL wait: the
-    caller guarantees that the kernel launched just before each writes neither (read at launch: a captured graph keeps
-    it). ``on=False``: they wait first again (a copy of the state launched just before them)."""
-    token = _commits_before_wait.set(on)
+def commits_before_wait(states: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Recurrent launches inside on one of ``states`` (by address: a static cache's tensors) commit its pending records
+    before their PDL wait. The caller guarantees that in what it runs (a pass) no kernel before such a launch writes
+    that state or its records, and that the kernel just before it does not read the state: only the launch itself
+    touches the state, and only an earlier pass's end writes the records. A copy of the state (the op's own, for a
+    layout the kernels do not take, or inductor's) lies elsewhere, so its launch waits first. Read at launch: a
+    captured graph keeps it."""
+    token = _early_states.set(frozenset(t.data_ptr() for t in states))
     try:
         yield
     finally:
-        _commits_before_wait.reset(token)
+        _early_states.reset(token)
 
 
-def commit_before_wait() -> bool:
-    """Whether a recurrent launch now may commit before its PDL wait (:func:`commits_before_wait`)."""
-    return _commits_before_wait.get()
+def early_commit(state: torch.Tensor) -> bool:
+    """Whether a recurrent launch on ``state`` now may commit before its PDL wait (:func:`commits_before_wait`)."""
+    return state.data_ptr() in _early_states.get()
 
 
 def choose_route(num_nodes: int, costs: CostModel = H200_COSTS) -> str:

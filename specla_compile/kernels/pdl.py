@@ -3,9 +3,9 @@
 A GDN pass at B=1 is hundreds of short kernels in one CUDA graph; between two dependent kernels the GPU
 idles while the second one launches and ramps up. Launched with PDL, a kernel may start while the kernel
 before it in the stream still runs: it waits (``griddepcontrol.wait``) for that kernel to finish, and its
-memory to be visible, before it reads or writes anything, then lets the kernel after it launch in turn
-(``griddepcontrol.launch_dependents``). Since every PDL kernel waits before it touches memory, a kernel that
-waits also waits, transitively, for every kernel before it: the order of the stream's writes holds.
+memory to be visible, before it reads or writes anything a kernel before it may write, then lets the kernel after it
+launch in turn (``griddepcontrol.launch_dependents``). (The recurrent launches of a captured pass read their state and
+pending records before the wait: no kernel of the pass before them writes those, ``dispatch.commits_before_wait``.)
 
 Every specla Triton kernel takes ``USE_PDL`` and calls :func:`wait_upstream` before its first load of anything a
 kernel before it may write (the one-row GEMV of ``triton_gemv.py`` loads a tile of its weight, a parameter, first);

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..tree import PAD
-from .dispatch import ROUTES, KernelConfig, commit_before_wait
+from .dispatch import ROUTES, KernelConfig, early_commit
 from .pdl import enabled, launch_args, wait_upstream
 from .reference import L2NORM_EPS
 from .triton_conv import one_node_conv, shift_in
@@ -205,6 +205,7 @@ def _recurrent_kernel(
     """Serial route (grid z = 1), hybrid route (grid z = N, one program per chain) and the standalone
     commit (VERIFY = False); with EARLY (not HYBRID) the commit runs before the PDL wait
     (:func:`.dispatch.commits_before_wait`). Grid: (V tiles, B * HV, z)."""
+    tl.static_assert(not (EARLY and HYBRID), "the hybrid route reads the parents before its commit: it waits first")
     if not EARLY:
         wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
@@ -229,7 +230,8 @@ def _recurrent_kernel(
                 if seen == n_chains - 1:
                     tl.store(state + tile_off, s0, mask=tile_mask)
             else:
-                tl.store(state + tile_off, s0, mask=tile_mask)
+                if tl.load(num_pending + b) > 0:  # (nothing to write back where nothing was pending)
+                    tl.store(state + tile_off, s0, mask=tile_mask)
         if EARLY:
             wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
         if VERIFY:
@@ -418,12 +420,15 @@ def _one_token_gates_kernel(
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
-    s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
-                        rk, mk, rv, mv, HAS_PENDING)
     if EARLY:
+        s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                            rk, mk, rv, mv, HAS_PENDING)
         wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
     qj, kj, vj = _load_qkv(q, k, v, row, 0, h, hv, 1, H, HV, K, V, rk, mk, rv, mv)
     g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
+    if not EARLY:
+        s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                            rk, mk, rv, mv, HAS_PENDING)
     if i_v == 0:  # the node's records: its gates, and its normalized key once per key head
         tl.store(g_out + i_bh, g)
         tl.store(beta_out + i_bh, beta)
@@ -456,9 +461,9 @@ def _one_token_conv_gates_kernel(
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
-    s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
-                        rk, mk, rv, mv, HAS_PENDING)
     if EARLY:
+        s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                            rk, mk, rv, mv, HAS_PENDING)
         wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
     num_x = tl.minimum(tl.load(conv_num + row).to(tl.int32), AX)
     qc, vc = h * K + rk, hv * V + rv  # the channels of key head h and of this V tile
@@ -468,6 +473,9 @@ def _one_token_conv_gates_kernel(
     tl.store(rows_v + row * HV * V + vc, xv_j, mask=mv)
     tl.store(v_out + row * HV * V + vc, vj.to(v_out.dtype.element_ty), mask=mv)
     g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
+    if not EARLY:
+        s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                            rk, mk, rv, mv, HAS_PENDING)
     if i_v == 0:  # the node's records: its gates, and once per key head its q/k inputs and normalized key
         tl.store(g_out + i_bh, g)
         tl.store(beta_out + i_bh, beta)
@@ -539,7 +547,7 @@ def _pending_args(pending: Pending | None, state: torch.Tensor) -> tuple[list[to
     its PDL wait (:func:`.dispatch.commits_before_wait`, and no copy of a record launched here just before it)."""
     if pending is None or pending.k.shape[1] == 0:
         return [state] * 5, 0, False, False  # never read: HAS_PENDING is off
-    early = commit_before_wait() and enabled(state.device) and all(t.is_contiguous() for t in pending)
+    early = early_commit(state) and enabled(state.device) and all(t.is_contiguous() for t in pending)
     return [t.contiguous() for t in pending], pending.k.shape[1], True, early
 
 

@@ -734,7 +734,8 @@ class StaticEngine:
         self.active.fill_(False)
         # (the device's attention length: a pass launched and not collected yet has advanced it past self.columns)
         length = self._attention_length().clone() if self.kv_valid is not None else None
-        with commits_before_wait():  # (in a pass only a layer's own launch writes its state; only its end, the records)
+        # (in a pass only a layer's own launch touches its state, and only the pass's end writes the records)
+        with commits_before_wait(slot.get() for slot in self.state_slots):
             bucket.graph, bucket.result = capture(lambda: self._step(bucket))
         # the flush too (about 100 launches, once per call): nothing is pending yet, so its warm-up
         # only compiles its kernels
