@@ -205,7 +205,6 @@ def _recurrent_kernel(
     """Serial route (grid z = 1), hybrid route (grid z = N, one program per chain) and the standalone
     commit (VERIFY = False); with EARLY (not HYBRID) the commit runs before the PDL wait
     (:func:`.dispatch.commits_before_wait`). Grid: (V tiles, B * HV, z)."""
-    tl.static_assert(not (EARLY and HYBRID), "the hybrid route reads the parents before its commit: it waits first")
     if not EARLY:
         wait_upstream(USE_PDL)
     i_v = tl.program_id(0)
@@ -621,7 +620,7 @@ def tree_verify(
     _recurrent_kernel[(grid_v, batch * hv, n if hybrid else 1)](
         q, k, v, g, beta, parents, state, o, k_hat, parked, counter, pk, pv, pg, pb, num, scale, n, n_pending,
         BN=bn, LOG2BN=bn.bit_length() - 1, VERIFY=True, HYBRID=hybrid, SNAPSHOT=snapshot is not None,
-        EARLY=early and not hybrid, **shape,
+        EARLY=early and not hybrid, **shape,  # (the hybrid route reads the parents before its commit: it waits first)
         **launch_args(q.device),
     )
     return o, k_hat
