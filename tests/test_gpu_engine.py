@@ -28,8 +28,9 @@ def test_graphed_passes_equal_eager_passes_and_plain_decoding(family, mode, monk
     early, pending_args = [], triton_verify._pending_args
 
     def recorded(*args):
-        early.append(pending_args(*args)[3])
-        return pending_args(*args)
+        out = pending_args(*args)
+        early.append(out[3])
+        return out
 
     monkeypatch.setattr(triton_verify, "_pending_args", recorded)
     model = tiny_model(family).cuda()

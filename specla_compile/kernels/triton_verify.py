@@ -314,12 +314,8 @@ def _parallel_kernel(
     state_tile = state + i_bh.to(tl.int64) * K * V
     if HAS_PENDING:
         rkf = tl.arange(0, BKF)
-        full_off = rkf[:, None] * SK + rv[None, :] * SV
-        full_mask = (rkf < K)[:, None] & mv[None, :]
-        s0 = tl.load(state_tile + full_off, mask=full_mask, other=0.0)
-        s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv)
-        if tl.load(num_pending + b) > 0:  # (nothing to write back where nothing was pending)
-            tl.store(state_tile + full_off, s0, mask=full_mask)
+        _committed_tile(state_tile, rkf[:, None] * SK + rv[None, :] * SV, (rkf < K)[:, None] & mv[None, :], pk, pv, pg,
+                        pb, num_pending, b, hv, h, A, H, HV, K, V, rkf, rkf < K, rv, mv, HAS_PENDING)
         tl.debug_barrier()  # the chunks below re-read the tile other threads just wrote
     if EARLY:
         wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
@@ -419,15 +415,12 @@ def _one_token_gates_kernel(
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
+    s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                        rk, mk, rv, mv, HAS_PENDING)
     if EARLY:
-        s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
-                            rk, mk, rv, mv, HAS_PENDING)
         wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
     qj, kj, vj = _load_qkv(q, k, v, row, 0, h, hv, 1, H, HV, K, V, rk, mk, rv, mv)
     g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
-    if not EARLY:
-        s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
-                            rk, mk, rv, mv, HAS_PENDING)
     if i_v == 0:  # the node's records: its gates, and its normalized key once per key head
         tl.store(g_out + i_bh, g)
         tl.store(beta_out + i_bh, beta)
@@ -460,9 +453,9 @@ def _one_token_conv_gates_kernel(
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     row, hv, h, rk, mk, rv, mv, tile_off, tile_mask = _state_tile(i_v, i_bh, H, HV, K, V, BKF, BV, SK, SV)
+    s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
+                        rk, mk, rv, mv, HAS_PENDING)
     if EARLY:
-        s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
-                            rk, mk, rv, mv, HAS_PENDING)
         wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
     num_x = tl.minimum(tl.load(conv_num + row).to(tl.int32), AX)
     qc, vc = h * K + rk, hv * V + rv  # the channels of key head h and of this V tile
@@ -472,9 +465,6 @@ def _one_token_conv_gates_kernel(
     tl.store(rows_v + row * HV * V + vc, xv_j, mask=mv)
     tl.store(v_out + row * HV * V + vc, vj.to(v_out.dtype.element_ty), mask=mv)
     g, beta = _node_gates(a, b_proj, a_log, dt_bias, row, hv, SA_ROW, SA_HEAD, SB_ROW, SB_HEAD)
-    if not EARLY:
-        s = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, row, hv, h, A, H, HV, K, V,
-                            rk, mk, rv, mv, HAS_PENDING)
     if i_v == 0:  # the node's records: its gates, and once per key head its q/k inputs and normalized key
         tl.store(g_out + i_bh, g)
         tl.store(beta_out + i_bh, beta)
