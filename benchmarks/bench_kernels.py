@@ -373,7 +373,8 @@ def bench_sweep(states: list[torch.Tensor]) -> list[dict]:
         "hybrid": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 4)],
         "parallel": [KernelConfig(64, 4, 32), KernelConfig(32, 4, 64), KernelConfig(64, 8, 32), KernelConfig(128, 4, 32),
                      KernelConfig(128, 8, 32)],
-        "parallel+pending": [KernelConfig(32, 4, 64), KernelConfig(64, 4, 32), KernelConfig(16, 4, 64)],
+        "parallel+pending": [KernelConfig(32, 4, 64), KernelConfig(64, 4, 32), KernelConfig(16, 4, 64),
+                             KernelConfig(16, 2, 64), KernelConfig(16, 2, 32)],
     }
     out = []
     for shape, plist in shapes.items():

@@ -163,7 +163,8 @@ SWEEP = {  # every launch shape benchmarks/bench_kernels.py --sections sweep mea
     "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(16, 4)],
     "hybrid": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 4)],
     "parallel": [KernelConfig(64, 4, 32), KernelConfig(32, 4, 64), KernelConfig(64, 8, 32), KernelConfig(128, 4, 32),
-                 KernelConfig(128, 8, 32), KernelConfig(16, 4, 64)],
+                 KernelConfig(128, 8, 32), KernelConfig(16, 4, 64), KernelConfig(16, 2, 64),
+                 KernelConfig(16, 2, 32)],
 }
 
 
@@ -179,7 +180,7 @@ def test_launch_configs(route, config):
 
 
 @pytest.mark.parametrize("config", [KernelConfig(32, 4, 64), KernelConfig(64, 4, 32), KernelConfig(16, 4, 64),
-                                    *(dispatch.kernel_config("parallel", 16, pending=True, batch=b) for b in (4, 16))])
+                                    *(dispatch.kernel_config("parallel", 16, pending=True, batch=b) for b in (1, 4, 16))])
 def test_fused_parallel_launch_configs(config):
     parents, x = inputs("tree16_padded", seed=14)
     _check_parallel_commit_verify(parents, x, *accepted_records(x, parents, max_accepted=6, seed=15), config)
@@ -198,7 +199,8 @@ def _check_parallel_commit_verify(parents, x, records, num, config: KernelConfig
     assert rel_err(o, ref_o) <= O_TOL
 
 
-@pytest.mark.parametrize("case, config", [("chain16", KernelConfig(16, 4, 64)), ("tree16_padded", KernelConfig(64, 4, 32))])
+@pytest.mark.parametrize("case, config", [("chain16", dispatch.kernel_config("parallel", 16, pending=True)),
+                                          ("tree16_padded", KernelConfig(64, 4, 32))])
 def test_the_parallel_route_commits_a_whole_accepted_path(case, config):
     """The fused commit at the 1.3B shape's heads (K = V = 256): the committed state exact against fp64 for a row's
     path of 13 records (an oracle chain's L = 12 pass) and a second row's 2."""

@@ -166,13 +166,15 @@ def kernel_config(route: str, num_nodes: int, pending: bool = False, batch: int 
     16 nodes with records: 120 -> 46 us a layer; at one row 13.3 us either way). Its fused commit applies a row's
     records one at a time, about 0.6 us each a layer at the 1.3B shape (the 16-node pass 1.759 ms with none, 1.943
     with 13, ``e2e_gpu.json``'s ``fla_b1_4b2a5dc``; a UT form of the commit, flat in the count, was slower at every count
-    on an H200: ``docs/kernels.md``)."""
+    on an H200: ``docs/kernels.md``). At one row that fused launch takes 16 columns, 2 warps and K chunks of 32: on an
+    H100 the 9-node chain's launch 10.4 -> 8.8 us against 4 warps and chunks of 64, and every captured pass of 9 to 32
+    nodes faster (``benchmarks/results/parallel_launch_h100``; the 1 warp one was slower still)."""
     if route == "parallel":
         if batch >= 8:
             wide = KernelConfig(128, 4, 32)
             return dataclasses.replace(wide, separate_commit=KernelConfig(32, 4)) if pending else wide
         if pending and batch == 1:
-            return KernelConfig(block_v=16, num_warps=4, block_k=64)
+            return KernelConfig(block_v=16, num_warps=2, block_k=32)
         return KernelConfig(64, 4, 32)
     if num_nodes == 1 and route == "serial":
         return KernelConfig(block_v=16 if pending else 8, num_warps=2)
