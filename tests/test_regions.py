@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import re
 
-import pytest
 import torch
 import torch.fx as fx
 from cache_utils import max_cache_diff
