@@ -168,7 +168,7 @@ def kernel_config(route: str, num_nodes: int, pending: bool = False, batch: int 
     with 13, ``e2e_gpu.json``'s ``fla_b1_4b2a5dc``; a UT form of the commit, flat in the count, was slower at every count
     on an H200: ``docs/kernels.md``). At one row that fused launch takes 16 columns, 2 warps and K chunks of 32: on an
     H100 the 9-node chain's launch 10.4 -> 8.8 us against 4 warps and chunks of 64, and every captured pass of 9 to 32
-    nodes faster (``benchmarks/results/parallel_launch_h100``; the 1 warp one was slower still)."""
+    nodes faster (``benchmarks/results/parallel_launch_h100``, where 1 warp was slower than either)."""
     if route == "parallel":
         if batch >= 8:
             wide = KernelConfig(128, 4, 32)
