@@ -6,7 +6,8 @@ set (states alone are 2 MiB each, so consecutive calls do not find their state i
 stack); a route's time is the median over graph replays divided by ``SETS``. The layer-stack routes
 (token replay, factor commit over 24 layers) are one graph of the whole stack.
 
-    python benchmarks/bench_kernels.py --out benchmarks/results [--sweep]
+    python benchmarks/bench_kernels.py --out benchmarks/results [--sections ... sweep]
+    SPECLA_PDL=0 python benchmarks/bench_kernels.py --sections sweep --out DIR   # launch shapes, each call waiting
     python benchmarks/bench_kernels.py --plot-only benchmarks/results/bench_kernels.json
 
 Writes ``bench_kernels.json``, ``bench_kernels.md`` and ``bench_kernels.png`` and prints the tables.
@@ -364,7 +365,8 @@ def bench_fused(states: list[torch.Tensor], topologies: dict[str, tuple[list[int
 def bench_sweep(states: list[torch.Tensor]) -> list[dict]:
     from specla_compile.kernels.dispatch import KernelConfig
 
-    shapes = {"node1": chain_parents(1), "chain8": chain_parents(8), "tree_2_4_16": beam_tree(2, 4, 16), "tree_2_24_32": beam_tree(2, 24, 32),
+    shapes = {"node1": chain_parents(1), "chain8": chain_parents(8), "chain9": chain_parents(9),
+              "tree_2_4_16": beam_tree(2, 4, 16), "tree_2_24_32": beam_tree(2, 24, 32),
               "tree_4_4_32": beam_tree(4, 4, 32)}
     configs = {
         "serial": [KernelConfig(8, 1), KernelConfig(8, 2), KernelConfig(16, 2), KernelConfig(16, 4), KernelConfig(4, 1),
