@@ -634,6 +634,8 @@ FOLD_AB = {  # option sets fold_ab times against the defaults: the folds off by 
     # every drafted pass on the serial route (trees too): whether a chain's walk, its state committed before the PDL
     # wait, beats the parallel route inside a pass (the cost model was fitted on kernels timed alone)
     "serial_route": ["verify_kernel='serial'"],
+    # the drafted passes' MLP product and down projection in three kernels, as before the split launch
+    "without_fold_swiglu_drafted": ["fold_swiglu_drafted=False"],
 }
 
 

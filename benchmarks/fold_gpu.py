@@ -19,6 +19,11 @@ norm kernel then cuBLAS against ``specla::gated_norm_linear``'s few-row kernel (
 the backend's ``fold_gated_norms_drafted``) over its program widths and warps, and at one row its one-row GEMV (the
 plain step's ``fold_gated_norms``).
 
+``swiglu_down`` (not in the default): a GDN-1.3B layer's MLP product and down projection ([2048, 5632]) at a drafted
+pass's rows, inductor's ``silu(gate) * up`` then cuBLAS (its split-K GEMM and reduction) against
+``specla::swiglu_linear``'s split few-row kernel (``triton_linear.swiglu_linear``, the backend's
+``fold_swiglu_drafted``) over its splits and tiles.
+
 ``head`` (not in the default): the norm GEMMs of an EAGLE head sized for the GDN-1.3B target (q/k/v, gate/up with
 ``silu(gate) * up``; a norm, no skip) at a draft level's rows (``--head-rows``), as ``folded``; ``head_bare``: the
 same weights without a norm, against cuBLAS. (A third sweep, the norm's weight folded into W beforehand and only
@@ -138,6 +143,45 @@ def sweep_gated_norm(rows: int) -> dict:
     return row
 
 
+SWIGLU_DOWN = (2048, 5632)  # the GDN-1.3B layer's down projection [N, I]
+SWIGLU_CONFIGS = list(itertools.product((4, 6, 8), (32, 64), (128, 256), (4, 8)))  # (split, BLOCK_N, BLOCK_K, warps)
+
+
+def unfolded_swiglu(gate_up, weight):
+    """The pass without the fold: inductor's ``silu(gate) * up`` (compiled), then ``F.linear`` (cuBLAS)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, weight)
+
+
+def sweep_swiglu_down(rows: int) -> dict:
+    """The MLP product and down projection at ``rows`` rows over ``LAYERS`` distinct weights: unfolded (inductor and
+    cuBLAS) against the split few-row kernel over ``SWIGLU_CONFIGS`` and its default."""
+    n, i = SWIGLU_DOWN
+    make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device="cuda")).bfloat16()
+    weights = [make(n, i, scale=i**-0.5) for _ in range(LAYERS)]
+    gate_up = make(rows, 2 * i, scale=2.0)
+    compiled = torch.compile(unfolded_swiglu, dynamic=False)
+    want = compiled(gate_up, weights[0]).float()
+    us = lambda fn: 1000 * graph_ms(lambda: [fn(w) for w in weights], 10) / LAYERS
+    row = {"unfolded_us": us(lambda w: compiled(gate_up, w)), "configs_us": {}}
+    runs = {"default": lambda w: triton_linear.swiglu_linear(gate_up, w)}
+    runs.update({f"{split}x{block_n}x{block_k}x{warps}w": lambda w, s=split, b=block_n, k=block_k, n=warps:
+                 triton_linear.swiglu_linear(gate_up, w, split=s, tiles=(b, k, 4), warps=n)
+                 for split, block_n, block_k, warps in SWIGLU_CONFIGS})
+    for name, run in runs.items():
+        try:
+            error = (run(weights[0]).float() - want).abs().max().item() / want.abs().max().item()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if error > 2e-2:
+            row.setdefault("wrong", []).append([name, error])
+            continue
+        row["configs_us"][name] = us(run)
+    swept = {k: v for k, v in row["configs_us"].items() if k != "default"}
+    row["best"] = min(swept, key=swept.get, default=None)
+    return row
+
+
 @contextlib.contextmanager
 def prefetching(on: bool):
     """The linear kernels with (or without) the rows loaded a step ahead, for the probe's A/B."""
@@ -185,6 +229,20 @@ def probe() -> dict:
     return out
 
 
+def sweep_rows(section: dict, extra: str | None = None) -> list[str]:
+    """A kernel sweep's table rows, one per row count: the unfolded time, the default configuration's, the best one's
+    (named) and ``extra``'s where given ("-" where none ran), then the configurations left out as wrong."""
+    shown = lambda us: "-" if us is None else f"{us:.2f}"
+    lines = []
+    for rows, r in section.items():
+        timed = r["configs_us"]
+        best = "-" if r["best"] is None else f"{timed[r['best']]:.2f} ({r['best']})"
+        cells = [rows, f"{r['unfolded_us']:.2f}", shown(timed.get("default")), best] + ([shown(timed.get(extra))] if extra else [])
+        lines.append(f"| {' | '.join(cells)} |")
+    wrong = {rows: r["wrong"] for rows, r in section.items() if r.get("wrong")}
+    return lines + (["", f"Configurations whose output differs from the unfolded one's (left out): {wrong}"] if wrong else [])
+
+
 def write_report(results: dict, out_dir: str) -> None:
     lines = save_results(results, out_dir, "fold_gpu", "Norms folded into the GEMMs after them, at the GDN-1.3B shapes",
                          f"; bf16; {LAYERS} distinct weights per site (the LM head: one) in one CUDA graph, median replay, us per call") + [
@@ -229,21 +287,15 @@ def write_report(results: dict, out_dir: str) -> None:
         lines += ["", "The EAGLE head's norm GEMMs (q/k/v [3072, 1024] with its norm, gate/up [8192, 1024] with its norm and "
                   "silu(gate) * up; us per call):", "", "| weight, rows | norm | norm, prefetch |", "| --- | --- | --- |"]
         lines += [f"| {k[5:]} | {r['norm_prefetch0']:.2f} | {r['norm_prefetch1']:.2f} |" for k, r in head.items()]
-    gated = results.get("gated_norm", {})
-    if gated:
+    if results.get("gated_norm"):
         lines += ["", "A GDN layer's gated output norm and o_proj (8 heads of 256 -> 2048; `gated_norm`"
                   + (f", `{results['command_gated_norm']}`" if "command_gated_norm" in results else "") + "), us per call:",
                   "", "| rows | inductor norm, cuBLAS | few-row kernel, default | best (BLOCK_N x warps) | one-row GEMV |",
-                  "| --- | --- | --- | --- | --- |"]
-        shown = lambda us: "-" if us is None else f"{us:.2f}"
-        for rows, r in gated.items():
-            timed = r["configs_us"]
-            best = "-" if r["best"] is None else f"{timed[r['best']]:.2f} ({r['best']})"
-            lines.append(f"| {rows} | {r['unfolded_us']:.2f} | {shown(timed.get('default'))} | {best} | "
-                         f"{shown(timed.get('gemv'))} |")
-        wrong = {rows: r["wrong"] for rows, r in gated.items() if r.get("wrong")}
-        if wrong:
-            lines += ["", f"Configurations whose output differs from the unfolded one's (left out): {wrong}"]
+                  "| --- | --- | --- | --- | --- |"] + sweep_rows(results["gated_norm"], "gemv")
+    if results.get("swiglu_down"):
+        lines += ["", f"A GDN layer's MLP product and down projection ({list(SWIGLU_DOWN)}, `swiglu_down`), us per call:",
+                  "", "| rows | inductor silu*up, cuBLAS split-K | split kernel, default | best (split x BLOCK_N x BLOCK_K x warps) |",
+                  "| --- | --- | --- | --- |"] + sweep_rows(results["swiglu_down"])
     with open(os.path.join(out_dir, "fold_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -253,10 +305,11 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--head-rows", type=int, nargs="+", default=[1, 4, 16], help="rows of the head section")
-    parser.add_argument("--sections", nargs="+", choices=("probe", *KINDS, "gated_norm"),
+    parser.add_argument("--sections", nargs="+", choices=("probe", *KINDS, "gated_norm", "swiglu_down"),
                         default=["probe", "folded", "bare"],
                         help="head, head_bare: the norm GEMMs of an EAGLE head at hidden 2048, with the norm and "
-                             "without it; gated_norm: a GDN layer's gated output norm and o_proj (not in the default)")
+                             "without it; gated_norm: a GDN layer's gated output norm and o_proj; swiglu_down: its MLP "
+                             "product and down projection (neither in the default)")
     parser.add_argument("--plot", metavar="JSON", help="only write the markdown from an earlier JSON")
     args = parser.parse_args()
     results = start_run(parser, args, write_report)
@@ -270,6 +323,12 @@ def main() -> None:
         for rows in sorted({1, 9, *(r for r in args.rows if r <= triton_linear.MAX_ROWS)}):  # (9: a chain of 9)
             section[str(rows)] = sweep_gated_norm(rows)
             print("gated_norm", rows, json.dumps(section[str(rows)]), f"{time.perf_counter() - started:.0f} s", flush=True)
+            write_report(results, args.out)
+    if "swiglu_down" in args.sections:
+        section = results.setdefault("swiglu_down", {})
+        for rows in sorted({9, *(r for r in args.rows if 1 < r <= triton_linear.MAX_ROWS)}):  # (9: a chain of 9)
+            section[str(rows)] = sweep_swiglu_down(rows)
+            print("swiglu_down", rows, json.dumps(section[str(rows)]), f"{time.perf_counter() - started:.0f} s", flush=True)
             write_report(results, args.out)
     for kind in (kind for kind in KINDS if kind in args.sections):
         prefix = PREFIXES.get(kind, "")

@@ -34,7 +34,12 @@ against 1.450 ms/token, ``fold_ab``): True also runs the q/k/v short convs insid
 the gates of the twins of more nodes whose passes all take the parallel route (by the default cost model, more than
 6 nodes) computed inside its launch; ``fold_swiglu`` — True (default): on CUDA, the one-token twin's (B=1) bf16 MLP
 ``silu(gate) * up`` runs inside its down projection, one launch of the same one-row
-GEMV (:func:`.lowering.fold_norms.fold_swiglu`; on an H200 plain decoding 1.450 -> 1.357 ms/token, ``fold_ab``); ``triton_linears`` — False (default): True runs, on
+GEMV (:func:`.lowering.fold_norms.fold_swiglu`; on an H200 plain decoding 1.450 -> 1.357 ms/token, ``fold_ab``);
+``fold_swiglu_drafted`` — True (default): that product of the twins of 2-16 tokens (drafted passes, prefill passes,
+plain steps at B > 1) inside one launch of a few-row kernel that splits the down projection's depth and sums its
+slices itself, where inductor's product, cuBLAS's split-K GEMM and its reduction run three
+(``kernels/triton_linear.swiglu_linear``; on an H100 the 9-node chain's pass 0.975x the time without it, the 16-node
+chain and tree 0.976x and 0.971x, ``benchmarks/results/swiglu_drafted_h100``; not yet timed on an H200); ``triton_linears`` — False (default): True runs, on
 CUDA, each other bf16 GEMM of such a twin (and the MLP's ``silu(gate) * up`` after it) as specla's Triton kernel,
 which launches with PDL on Hopper (:func:`.lowering.fold_norms.route_linears`); ``cuda_gemvs`` — False (default; on an H100 plain decoding 0.968x the defaults' time a token, drafted passes
 unchanged, ``e2e_gpu_fold_ab_h100.md``; not yet timed so on an H200, and its library is built for sm_90 only): True
@@ -230,8 +235,9 @@ class SpeculativeGraph:
             on = {name for name, value in self.switches.items() if value} if _on_cuda(inputs) else set()  # (CUDA only)
             if ("fold_gated_norms" if tokens == 1 else "fold_gated_norms_drafted") in on:  # (a kernel for each)
                 log.info("specla: %d gated norms folded into the o_proj after them", fold_gated_norms(gm, rows=tokens))
-            if tokens == 1 and "fold_swiglu" in on:  # (the same one-row kernel)
-                log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", fold_swiglu(gm))
+            if ("fold_swiglu" if tokens == 1 else "fold_swiglu_drafted") in on:  # (a kernel for each)
+                folded = fold_swiglu(gm, rows=tokens)
+                log.info("specla: %d MLPs' silu(gate) * up folded into their down projection", folded)
             if tokens == 1 and "cuda_gemvs" in on:  # (its kernel takes one row)
                 folded = fold_row_norms(gm)
                 log.info("specla: %d residual adds and norms folded into the CUDA C GEMV after them", folded)

@@ -10,7 +10,7 @@ PLAIN_PROGRAMS = ("compiled", "eager")  # option ``plain``: how plain calls run
 SWITCHES = {  # the bool options and their defaults
     "fuse_projections": True, "combo_kernels": True, "fold_norms": False, "fold_gated_norms": True,
     "fold_gated_norms_drafted": False, "fold_gates": True, "fold_gates_drafted": False, "fold_convs": False,
-    "fold_swiglu": True, "triton_linears": False, "cuda_gemvs": False,
+    "fold_swiglu": True, "fold_swiglu_drafted": True, "triton_linears": False, "cuda_gemvs": False,
     "regional": True,
 }
 OPTIONS = {"inner", "verify_kernel", "plain", *SWITCHES}

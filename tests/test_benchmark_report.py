@@ -562,7 +562,7 @@ def test_cuda_gemv_report_from_partial_results(tmp_path):
 def test_gated_norm_fold_report_from_partial_results(tmp_path):
     """fold_gpu's gated-norm table from partial results: the one-row GEMV's column only at one row, the best few-row
     configuration named, a row count whose configurations were all wrong or out of resources shown as dashes and
-    the wrong ones listed."""
+    the wrong ones listed; then the MLP product's table beside it, without that column."""
     import fold_gpu as F
 
     results = {"device": "test", "torch": "x", "triton": "y", "command": "python fold_gpu.py", "results": {},
@@ -575,6 +575,10 @@ def test_gated_norm_fold_report_from_partial_results(tmp_path):
     text = (tmp_path / "fold_gpu.md").read_text()
     assert "| 1 | 10.00 | 9.00 | 8.50 (32x8) | 7.25 |" in text and "| 9 | 15.50 | - | 8.00 (16x4) | - |" in text
     assert "| 16 | 16.00 | - | - | - |" in text and "{'9': [['default', 0.5]]}" in text
+    results["swiglu_down"] = {"9": {"unfolded_us": 15.5, "configs_us": {"default": 12.0, "4x32x256": 11.25},
+                                    "best": "4x32x256"}}
+    F.write_report(results, str(tmp_path))
+    assert "| 9 | 15.50 | 12.00 | 11.25 (4x32x256) |" in (tmp_path / "fold_gpu.md").read_text()
 
 
 @pytest.mark.skipif(__import__("specla_compile.kernels.cuda_gemv").kernels.cuda_gemv.nvcc() is None, reason="needs nvcc")

@@ -87,9 +87,10 @@ def test_a_norm_that_several_gemms_read_stays():
     assert (got[0] - expected[0]).abs().max() <= 1e-5 * expected[0].abs().max()
 
 
-def _decode_on_cpu_as_on_cuda(option: str, config: SpecConfig, seed: int, monkeypatch, caplog) -> str:
-    """Drafted and plain decoding of a tiny fla model with the backend's ``option`` on, made to apply on the CPU in
-    fp32 (where the ops run their references), both checked against eager decoding; returns the log."""
+def _decode_on_cpu_as_on_cuda(option: str, config: SpecConfig, seed: int, monkeypatch, caplog, **others: bool) -> str:
+    """Drafted and plain decoding of a tiny fla model with the backend's ``option`` on (and ``others`` as given), made
+    to apply on the CPU in fp32 (where the ops run their references), both checked against eager decoding; returns
+    the log."""
     import specla_compile.backend as backend
 
     monkeypatch.setattr(backend, "_on_cuda", lambda inputs: True)
@@ -98,7 +99,7 @@ def _decode_on_cpu_as_on_cuda(option: str, config: SpecConfig, seed: int, monkey
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed + 4))
     expected = plain(model, prompt[0], 12)[0][0, 6:].tolist()
     gen = SpeculativeGenerator(model, OracleDrafter([expected + [0] * 16], error_rate=0.3, seed=seed), config,
-                               compile_options={**COMPILE, option: True})
+                               compile_options={**COMPILE, option: True, **others})
     with caplog.at_level(logging.INFO, logger="specla_compile"):
         drafted = gen.generate(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
         decoded = gen.decode(prompt, max_new_tokens=12).sequences[0, 6:].tolist()
@@ -117,9 +118,10 @@ def test_generation_through_folded_passes_equals_plain_decoding(config, monkeypa
 
 
 def test_generation_through_routed_passes_equals_plain_decoding(monkeypatch, caplog):
-    """With ``triton_linears`` (made to route here: CPU, fp32), the tokens of drafted and plain decoding equal
-    eager decoding's."""
-    log = _decode_on_cpu_as_on_cuda("triton_linears", SpecConfig(mode="chain", depth=5, bucket=8), 6, monkeypatch, caplog)
+    """With ``triton_linears`` (made to route here: CPU, fp32; the drafted MLPs' fold off, so that their down
+    projections route too), the tokens of drafted and plain decoding equal eager decoding's."""
+    log = _decode_on_cpu_as_on_cuda("triton_linears", SpecConfig(mode="chain", depth=5, bucket=8), 6, monkeypatch, caplog,
+                                    fold_swiglu_drafted=False)
     assert f"{4 * LAYERS + 1} GEMMs routed" in log  # the draft bucket's twin
     assert f"{3 * LAYERS + 1} GEMMs routed" in log  # the 1-token loop's: its down projections in fold_swiglu's GEMV
 
@@ -331,15 +333,31 @@ def test_every_mlp_product_folds_into_its_down_projection_and_the_outputs_stay()
     assert folding.fold_swiglu(gm, dtypes=(torch.float32,)) == LAYERS - 1
 
 
-def test_plain_decoding_through_folded_mlps_equals_eager_decoding(monkeypatch, caplog):
+def test_a_drafted_twins_mlp_products_fold_for_the_few_row_kernel():
+    """In a twin of 5 tokens (a drafted pass), each layer's MLP product folds with ``rows=5`` (the split few-row
+    kernel's) and the outputs stay; not past the rows where that kernel pays (``SWIGLU_FOLD_ROWS``)."""
+    gm, example_inputs = _static_twin_graph(seed=9, tokens=5)
+    with torch.no_grad():
+        expected = gm(*example_inputs)
+        assert folding.fold_swiglu(gm, dtypes=(torch.float32,), rows=folding.SWIGLU_FOLD_ROWS + 1) == 0
+        assert folding.fold_swiglu(gm, dtypes=(torch.float32,), rows=5) == LAYERS
+        got = gm(*example_inputs)
+    assert _calls(gm, SPECLA.swiglu_linear.default) == LAYERS
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() <= 1e-5 * e.abs().max()
+
+
+@pytest.mark.parametrize("drafted", [True, False], ids=["drafted fold", "one-token fold alone"])
+def test_decoding_through_folded_mlps_equals_eager_decoding(drafted, monkeypatch, caplog):
     """With ``fold_swiglu`` (made to fold here: CPU, fp32), the one-token twin of plain decoding folds each MLP's
-    product into its down projection while the drafted passes' twins keep theirs; drafted and plain decoding both
-    equal eager decoding."""
-    log = _decode_on_cpu_as_on_cuda("fold_swiglu", SpecConfig(mode="chain", depth=5, bucket=8), 8, monkeypatch, caplog)
-    assert log.count(f"{LAYERS} MLPs' silu(gate) * up folded") == 1  # the 1-token twin's, not the draft bucket's
+    product into its down projection, and with ``fold_swiglu_drafted`` (both on by default) the draft bucket's twin
+    too; drafted and plain decoding both equal eager decoding."""
+    log = _decode_on_cpu_as_on_cuda("fold_swiglu", SpecConfig(mode="chain", depth=5, bucket=8), 8, monkeypatch, caplog,
+                                    fold_swiglu_drafted=drafted)
+    assert log.count(f"{LAYERS} MLPs' silu(gate) * up folded") == (2 if drafted else 1)
 
 
-@pytest.mark.parametrize("option", ["fold_norms", "fold_gated_norms", "fold_gates", "fold_swiglu"])
+@pytest.mark.parametrize("option", ["fold_norms", "fold_gated_norms", "fold_gates", "fold_swiglu", "fold_swiglu_drafted"])
 def test_the_fold_options_are_bools(option):
     from specla_compile.backend import specla_backend
 

@@ -278,13 +278,15 @@ def test_plain_decoding_through_cuda_gemvs_gives_the_defaults_tokens(caplog):
     assert outs["cuda_gemvs"] == outs["defaults"]
 
 
+@pytest.mark.parametrize("option, kernel_name", [("fold_gated_norms_drafted", "gated_norm_linear"),
+                                                 ("fold_swiglu_drafted", "swiglu_linear")])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_drafted_decoding_through_folded_gated_norms_gives_the_defaults_tokens(mode, monkeypatch):
-    """The backend's ``fold_gated_norms_drafted`` at the GDN-1.3B shape (2 layers, bf16, the peaked output of
-    ``e2e_gpu.build``): the draft bucket's twin (and the engine's 16-node prefill pass) runs each layer's gated output
-    norm and o_proj as one launch of the few-row kernel (its launches, before and while the graphs are captured,
-    counted by their rows), and graphed drafted decoding gives the tokens of graphed plain decoding with the
-    defaults."""
+def test_drafted_decoding_through_a_drafted_fold_gives_the_defaults_tokens(mode, option, kernel_name, monkeypatch):
+    """The backend's few-row folds at the GDN-1.3B shape (2 layers, bf16, the peaked output of ``e2e_gpu.build``):
+    with ``fold_gated_norms_drafted`` the draft bucket's twin (and the engine's 16-node prefill pass) runs each layer's
+    gated output norm and o_proj as one launch of the few-row kernel, with ``fold_swiglu_drafted`` its MLP product and
+    down projection (their launches, before and while the graphs are captured, counted by their rows), and graphed
+    drafted decoding gives the tokens of graphed plain decoding with the defaults."""
     from e2e_gpu import build
 
     from specla_compile.kernels import triton_linear
@@ -296,11 +298,9 @@ def test_drafted_decoding_through_folded_gated_norms_gives_the_defaults_tokens(m
     config = SpecConfig(mode=mode, depth=7 if mode == "chain" else 4, tree_top_k=2, budget=15,
                         bucket=8 if mode == "chain" else 16)
     drafter = OracleDrafter([expected[0, 8:].tolist() + [0] * 16], error_rate=0.25, seed=5)
-    gen = SpeculativeGenerator(build("fla", torch.bfloat16, layers=2), drafter, config,
-                               compile_options={"fold_gated_norms_drafted": True})
-    rows, kernel = [], triton_linear.gated_norm_linear
-    monkeypatch.setattr(triton_linear, "gated_norm_linear",
-                        lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw))
+    gen = SpeculativeGenerator(build("fla", torch.bfloat16, layers=2), drafter, config, compile_options={option: True})
+    rows, kernel = [], getattr(triton_linear, kernel_name)
+    monkeypatch.setattr(triton_linear, kernel_name, lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw))
     drafted = gen.generate(prompts, max_new_tokens=32).sequences
     assert config.bucket in rows and set(rows) <= {config.bucket, PREFILL_NODES}  # (the prompt: one 16-node pass)
     assert drafted.tolist() == expected.tolist()

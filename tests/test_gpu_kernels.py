@@ -549,21 +549,28 @@ def test_gated_norm_linear_at_the_target_shape(rows, monkeypatch):
     assert launches == (["gated_norm_gemv"] if rows == 1 else ["gated_norm_linear"] if rows <= 32 else [])
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 9, 32, 33])
 def test_swiglu_linear_at_the_target_shape(rows, monkeypatch):
     """A GDN-1.3B layer's MLP product and down projection as one op, bf16 [1, R, 2 x 5632] gate/up rows against fp64
-    PyTorch: one row in one launch of the one-row GEMV (the plain step), two rows through the reference."""
+    PyTorch (the product rounded to bf16, as the unfused kernel writes it): one row in one launch of the one-row GEMV
+    (the plain step), 2-32 in one launch of the split few-row kernel (drafted passes), more through the reference;
+    the split kernel's block counters back at zero."""
     gen = torch.Generator().manual_seed(rows)
     make = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=gen)).bfloat16().cuda()
     gate_up, weight = make(1, rows, 2 * 5632, scale=2.0), make(2048, 5632, scale=5632**-0.5)
     launches = []
-    kernel = triton_gemv.swiglu_gemv
-    monkeypatch.setattr(triton_gemv, "swiglu_gemv", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    for module, name in ((triton_gemv, "swiglu_gemv"), (triton_linear, "swiglu_linear")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, kernel=kernel, name=name, **kw: launches.append(name) or kernel(*a, **kw))
     with poisoned_allocations():
         y = ops.swiglu_linear(gate_up, weight)
     assert y.shape == (1, rows, 2048)
-    assert rel_err(y, ref.swiglu_linear_reference(gate_up.double(), weight.double())) <= 1e-2
-    assert len(launches) == (1 if rows == 1 else 0)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    assert rel_err(y, (torch.nn.functional.silu(gate) * up).bfloat16().double() @ weight.double().T) <= 1e-2
+    assert launches == (["swiglu_gemv"] if rows == 1 else ["swiglu_linear"] if rows <= 32 else [])
+    if launches == ["swiglu_linear"]:
+        assert not triton_linear._counts[y.device].any()
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32, 33])

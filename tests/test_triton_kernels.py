@@ -657,6 +657,32 @@ def test_split_linear_sums_its_depth_slices_in_order(rows, dtype, residual):
 
 
 @interpreted
+@pytest.mark.parametrize("rows, dtype, split", [(1, torch.float32, 3), (5, torch.float16, 4), (16, torch.float16, None),
+                                               (20, torch.float32, 2)])
+def test_swiglu_linear_sums_the_products_depth_slices(rows, dtype, split):
+    """An MLP's ``silu(gate) * up`` and down projection in one split launch: packed [gate, up] rows of depth 600 in
+    256-deep steps (three, the last partial) split 2-4 ways (four: the last slice empty) over 40 columns (two 32-column
+    blocks, the last partial), or with the default tiles and split (one slice at this depth: one partial 64-column
+    block), against fp64 PyTorch with the product rounded to the rows' dtype, as inductor's kernel of it writes it;
+    NaN-poisoned partials, the block counters back at zero, the same bits from a second launch."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (2 * torch.randn(rows, 1200, generator=gen)).to(dtype)
+    weight = (torch.randn(40, 600, generator=gen) / 600**0.5).to(dtype)
+    with poisoned_allocations():
+        tiles = None if split is None else (32, 256, 4)
+        y = tl_.swiglu_linear(gate_up, weight, split=split, tiles=tiles, warps=4)
+        again = tl_.swiglu_linear(gate_up, weight, split=split, tiles=tiles, warps=4)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up).to(dtype).double() @ weight.double().T
+    assert y.dtype == dtype and y.shape == (rows, 40)
+    assert rel_err(y, expected) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    assert torch.equal(y, again)
+    assert not tl_._counts[y.device].any()
+    with pytest.raises(ValueError, match="swiglu_linear takes"):
+        tl_.swiglu_linear(gate_up[:, :1000], weight)
+
+
+@interpreted
 @pytest.mark.parametrize("rows, n, dtype", [(rows, 40, dtype) for rows in (1, 5, 16) for dtype in (torch.float32, torch.float16)]
                          + [(5, 2100, torch.float32)])  # (fp16, not bf16: the interpreter's bf16 tl.dot is wrong)
 @pytest.mark.parametrize("norm, bias, residual", [(False, False, None), (True, False, None), (False, True, "rows"),

@@ -297,7 +297,11 @@ def _add_norm_row_gemv(x, skip, norm_weight, eps, weight, round_sum):
 
 @ops.swiglu_linear.register_kernel("cuda")
 def _swiglu_linear(gate_up, weight):
-    """One bf16 row in one launch (the plain step at B=1, where the backend folds the product); else the reference."""
-    if gate_up.dtype != torch.bfloat16 or not ops.swiglu_gemv_fits(gate_up, weight):
-        return _reference_of(ops.swiglu_linear)(gate_up, weight)
-    return triton_gemv.swiglu_gemv(gate_up.contiguous(), weight)  # (a row of a few KB; the weight never copied)
+    """One bf16 row in one launch of the one-row GEMV (the plain step at B=1, where the backend folds the product); up
+    to 32 half-precision rows in one launch of the split few-row kernel (the twins of more tokens,
+    ``fold_swiglu_drafted``); else the reference."""
+    if gate_up.dtype == torch.bfloat16 and ops.swiglu_gemv_fits(gate_up, weight):
+        return triton_gemv.swiglu_gemv(gate_up.contiguous(), weight)  # (a row of a few KB; the weight never copied)
+    if _few_half_rows(gate_up) and weight.dtype == gate_up.dtype and gate_up.shape[-1] == 2 * weight.shape[-1]:
+        return triton_linear.swiglu_linear(_rows(gate_up), weight.contiguous()).view(*gate_up.shape[:-1], weight.shape[0])
+    return _reference_of(ops.swiglu_linear)(gate_up, weight)

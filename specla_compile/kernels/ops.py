@@ -413,6 +413,18 @@ def linear_split(weight: torch.Tensor) -> int:
     widest = 2048 if weight.dtype == torch.int8 else 1024
     return k // LINEAR_SPLIT_DEPTH if k >= 4 * LINEAR_SPLIT_DEPTH and n <= widest else 1
 
+
+SWIGLU_SPLIT_DEPTH = 704  # about the depth each program of ``swiglu_linear``'s few-row kernel streams (below)
+
+
+def swiglu_split(weight: torch.Tensor) -> int:
+    """In how many depth slices ``swiglu_linear``'s few-row CUDA kernel streams a down projection's ``weight [N, I]``:
+    one per ``SWIGLU_SPLIT_DEPTH`` of I, at least one: 8 at the GDN-1.3B shape's I = 5,632, its best at 9 and 16 rows
+    on an H100 with ``triton_linear.SWIGLU_TILES`` (``fold_gpu.py --sections swiglu_down``: 13.2 us a layer at 9 rows,
+    13.4 in 4 slices, 15.2 in 4 of 32 columns and 4 warps; inductor's product and cuBLAS's split-K 13.3)."""
+    return max(1, weight.shape[1] // SWIGLU_SPLIT_DEPTH)
+
+
 # A draft head's GEMMs with what surrounds them (the norm before, the residual after, the gate): on CUDA one
 # Triton launch each for a few rows (``triton_linear``), where the framework runs two or three kernels.
 

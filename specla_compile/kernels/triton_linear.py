@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import LINEAR_MAX_ROWS, gated_norm_rows_fit, linear_split
+from .ops import LINEAR_MAX_ROWS, gated_norm_rows_fit, linear_split, swiglu_split
 from .pdl import launch_args, wait_upstream
 
 MAX_ROWS = LINEAR_MAX_ROWS  # rows the kernels take: tensor cores need 16 (32 past 16), missing rows load as zeros
@@ -248,22 +248,43 @@ def _gated_norm_kernel(x_ptr, gate_ptr, norm_ptr, w_ptr, y_ptr, M, N, K, SX, SG,
 
 
 @triton.jit
+def _swiglu_halves(x_ptr, offs_m, in_m, K, k0, BLOCK_K: tl.constexpr):
+    """The gate and up blocks at ``k0`` of packed ``[gate, up]`` rows (``x [M, 2K]``; zeros past M and K)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    at = x_ptr + offs_m[:, None] * (2 * K) + offs_k[None, :]
+    inside = in_m[:, None] & (offs_k[None, :] < K)
+    return tl.load(at, mask=inside, other=0.0), tl.load(at + K, mask=inside, other=0.0)
+
+
+@triton.jit
 def _split_linear_kernel(x_ptr, w_ptr, scale_ptr, residual_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                         WIDE: tl.constexpr, USE_PDL: tl.constexpr):
+                         WIDE: tl.constexpr, SWIGLU: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid: (output column blocks, SPLIT). ``y = x @ W^T + residual?`` with the depth split: each program's
     fp32 partial to ``partial_ptr [blocks, SPLIT, BLOCK_M, BLOCK_N]``; ``count_ptr [blocks]`` (zeros) counts a
     block's finished programs, and the last one sums the partials in split order, stores ``y`` and sets the
-    count back to zero for the next launch."""
+    count back to zero for the next launch. SWIGLU: x is an MLP's packed ``[gate, up]`` rows ``[M, 2K]`` and the
+    GEMM's input ``silu(gate) * up`` (in fp32, rounded to x's dtype as inductor's kernel of it writes it), the
+    halves loaded a step ahead (loads that feed no ``tl.dot`` directly are not pipelined: ``docs/speed.md``)."""
     wait_upstream(USE_PDL)
     block, split = tl.program_id(0), tl.program_id(1)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_n, in_m = offs_n < N, offs_m < M
     depth = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
+    start, stop = split * depth, tl.minimum((split + 1) * depth, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(split * depth, tl.minimum((split + 1) * depth, K), BLOCK_K):
-        acc += _rows_times(x_ptr, w_ptr, offs_m, in_m, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+    if SWIGLU:
+        gate, up = _swiglu_halves(x_ptr, offs_m, in_m, K, start, BLOCK_K)
+        for k0 in range(start, stop, BLOCK_K):
+            gate_next, up_next = _swiglu_halves(x_ptr, offs_m, in_m, K, k0 + BLOCK_K, BLOCK_K)
+            g = gate.to(tl.float32)
+            z = (g * tl.sigmoid(g) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            acc += _times(z, w_ptr, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
+            gate, up = gate_next, up_next
+    else:
+        for k0 in range(start, stop, BLOCK_K):
+            acc += _rows_times(x_ptr, w_ptr, offs_m, in_m, offs_n, in_n, K, k0, BLOCK_K, IEEE, WIDE)
     tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(partial_ptr + (block * SPLIT + split) * BLOCK_M * BLOCK_N + tile, acc)
     # (every warp's stores before the count, whose release makes them visible to the program that counts last,
@@ -383,6 +404,19 @@ def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, columns: int, tiles: 
                                                  WIDE=weight.numel() >= 2**31, **launch_args(x.device), **kwargs)
 
 
+def _split_launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, residual: torch.Tensor | None,
+                  y: torch.Tensor, split: int, tiles: Tiles, swiglu: bool, warps: int = 4) -> None:
+    """One launch of ``_split_linear_kernel`` into ``y [M, N]`` (M >= 1), the depth in ``split`` slices."""
+    block_n, block_k, stages = tiles
+    rows, n, depth = y.shape[0], weight.shape[0], weight.shape[1]
+    block_m, blocks = 16 if rows <= 16 else 32, triton.cdiv(n, block_n)
+    partials = torch.empty(blocks, split, block_m, block_n, dtype=torch.float32, device=x.device)
+    _split_linear_kernel[(blocks, split)](x, weight, weight_scale, residual, y, partials, _block_counts(blocks, x.device), rows,
+                                         n, depth, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                         IEEE=x.dtype == torch.float32, WIDE=weight.numel() >= 2**31, SWIGLU=swiglu,
+                                         num_warps=warps, num_stages=stages, **launch_args(x.device))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
            norm_weight: torch.Tensor | None = None, eps: float = 0.0, skip: torch.Tensor | None = None,
@@ -404,13 +438,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     split = linear_split(weight)
     plain = norm_weight is None and skip is None and bias is None and residual_rows is None
     if split > 1 and plain and tiles is None and rows:
-        block_n, block_k, stages = SPLIT_TILES
-        block_m, blocks = 16 if rows <= 16 else 32, triton.cdiv(n, block_n)
-        partials = torch.empty(blocks, split, block_m, block_n, dtype=torch.float32, device=x.device)
-        _split_linear_kernel[(blocks, split)](x, weight, weight_scale, residual, y, partials, _block_counts(blocks, x.device), rows, n,
-                                             x.shape[1], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                             IEEE=x.dtype == torch.float32, WIDE=weight.numel() >= 2**31, num_warps=4,
-                                             num_stages=stages, **launch_args(x.device))
+        _split_launch(x, weight, weight_scale, residual, y, split, SPLIT_TILES, swiglu=False)
         return y
     _launch(_linear_kernel, x, weight, n, tiles or _tiles(n, x.shape[1], int8=weight_scale is not None), x, skip, skip_sum,
             weight, weight_scale, norm_weight, bias, residual, residual_rows, y, rows, n, x.shape[1], eps,
@@ -456,4 +484,25 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     tiles = tiles or _tiles(2 * n, x.shape[1], gated=True, normed=norm_weight is not None, int8=weight_scale is not None)
     _launch(_gated_kernel, x, weight, n, tiles, x, skip, skip_sum, weight, weight_scale, norm_weight, y,
             rows, n, x.shape[1], eps, prefetch=norm_weight is not None or skip is not None, warps=warps)
+    return y
+
+
+SWIGLU_TILES, SWIGLU_WARPS = (64, 128, 4), 8  # swiglu_linear's (BLOCK_N, BLOCK_K, num_stages) and warps (ops.swiglu_split)
+
+
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, split: int | None = None, tiles: Tiles | None = None,
+                  warps: int = SWIGLU_WARPS) -> torch.Tensor:
+    """``gate_up [M, 2I]`` (M up to ``MAX_ROWS``: an MLP's packed gate/up output) -> ``silu(gate) * up @ weight^T``
+    ``[M, N]`` (``reference.swiglu_linear_reference``) in one launch, the depth I split ``split`` ways (default
+    ``ops.swiglu_split``): where inductor runs the product, then cuBLAS its split-K GEMM and reduction. ``split``,
+    ``tiles`` and ``warps``: a benchmark's choice."""
+    if not (gate_up.dim() == weight.dim() == 2 and gate_up.shape[0] <= MAX_ROWS and gate_up.shape[1] == 2 * weight.shape[1]
+            and gate_up.is_contiguous()):
+        raise ValueError(f"swiglu_linear takes contiguous rows [M <= {MAX_ROWS}, 2I] of [gate, up] and a weight [N, I]; "
+                         f"got {tuple(gate_up.shape)} and {tuple(weight.shape)}")
+    check_weight(gate_up, weight, None)
+    split = split or swiglu_split(weight)
+    y = torch.empty(gate_up.shape[0], weight.shape[0], dtype=gate_up.dtype, device=gate_up.device)
+    if gate_up.shape[0]:
+        _split_launch(gate_up, weight, None, None, y, split, tiles or SWIGLU_TILES, swiglu=True, warps=warps)
     return y

@@ -50,6 +50,9 @@ MULS = (operator.mul, torch.mul)
 SILUS = (torch.nn.functional.silu, torch.ops.aten.silu.default)
 FOLDED_DTYPES = (torch.bfloat16,)  # where the ops have a kernel (kernels/cuda.py); other dtypes keep the norm
 GEMV_BLOCK_K = ops.GATED_NORM_GEMV_BLOCK_K  # what a gated norm's heads must fill to fold (ops.gated_norm_gemv_heads_fit)
+# rows up to which an MLP's product folds into the split few-row kernel: at 32 rows it was slower than inductor's
+# product and cuBLAS's split-K (19.9 against 15.1 us a layer on an H100, fold_gpu.py --sections swiglu_down)
+SWIGLU_FOLD_ROWS = 16
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -300,14 +303,17 @@ def fold_gated_norms(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = 
     return recompiled(gm, folded)
 
 
-def fold_swiglu(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None) -> int:
-    """Fold, in place, every MLP's ``silu(gate) * up`` of a ``dtypes`` row (the halves of its packed gate/up GEMM,
+def fold_swiglu(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None, rows: int = 1) -> int:
+    """Fold, in place, every MLP's ``silu(gate) * up`` of ``dtypes`` rows (the halves of its packed gate/up GEMM,
     read by nothing else) with the bias-free ``linear`` (down) of a graph-input weight that alone reads it into
-    ``specla.swiglu_linear(gate_up, W)`` (default ``FOLDED_DTYPES``), where its CUDA kernel takes the sizes
-    (``ops.swiglu_gemv_block_k``). The kernel takes one row: the backend folds the one-token twin of a batch of one
-    alone.
+    ``specla.swiglu_linear(gate_up, W)`` (default ``FOLDED_DTYPES``), where its CUDA kernel for the graph's ``rows``
+    (batch rows times nodes) takes the sizes: for one row, the one-row GEMV (``ops.swiglu_gemv_block_k``: the plain
+    step at B=1); for up to ``SWIGLU_FOLD_ROWS``, the split few-row kernel (a drafted pass's, where the backend's
+    ``fold_swiglu_drafted`` asks for it).
     Returns the number of MLPs folded."""
     dtypes = FOLDED_DTYPES if dtypes is None else dtypes
+    if rows > SWIGLU_FOLD_ROWS:
+        return 0
     graph = gm.graph
     fake_mode = graph_fake_mode(graph)
     folded = 0
@@ -318,7 +324,7 @@ def fold_swiglu(gm: fx.GraphModule, dtypes: Sequence[torch.dtype] | None = None)
         if parts is None or parts[0] is not product or _dtype(gate_up) not in dtypes or _dtype(parts[1]) != _dtype(gate_up):
             continue
         weight = example_value(parts[1])
-        if weight is None or ops.swiglu_gemv_block_k(weight) is None:
+        if weight is None or weight.dim() != 2 or (rows == 1 and ops.swiglu_gemv_block_k(weight) is None):
             continue
         if not _graph_weight(parts[1]) or _writes_between(graph, gate_up, down):
             continue  # (the op reads gate/up later than the product did)
