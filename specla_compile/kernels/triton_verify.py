@@ -219,18 +219,18 @@ def _recurrent_kernel(
         has_child = tl.max(((prow[:, None] == rn[None, :]) & (prow[:, None] >= 0)).to(tl.int32), 0)
         n_chains = tl.sum((rn < N).to(tl.int32), 0) - tl.sum(has_child, 0)
     if c < n_chains:
-        s0 = tl.load(state + tile_off, mask=tile_mask, other=0.0)
-        if HAS_PENDING:
-            s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rk, mk, rv, mv)
-            if HYBRID:
+        if HYBRID:
+            s0 = tl.load(state + tile_off, mask=tile_mask, other=0.0)
+            if HAS_PENDING:
+                s0 = _apply_records(s0, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V, rk, mk, rv, mv)
                 # every chain program reads the old tile; the last one to finish reading writes the new one
                 tl.debug_barrier()
                 seen = tl.atomic_add(counter + i_bh * tl.num_programs(0) + i_v, 1)
                 if seen == n_chains - 1:
                     tl.store(state + tile_off, s0, mask=tile_mask)
-            else:
-                if tl.load(num_pending + b) > 0:  # (nothing to write back where nothing was pending)
-                    tl.store(state + tile_off, s0, mask=tile_mask)
+        else:
+            s0 = _committed_tile(state, tile_off, tile_mask, pk, pv, pg, pb, num_pending, b, hv, h, A, H, HV, K, V,
+                                 rk, mk, rv, mv, HAS_PENDING)
         if EARLY:
             wait_upstream(USE_PDL)  # (the commit above read only what earlier passes wrote)
         if VERIFY:
