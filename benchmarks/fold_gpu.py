@@ -129,16 +129,23 @@ def sweep_gated_norm(rows: int) -> dict:
         x, gate, norm, EPS, w, block_n=b, warps=n) for block_n, warps in GATED_NORM_CONFIGS})
     if rows == 1:
         runs["gemv"] = lambda w: triton_gemv.gated_norm_gemv(x, gate, norm, EPS, w)
+    return timed_configs(row, runs, weights[0], want, us, unswept=("default", "gemv"))
+
+
+def timed_configs(row: dict, runs: dict, weight: torch.Tensor, want: torch.Tensor, us, unswept: tuple[str, ...]) -> dict:
+    """``row`` with each of ``runs``' time (``us(run)``) under ``configs_us``, where its output for ``weight`` matches
+    ``want`` (else listed under ``wrong``; out of resources: left out), and the fastest of those not ``unswept`` as
+    ``best``."""
     for name, run in runs.items():
         try:
-            error = (run(weights[0]).float() - want).abs().max().item() / want.abs().max().item()
+            error = (run(weight).float() - want).abs().max().item() / want.abs().max().item()
         except triton.runtime.errors.OutOfResources:
             continue
         if error > 2e-2:
             row.setdefault("wrong", []).append([name, error])
             continue
         row["configs_us"][name] = us(run)
-    swept = {k: v for k, v in row["configs_us"].items() if k not in ("default", "gemv")}
+    swept = {k: v for k, v in row["configs_us"].items() if k not in unswept}
     row["best"] = min(swept, key=swept.get, default=None)
     return row
 
@@ -168,18 +175,7 @@ def sweep_swiglu_down(rows: int) -> dict:
     runs.update({f"{split}x{block_n}x{block_k}x{warps}w": lambda w, s=split, b=block_n, k=block_k, n=warps:
                  triton_linear.swiglu_linear(gate_up, w, split=s, tiles=(b, k, 4), warps=n)
                  for split, block_n, block_k, warps in SWIGLU_CONFIGS})
-    for name, run in runs.items():
-        try:
-            error = (run(weights[0]).float() - want).abs().max().item() / want.abs().max().item()
-        except triton.runtime.errors.OutOfResources:
-            continue
-        if error > 2e-2:
-            row.setdefault("wrong", []).append([name, error])
-            continue
-        row["configs_us"][name] = us(run)
-    swept = {k: v for k, v in row["configs_us"].items() if k != "default"}
-    row["best"] = min(swept, key=swept.get, default=None)
-    return row
+    return timed_configs(row, runs, weights[0], want, us, unswept=("default",))
 
 
 @contextlib.contextmanager
