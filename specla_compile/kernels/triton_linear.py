@@ -25,6 +25,8 @@ stream it well, one program per block over the whole depth (``gemv_gpu_eagle_hea
 against 6.3 split four ways). There the depth is split across programs, each writing its fp32 partial sums;
 the column block's last program to finish adds them in split order (the same sums every run, whichever
 finishes last), adds the residual and stores: cuBLAS's split-K needs a reduction kernel and the residual a third.
+The same kernel runs a target MLP's down projection for a drafted pass's rows (``swiglu_linear``), forming
+``silu(gate) * up`` from the packed gate/up rows as it streams, where inductor's product kernel came first too.
 
 The GEMM's inputs round to the rows' dtype (``x * weight``, or for fp16 the normalized rows, as ``nn.RMSNorm``'s
 output does); products accumulate in fp32 (fp32 rows: full fp32 products, not TF32) and the epilogue rounds once

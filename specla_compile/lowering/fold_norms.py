@@ -24,7 +24,8 @@ at the GDN-1.3B shape, the passes were no faster for it (``docs/speed.md``): the
 
 The one-row twin (plain decoding's step at B=1) folds more into one-row GEMVs (``kernels/triton_gemv.py``):
 :func:`fold_gated_norms` a GDN layer's gated output norm into its o_proj, :func:`fold_swiglu` the MLP's
-``silu(gate) * up`` into its down projection. With the backend's ``cuda_gemvs``, :func:`fold_row_norms` folds each
+``silu(gate) * up`` into its down projection; given a twin's ``rows``, both fold into few-row kernels instead
+(``kernels/triton_linear.py``: the backend's ``fold_gated_norms_drafted`` and ``fold_swiglu_drafted``). With the backend's ``cuda_gemvs``, :func:`fold_row_norms` folds each
 residual add and RMS norm into the CUDA C GEMV after it (``kernels/cuda_gemv.cu``; unlike :func:`fold_norms`, the
 norm reads the sum as the compiled graph would), and :func:`route_row_gemvs` routes the GEMMs left, with the other
 folds' work as their prologue, there.
